@@ -1,0 +1,16 @@
+//! # ember-data
+//!
+//! Text in, token ids out: corpus loading with clear errors, character-level and BPE
+//! tokenizers, and language-model batches of random windows.
+
+pub mod batches;
+pub mod bpe;
+pub mod char_tokenizer;
+pub mod corpus;
+pub mod error;
+pub mod tokenizer;
+
+pub use batches::{LmBatch, WindowSampler, batch_seed};
+pub use char_tokenizer::{CharTokenizer, Encoded};
+pub use error::{DataError, Result};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,153 @@
+//! One tokenizer type for the rest of ember: character-level or BPE, saved beside a checkpoint
+//! as `chars.json` or `tokenizer.json`.
+
+use std::path::Path;
+
+use crate::bpe::{load_bpe, save_bpe};
+use crate::char_tokenizer::{CharTokenizer, Encoded};
+use crate::error::{DataError, Result};
+
+/// File name of a character vocabulary inside a checkpoint folder.
+pub const CHAR_FILE: &str = "chars.json";
+/// File name of a BPE tokenizer inside a checkpoint folder.
+pub const BPE_FILE: &str = "tokenizer.json";
+
+/// A character-level or BPE tokenizer.
+#[derive(Debug, Clone)]
+pub enum Tokenizer {
+    /// One id per character.
+    Char(CharTokenizer),
+    /// Any Hugging Face tokenizer (byte-level BPE when ember trains it).
+    Bpe(Box<tokenizers::Tokenizer>),
+}
+
+impl Tokenizer {
+    /// Vocabulary size, special and unknown tokens included.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Char(t) => t.vocab_size(),
+            Tokenizer::Bpe(t) => t.get_vocab_size(true),
+        }
+    }
+
+    /// Ids of `text` and the count of pieces outside the vocabulary.
+    pub fn encode(&self, text: &str) -> Result<Encoded> {
+        match self {
+            Tokenizer::Char(t) => Ok(t.encode(text)),
+            Tokenizer::Bpe(t) => {
+                let enc = t
+                    .encode(text, false)
+                    .map_err(|e| DataError::Tokenizer(e.to_string()))?;
+                let unk = t.token_to_id("<unk>");
+                let ids = enc.get_ids().to_vec();
+                let unknown = unk.map_or(0, |u| ids.iter().filter(|&&i| i == u).count());
+                Ok(Encoded { ids, unknown })
+            }
+        }
+    }
+
+    /// Text of `ids`. Ids outside the vocabulary are skipped (BPE) or shown as U+FFFD (char);
+    /// this never fails.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tokenizer::Char(t) => t.decode(ids),
+            Tokenizer::Bpe(t) => {
+                let vocab = t.get_vocab_size(true) as u32;
+                let known: Vec<u32> = ids.iter().copied().filter(|&i| i < vocab).collect();
+                t.decode(&known, false).unwrap_or_default()
+            }
+        }
+    }
+
+    /// `true` for a character-level tokenizer (bits per character make sense for it).
+    pub fn is_char(&self) -> bool {
+        matches!(self, Tokenizer::Char(_))
+    }
+
+    /// A short description: "char (65 symbols)" or "bpe (512 tokens)".
+    pub fn describe(&self) -> String {
+        match self {
+            Tokenizer::Char(t) => format!("char ({} symbols + unknown)", t.vocab_size() - 1),
+            Tokenizer::Bpe(t) => format!("bpe ({} tokens)", t.get_vocab_size(true)),
+        }
+    }
+
+    /// Saves into `dir` as `chars.json` or `tokenizer.json`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        match self {
+            Tokenizer::Char(t) => t.save(&dir.join(CHAR_FILE)),
+            Tokenizer::Bpe(t) => save_bpe(t, &dir.join(BPE_FILE)),
+        }
+    }
+
+    /// Loads the tokenizer saved in `dir` (either file name).
+    pub fn load(dir: &Path) -> Result<Self> {
+        let chars = dir.join(CHAR_FILE);
+        if chars.exists() {
+            return Ok(Tokenizer::Char(CharTokenizer::load(&chars)?));
+        }
+        let bpe = dir.join(BPE_FILE);
+        if bpe.exists() {
+            return Ok(Tokenizer::Bpe(Box::new(load_bpe(&bpe)?)));
+        }
+        Err(DataError::Invalid(format!(
+            "no tokenizer in {}: expected {CHAR_FILE} or {BPE_FILE}",
+            dir.display()
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bpe::train_bpe;
+
+    fn temp_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("ember-tok-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    const TEXT: &str = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n";
+
+    #[test]
+    fn bpe_trains_round_trips_and_reloads() {
+        let dir = temp_dir("bpe");
+        let corpus = dir.join("corpus.txt");
+        std::fs::write(&corpus, TEXT.repeat(20)).unwrap();
+        let tk = train_bpe(&[&corpus], 300, &["<pad>"]).unwrap();
+        let tok = Tokenizer::Bpe(Box::new(tk));
+        assert!(tok.vocab_size() <= 300 && tok.vocab_size() > 257);
+        for text in [TEXT, "unseen words: zebra, ünïcødé ✓ 🦀", " leading space", ""] {
+            let enc = tok.encode(text).unwrap();
+            assert_eq!(enc.unknown, 0);
+            assert_eq!(tok.decode(&enc.ids), text, "round trip of {text:?}");
+        }
+        // Merges were learned: the corpus takes fewer tokens than bytes.
+        assert!(tok.encode(TEXT).unwrap().ids.len() < TEXT.len() / 2);
+        tok.save(&dir).unwrap();
+        let again = Tokenizer::load(&dir).unwrap();
+        assert_eq!(again.encode(TEXT).unwrap(), tok.encode(TEXT).unwrap());
+        // Out-of-range ids never panic.
+        assert_eq!(tok.decode(&[u32::MAX, 5_000_000]), "");
+    }
+
+    #[test]
+    fn char_tokenizer_saves_and_loads_through_the_enum() {
+        let dir = temp_dir("char");
+        let tok = Tokenizer::Char(CharTokenizer::from_text(TEXT));
+        tok.save(&dir).unwrap();
+        let again = Tokenizer::load(&dir).unwrap();
+        assert!(again.is_char());
+        assert_eq!(again.encode("Speak").unwrap(), tok.encode("Speak").unwrap());
+    }
+
+    #[test]
+    fn too_small_bpe_vocabulary_is_an_error() {
+        let dir = temp_dir("small");
+        let corpus = dir.join("corpus.txt");
+        std::fs::write(&corpus, TEXT).unwrap();
+        let err = train_bpe(&[&corpus], 100, &[]).unwrap_err().to_string();
+        assert!(err.contains("vocab_size = 100"), "{err}");
+    }
+}

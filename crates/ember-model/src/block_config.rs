@@ -1,0 +1,62 @@
+//! The settings shared by encoder and decoder blocks.
+
+use burn::tensor::Device;
+
+use crate::mlp::{Activation, Mlp};
+use crate::multi_head_attention::{MultiHeadAttention, MultiHeadAttentionConfig};
+use crate::residual::Residual;
+
+/// What every transformer block is made of; filled in by the model configs.
+#[derive(Debug, Clone)]
+pub struct BlockConfig {
+    /// Model width `D`.
+    pub d_model: usize,
+    /// Attention heads `H`.
+    pub n_heads: usize,
+    /// Hidden width of the MLP `F`.
+    pub d_ff: usize,
+    /// Dropout on attention weights, sub-layer outputs and the MLP.
+    pub dropout: f64,
+    /// The MLP's non-linearity.
+    pub activation: Activation,
+    /// Pre-norm (`true`) or post-norm (`false`).
+    pub norm_first: bool,
+    /// Biases in the linear layers.
+    pub bias: bool,
+    /// LayerNorm epsilon.
+    pub layer_norm_eps: f64,
+    /// RoPE base for self-attention, when the model uses rotary positions.
+    pub rotary_base: Option<f64>,
+    /// Init scale of the projections that write into the residual stream.
+    pub proj_std: f64,
+}
+
+impl BlockConfig {
+    pub(crate) fn attention(&self, rotary: bool, device: &Device) -> MultiHeadAttention {
+        MultiHeadAttentionConfig {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            dropout: self.dropout,
+            bias: self.bias,
+            rotary_base: if rotary { self.rotary_base } else { None },
+            proj_std: self.proj_std,
+        }
+        .init(device)
+    }
+
+    pub(crate) fn mlp(&self, device: &Device) -> Mlp {
+        Mlp::new(
+            self.d_model,
+            self.d_ff,
+            self.activation,
+            self.dropout,
+            self.bias,
+            self.proj_std,
+            device,
+        )
+    }
+
+    pub(crate) fn residual(&self, device: &Device) -> Residual {
+        Residual::new(self.d_model, self.layer_norm_eps, self.norm_first, device)
+    }
+}

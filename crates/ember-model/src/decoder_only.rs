@@ -1,0 +1,165 @@
+//! The GPT-style language model: token embedding + positions, N causal decoder blocks, a final
+//! LayerNorm and a head over the vocabulary (optionally tied to the embedding).
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::{Bool, Device, Int, Tensor};
+
+use crate::decoder_block::{BlockWeights, DecoderBlock};
+use crate::decoder_only_config::DecoderOnlyConfig;
+use crate::kv_cache::DecoderCache;
+use crate::positional::AdditivePositions;
+
+/// A decoder-only transformer language model. Build it with [`DecoderOnlyConfig::init`].
+#[derive(Module, Debug)]
+pub struct DecoderOnly {
+    /// Token embedding `[V, D]`.
+    pub wte: Embedding,
+    /// Additive positions (learned or sinusoidal); none for rotary.
+    pub wpe: Option<AdditivePositions>,
+    /// The decoder blocks.
+    pub blocks: Vec<DecoderBlock>,
+    /// Final LayerNorm.
+    pub ln_f: LayerNorm,
+    /// Output head `[D, V]`; `None` when tied to `wte`.
+    pub lm_head: Option<Linear>,
+    /// Positions the model accepts (`max_positions`).
+    pub max_positions: usize,
+}
+
+/// Logits and, when asked for, the attention weights of every block.
+#[derive(Debug, Clone)]
+pub struct DecoderOutput {
+    /// `[B, T, V]`
+    pub logits: Tensor<3>,
+    /// One entry per block (empty unless weights were asked for).
+    pub weights: Vec<BlockWeights>,
+}
+
+impl DecoderOnly {
+    pub(crate) fn new(config: DecoderOnlyConfig, device: &Device) -> Self {
+        let block = config.block();
+        let normal = Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        Self {
+            wte: EmbeddingConfig::new(config.vocab_size, config.d_model)
+                .with_initializer(normal.clone())
+                .init(device),
+            wpe: AdditivePositions::new(
+                config.positional,
+                config.max_positions(),
+                config.d_model,
+                device,
+            ),
+            blocks: (0..config.n_layers)
+                .map(|_| DecoderBlock::new(&block, false, device))
+                .collect(),
+            ln_f: LayerNormConfig::new(config.d_model)
+                .with_epsilon(config.layer_norm_eps)
+                .init(device),
+            lm_head: (!config.tie_weights).then(|| {
+                LinearConfig::new(config.d_model, config.vocab_size)
+                    .with_bias(false)
+                    .with_initializer(normal)
+                    .init(device)
+            }),
+            max_positions: config.max_positions(),
+        }
+    }
+
+    /// Logits for every position.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]`
+    /// - output: `[B, T, V]`
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward_with(tokens, None, None, false).logits
+    }
+
+    /// The full forward pass.
+    ///
+    /// With a `cache`, `tokens` are the *new* tokens, at positions `cache.len()..`; their keys
+    /// and values are appended. `pad` is `true` at padding, over cached + new positions.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]`
+    /// - pad: `[B, cached + T]`
+    /// - output logits: `[B, T, V]`
+    ///
+    /// # Panics
+    /// If `cached + T` exceeds the positional table (`max_positions`); callers keep within it.
+    pub fn forward_with(
+        &self,
+        tokens: Tensor<2, Int>,
+        pad: Option<Tensor<2, Bool>>,
+        mut cache: Option<&mut DecoderCache>,
+        return_weights: bool,
+    ) -> DecoderOutput {
+        let [_, t] = tokens.dims();
+        let device = tokens.device();
+        let start = cache.as_ref().map_or(0, |c| c.len());
+        assert!(
+            start + t <= self.max_positions,
+            "{} positions exceed the model's {}",
+            start + t,
+            self.max_positions
+        );
+        let mut x = self.wte.forward(tokens); // [B, T, D]
+        if let Some(wpe) = &self.wpe {
+            x = x + wpe.forward(start, t, &device);
+        }
+        let mut weights = Vec::new();
+        for (i, block) in self.blocks.iter().enumerate() {
+            let caches = cache.as_mut().map(|c| {
+                let (s, rest) = (&mut c.self_attn[i], &mut c.cross_attn[i]);
+                (s, rest)
+            });
+            let (y, w) = block.forward(x, pad.clone(), None, caches, return_weights);
+            x = y;
+            if return_weights {
+                weights.push(w);
+            }
+        }
+        let x = self.ln_f.forward(x);
+        DecoderOutput {
+            logits: self.head(x),
+            weights,
+        }
+    }
+
+    /// A fresh cache sized for this model.
+    pub fn new_cache(&self) -> DecoderCache {
+        DecoderCache::new(self.blocks.len())
+    }
+
+    /// Mean next-token cross-entropy of `tokens` against `targets`.
+    ///
+    /// # Shapes
+    /// - tokens, targets: `[B, T]`
+    /// - output: `[1]`
+    pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        crate::loss::cross_entropy(self.forward(tokens), targets, None, 0.0)
+    }
+
+    /// Vocabulary size `V`.
+    pub fn vocab_size(&self) -> usize {
+        self.wte.weight.dims()[0]
+    }
+
+    /// `[B, T, D] -> [B, T, V]`, through the head or the tied embedding.
+    fn head(&self, x: Tensor<3>) -> Tensor<3> {
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => {
+                let [b, t, d] = x.dims();
+                let w = self.wte.weight.val(); // [V, D]
+                let v = w.dims()[0];
+                x.reshape([b * t, d])
+                    .matmul(w.transpose())
+                    .reshape([b, t, v])
+            }
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! Configuration of the GPT-style [`DecoderOnly`](crate::DecoderOnly) language model.
+
+use burn::serde::{Deserialize, Serialize};
+use burn::tensor::Device;
+
+use crate::block_config::BlockConfig;
+use crate::decoder_only::DecoderOnly;
+use crate::error::{ConfigError, epsilon, positive, probability};
+use crate::mlp::Activation;
+use crate::positional::PositionalKind;
+
+/// Every setting of a [`DecoderOnly`] model. Missing TOML keys take the defaults shown; unknown
+/// keys are rejected.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(crate = "burn::serde", default, deny_unknown_fields)]
+pub struct DecoderOnlyConfig {
+    /// Vocabulary size `V` (set from the tokenizer by the trainer). Default 0: must be set.
+    pub vocab_size: usize,
+    /// Model width `D`. Default 128.
+    pub d_model: usize,
+    /// Attention heads `H`; must divide `d_model`. Default 4.
+    pub n_heads: usize,
+    /// Number of decoder blocks. Default 4.
+    pub n_layers: usize,
+    /// MLP hidden width `F`. Default `4 * d_model`.
+    pub d_ff: Option<usize>,
+    /// Longest sequence the model is trained on and attends over. Default 64.
+    pub context_len: usize,
+    /// Size of the positional table; at least `context_len`. Default `context_len`.
+    pub max_positions: Option<usize>,
+    /// `learned` (default), `sinusoidal`, `rotary` or `none`.
+    pub positional: PositionalKind,
+    /// Base of the rotary angles. Default 10000.
+    pub rotary_base: f64,
+    /// Pre-norm (`true`, default, GPT-2) or post-norm (`false`, the original paper).
+    pub norm_first: bool,
+    /// `gelu` (default), `gelu_tanh` or `relu`.
+    pub activation: Activation,
+    /// Dropout probability in `[0, 1)`. Default 0.
+    pub dropout: f64,
+    /// Biases in linear layers. Default true.
+    pub bias: bool,
+    /// Share the token embedding with the output head (weight tying). Default true.
+    pub tie_weights: bool,
+    /// LayerNorm epsilon. Default 1e-5.
+    pub layer_norm_eps: f64,
+}
+
+impl Default for DecoderOnlyConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 0,
+            d_model: 128,
+            n_heads: 4,
+            n_layers: 4,
+            d_ff: None,
+            context_len: 64,
+            max_positions: None,
+            positional: PositionalKind::Learned,
+            rotary_base: 10000.0,
+            norm_first: true,
+            activation: Activation::Gelu,
+            dropout: 0.0,
+            bias: true,
+            tie_weights: true,
+            layer_norm_eps: 1e-5,
+        }
+    }
+}
+
+impl DecoderOnlyConfig {
+    /// MLP width: `d_ff`, or `4 * d_model`.
+    pub fn d_ff(&self) -> usize {
+        self.d_ff.unwrap_or(4 * self.d_model)
+    }
+
+    /// Positional table size: `max_positions`, or `context_len`.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions.unwrap_or(self.context_len)
+    }
+
+    /// Checks every field; the error names the first one at fault.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        positive("vocab_size", self.vocab_size)?;
+        positive("n_layers", self.n_layers)?;
+        positive("context_len", self.context_len)?;
+        validate_attention(self.d_model, self.n_heads, self.positional)?;
+        positive("d_ff", self.d_ff())?;
+        positive("max_positions", self.max_positions())?;
+        if self.context_len > self.max_positions() {
+            return Err(ConfigError::new(
+                "context_len",
+                format!(
+                    "is {} but the positional table has only {} positions (max_positions)",
+                    self.context_len,
+                    self.max_positions()
+                ),
+            ));
+        }
+        probability("dropout", self.dropout)?;
+        epsilon("layer_norm_eps", self.layer_norm_eps)?;
+        epsilon("rotary_base", self.rotary_base)
+    }
+
+    /// Validates the config and builds the model with fresh weights on `device`.
+    pub fn init(&self, device: &Device) -> Result<DecoderOnly, ConfigError> {
+        self.validate()?;
+        Ok(DecoderOnly::new(self.clone(), device))
+    }
+
+    pub(crate) fn block(&self) -> BlockConfig {
+        BlockConfig {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            d_ff: self.d_ff(),
+            dropout: self.dropout,
+            activation: self.activation,
+            norm_first: self.norm_first,
+            bias: self.bias,
+            layer_norm_eps: self.layer_norm_eps,
+            rotary_base: (self.positional == PositionalKind::Rotary).then_some(self.rotary_base),
+            proj_std: 0.02 / (2.0 * self.n_layers as f64).sqrt(),
+        }
+    }
+}
+
+/// Width and heads: both positive, `H` divides `D`, and rotary needs an even head size.
+pub(crate) fn validate_attention(
+    d_model: usize,
+    n_heads: usize,
+    positional: PositionalKind,
+) -> Result<(), ConfigError> {
+    positive("d_model", d_model)?;
+    positive("n_heads", n_heads)?;
+    if d_model % n_heads != 0 {
+        return Err(ConfigError::new(
+            "n_heads",
+            format!("= {n_heads} does not divide d_model = {d_model}"),
+        ));
+    }
+    if positional == PositionalKind::Rotary && (d_model / n_heads) % 2 != 0 {
+        return Err(ConfigError::new(
+            "positional",
+            format!(
+                "= rotary needs an even head size, but d_model / n_heads = {}",
+                d_model / n_heads
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,58 @@
+//! # ember-model
+//!
+//! The transformer exactly as the classic material teaches it, on [Burn](https://burn.dev)
+//! 0.22: scaled dot-product attention with padding and causal masks, multi-head self- and
+//! cross-attention with a KV cache, sinusoidal / learned / rotary positions, pre- or
+//! post-norm encoder and decoder blocks, a GPT-style [`DecoderOnly`] language model and an
+//! [`EncoderDecoder`] translation model.
+//!
+//! Shape letters used everywhere: `B` batch, `T` target length, `S` source (key) length,
+//! `D` model width, `H` heads, `K` head size, `F` MLP width, `V` vocabulary.
+//!
+//! ```
+//! use burn::tensor::{Device, Int, Tensor};
+//! use ember_model::DecoderOnlyConfig;
+//!
+//! let device = Device::flex();
+//! let config = DecoderOnlyConfig { vocab_size: 65, n_layers: 2, d_model: 64, ..Default::default() };
+//! let model = config.init(&device).expect("a valid config");
+//! let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3]], &device);
+//! let logits = model.forward(tokens); // [1, 3, 65]
+//! assert_eq!(logits.dims(), [1, 3, 65]);
+//! ```
+
+pub mod attention;
+mod block_config;
+pub mod decoder_block;
+pub mod decoder_only;
+pub mod decoder_only_config;
+pub mod encoder_block;
+pub mod encoder_decoder;
+pub mod encoder_decoder_config;
+pub mod error;
+pub mod kv_cache;
+pub mod loss;
+pub mod mlp;
+pub mod multi_head_attention;
+pub mod positional;
+pub mod residual;
+pub mod summary;
+
+pub use attention::{AttentionOutput, scaled_dot_product_attention};
+pub use block_config::BlockConfig;
+pub use decoder_block::{BlockWeights, DecoderBlock, Memory};
+pub use decoder_only::{DecoderOnly, DecoderOutput};
+pub use decoder_only_config::DecoderOnlyConfig;
+pub use encoder_block::EncoderBlock;
+pub use encoder_decoder::EncoderDecoder;
+pub use encoder_decoder_config::EncoderDecoderConfig;
+pub use error::ConfigError;
+pub use kv_cache::{DecoderCache, KvCache};
+pub use mlp::{Activation, Mlp};
+pub use multi_head_attention::{MultiHeadAttention, MultiHeadAttentionConfig};
+pub use positional::PositionalKind;
+
+/// The README's code, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;

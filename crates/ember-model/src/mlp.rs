@@ -1,0 +1,93 @@
+//! The position-wise feed-forward network: `proj(act(fc(x)))`, applied to each position alone.
+
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::serde::{Deserialize, Serialize};
+use burn::tensor::activation::{gelu, gelu_approximate, relu};
+use burn::tensor::{Device, Tensor};
+
+/// The MLP's non-linearity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(crate = "burn::serde", rename_all = "snake_case")]
+pub enum Activation {
+    /// Exact GELU, `x * Phi(x)`.
+    #[default]
+    Gelu,
+    /// GELU with the tanh approximation (GPT-2's `gelu_new`).
+    GeluTanh,
+    /// `max(0, x)`, as in the original transformer.
+    Relu,
+}
+
+impl Activation {
+    /// Applies the non-linearity element-wise.
+    pub fn forward<const N: usize>(&self, x: Tensor<N>) -> Tensor<N> {
+        match self {
+            Activation::Gelu => gelu(x),
+            Activation::GeluTanh => gelu_approximate(x),
+            Activation::Relu => relu(x),
+        }
+    }
+}
+
+impl std::fmt::Display for Activation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu_tanh",
+            Activation::Relu => "relu",
+        };
+        f.write_str(name)
+    }
+}
+
+// A constant field of a module: no weights, not saved. (The macro calls itself unqualified.)
+use burn::empty;
+empty!(Activation);
+
+/// Position-wise feed-forward network `D -> F -> D`.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// `[D, F]` expansion (GPT-2's `c_fc`).
+    pub c_fc: Linear,
+    /// `[F, D]` projection back (GPT-2's `c_proj`).
+    pub c_proj: Linear,
+    /// The non-linearity between them.
+    pub activation: Activation,
+    /// Dropout after the projection.
+    pub dropout: Dropout,
+}
+
+impl Mlp {
+    /// A `D -> F -> D` MLP; `proj_std` is the init scale of the projection back to `D`.
+    pub fn new(
+        d_model: usize,
+        d_ff: usize,
+        activation: Activation,
+        dropout: f64,
+        bias: bool,
+        proj_std: f64,
+        device: &Device,
+    ) -> Self {
+        let linear = |d_in, d_out, std| {
+            LinearConfig::new(d_in, d_out)
+                .with_bias(bias)
+                .with_initializer(Initializer::Normal { mean: 0.0, std })
+                .init(device)
+        };
+        Self {
+            c_fc: linear(d_model, d_ff, 0.02),
+            c_proj: linear(d_ff, d_model, proj_std),
+            activation,
+            dropout: DropoutConfig::new(dropout).init(),
+        }
+    }
+
+    /// # Shapes
+    /// - x: `[B, T, D]`
+    /// - output: `[B, T, D]`
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let h = self.activation.forward(self.c_fc.forward(x)); // [B, T, F]
+        self.dropout.forward(self.c_proj.forward(h))
+    }
+}

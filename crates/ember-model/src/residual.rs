@@ -1,0 +1,53 @@
+//! Residual connection around a sub-layer, with LayerNorm before it (pre-norm, GPT-2) or after
+//! the sum (post-norm, the original paper's `LayerNorm(x + Sublayer(x))`).
+
+use burn::module::Module;
+use burn::nn::{Dropout, LayerNorm, LayerNormConfig};
+use burn::tensor::{Device, Tensor};
+
+/// A LayerNorm and where it sits relative to the residual sum.
+#[derive(Module, Debug)]
+pub struct Residual {
+    /// The normalisation.
+    pub norm: LayerNorm,
+    /// `true`: `x + f(norm(x))`; `false`: `norm(x + f(x))`.
+    pub norm_first: bool,
+}
+
+impl Residual {
+    /// A residual wrapper over width `D`.
+    pub fn new(d_model: usize, eps: f64, norm_first: bool, device: &Device) -> Self {
+        Self {
+            norm: LayerNormConfig::new(d_model).with_epsilon(eps).init(device),
+            norm_first,
+        }
+    }
+
+    /// Applies `sublayer` with the residual and the norm; `dropout` applies to its output
+    /// before the sum (the MLP applies its own, so passes `None`). The closure may return extra data (attention weights).
+    ///
+    /// # Shapes
+    /// - x: `[B, T, D]`
+    /// - output: `[B, T, D]`
+    pub fn forward<E>(
+        &self,
+        x: Tensor<3>,
+        dropout: Option<&Dropout>,
+        sublayer: impl FnOnce(Tensor<3>) -> (Tensor<3>, E),
+    ) -> (Tensor<3>, E) {
+        if self.norm_first {
+            let (y, extra) = sublayer(self.norm.forward(x.clone()));
+            (x + apply(dropout, y), extra)
+        } else {
+            let (y, extra) = sublayer(x.clone());
+            (self.norm.forward(x + apply(dropout, y)), extra)
+        }
+    }
+}
+
+fn apply(dropout: Option<&Dropout>, y: Tensor<3>) -> Tensor<3> {
+    match dropout {
+        Some(dropout) => dropout.forward(y),
+        None => y,
+    }
+}

@@ -1,0 +1,311 @@
+//! Whole-model properties: masks, the KV cache, learning, and config validation.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Bool, Device, Distribution, Int, Tensor};
+use ember_model::{
+    Activation, DecoderOnly, DecoderOnlyConfig, EncoderDecoder, EncoderDecoderConfig,
+    PositionalKind,
+};
+
+fn max_diff<const N: usize>(a: Tensor<N>, b: Tensor<N>) -> f32 {
+    (a - b).abs().max().into_scalar::<f32>()
+}
+
+fn lm_config(positional: PositionalKind, norm_first: bool) -> DecoderOnlyConfig {
+    DecoderOnlyConfig {
+        vocab_size: 11,
+        d_model: 16,
+        n_heads: 2,
+        n_layers: 2,
+        context_len: 12,
+        positional,
+        norm_first,
+        ..Default::default()
+    }
+}
+
+fn lm(positional: PositionalKind, norm_first: bool, device: &Device) -> DecoderOnly {
+    lm_config(positional, norm_first).init(device).unwrap()
+}
+
+fn mt_config(positional: PositionalKind, norm_first: bool) -> EncoderDecoderConfig {
+    EncoderDecoderConfig {
+        src_vocab_size: 13,
+        tgt_vocab_size: 9,
+        d_model: 16,
+        n_heads: 4,
+        n_encoder_layers: 2,
+        n_decoder_layers: 2,
+        max_positions: 16,
+        dropout: 0.0,
+        positional,
+        norm_first,
+        ..Default::default()
+    }
+}
+
+fn mt(positional: PositionalKind, norm_first: bool, device: &Device) -> EncoderDecoder {
+    mt_config(positional, norm_first).init(device).unwrap()
+}
+
+fn tokens(rows: &[&[i32]], device: &Device) -> Tensor<2, Int> {
+    let t = rows[0].len();
+    let flat: Vec<i32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+    Tensor::<1, Int>::from_ints(flat.as_slice(), device).reshape([rows.len(), t])
+}
+
+const ALL_POSITIONS: [PositionalKind; 4] = [
+    PositionalKind::Learned,
+    PositionalKind::Sinusoidal,
+    PositionalKind::Rotary,
+    PositionalKind::None,
+];
+
+#[test]
+fn causal_outputs_ignore_future_tokens() {
+    let device = Device::flex();
+    for positional in ALL_POSITIONS {
+        let model = lm(positional, true, &device);
+        let a = tokens(&[&[1, 2, 3, 4, 5, 6, 7, 8]], &device);
+        let b = tokens(&[&[1, 2, 3, 4, 9, 0, 10, 3]], &device);
+        let la = model.forward(a).slice([0..1, 0..4, 0..11]);
+        let lb = model.forward(b);
+        let (prefix, rest) = (lb.clone().slice([0..1, 0..4, 0..11]), lb.slice([0..1, 4..8, 0..11]));
+        assert!(max_diff(la.clone(), prefix) < 1e-5, "{positional:?}: past changed");
+        // And the future does change: the test would notice a model that ignores its input.
+        let la_rest = model
+            .forward(tokens(&[&[1, 2, 3, 4, 5, 6, 7, 8]], &device))
+            .slice([0..1, 4..8, 0..11]);
+        assert!(max_diff(la_rest, rest) > 1e-4);
+    }
+}
+
+#[test]
+fn padded_keys_get_zero_weight_and_padding_changes_nothing() {
+    let device = Device::flex();
+    for norm_first in [true, false] {
+        let model = mt(PositionalKind::Sinusoidal, norm_first, &device);
+        let src = tokens(&[&[3, 4, 5, 6]], &device);
+        let padded = tokens(&[&[3, 4, 5, 6, 0, 0]], &device);
+        let pad = Tensor::<2, Bool>::from_bool([[false, false, false, false, true, true]], &device);
+        let (plain, _) = model.encode_with(src, None, false);
+        let (with_pad, weights) = model.encode_with(padded, Some(pad.clone()), true);
+        let real = with_pad.states.clone().slice([0..1, 0..4, 0..16]);
+        assert!(max_diff(plain.states.clone(), real) < 1e-5, "encoder output changed");
+        for w in weights {
+            let padded_weight = w.slice([0..1, 0..4, 0..6, 4..6]).abs().max().into_scalar::<f32>();
+            assert_eq!(padded_weight, 0.0, "a padded key got weight");
+        }
+        // The decoder reads the memory through the same mask: same logits.
+        let tgt = tokens(&[&[1, 2, 3]], &device);
+        let a = model.decode(tgt.clone(), None, &plain, None, false).logits;
+        let b = model.decode(tgt, None, &with_pad, None, false).logits;
+        assert!(max_diff(a, b) < 1e-5, "decoder output changed");
+    }
+}
+
+#[test]
+fn positions_break_permutation_equivariance_of_the_encoder() {
+    let device = Device::flex();
+    let perm = Tensor::<1, Int>::from_ints([2, 0, 3, 1], &device);
+    let src = tokens(&[&[3, 4, 5, 6]], &device);
+    let gap = |positional| {
+        let model = mt(positional, true, &device);
+        let out = model.encode(src.clone(), None).states.select(1, perm.clone());
+        let out_of_permuted = model.encode(src.clone().select(1, perm.clone()), None).states;
+        max_diff(out, out_of_permuted)
+    };
+    assert!(gap(PositionalKind::None) < 1e-5);
+    assert!(gap(PositionalKind::Sinusoidal) > 1e-3);
+    assert!(gap(PositionalKind::Learned) > 1e-3);
+}
+
+#[test]
+fn kv_cache_gives_the_logits_of_full_recomputation_decoder_only() {
+    let device = Device::flex();
+    for positional in ALL_POSITIONS {
+        for norm_first in [true, false] {
+            let model = lm(positional, norm_first, &device);
+            let seq = tokens(&[&[1, 5, 2, 8, 3, 3, 9, 0, 4, 7], &[2, 2, 6, 1, 0, 10, 4, 4, 1, 3]], &device);
+            let full = model.forward(seq.clone());
+            let mut cache = model.new_cache();
+            // Prefill three tokens at once, then one at a time.
+            let mut pieces = vec![model.forward_with(seq.clone().slice([0..2, 0..3]), None, Some(&mut cache), false).logits];
+            for t in 3..10 {
+                let step = seq.clone().slice([0..2, t..t + 1]);
+                pieces.push(model.forward_with(step, None, Some(&mut cache), false).logits);
+            }
+            assert_eq!(cache.len(), 10);
+            let incremental = Tensor::cat(pieces, 1);
+            let diff = max_diff(full, incremental);
+            assert!(diff < 1e-4, "{positional:?} norm_first={norm_first}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn kv_cache_gives_the_logits_of_full_recomputation_encoder_decoder() {
+    let device = Device::flex();
+    for positional in ALL_POSITIONS {
+        let model = mt(positional, true, &device);
+        let src = tokens(&[&[3, 4, 5, 6, 0], &[7, 8, 9, 0, 0]], &device);
+        let src_pad = src.clone().equal_elem(0);
+        let memory = model.encode(src, Some(src_pad));
+        let tgt = tokens(&[&[1, 4, 2, 7, 5, 3], &[1, 8, 8, 2, 6, 6]], &device);
+        let full = model.decode(tgt.clone(), None, &memory, None, false).logits;
+        let mut cache = model.new_cache();
+        let pieces: Vec<_> = (0..6)
+            .map(|t| {
+                let step = tgt.clone().slice([0..2, t..t + 1]);
+                model.decode(step, None, &memory, Some(&mut cache), false).logits
+            })
+            .collect();
+        let diff = max_diff(full, Tensor::cat(pieces, 1));
+        assert!(diff < 1e-4, "{positional:?}: {diff}");
+    }
+}
+
+/// Counts parameters whose gradient is missing or all zeros.
+struct GradCheck<'a> {
+    grads: &'a GradientsParams,
+    dead: Vec<String>,
+    seen: usize,
+}
+
+impl ModuleVisitor for GradCheck<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.seen += 1;
+        let alive = self
+            .grads
+            .get::<D>(param.id)
+            .map(|g| g.abs().sum().into_scalar::<f32>() > 0.0)
+            .unwrap_or(false);
+        if !alive {
+            self.dead.push(format!("{:?} {:?}", param.id, param.val().dims()));
+        }
+    }
+}
+
+fn assert_all_params_get_gradients<M: Module>(model: &M, grads: &GradientsParams) {
+    let mut check = GradCheck {
+        grads,
+        dead: vec![],
+        seen: 0,
+    };
+    model.visit(&mut check);
+    assert!(check.seen > 10, "visited only {} parameters", check.seen);
+    assert!(check.dead.is_empty(), "no gradient for: {:?}", check.dead);
+}
+
+#[test]
+fn one_step_lowers_the_loss_of_the_language_model() {
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    for (positional, tie) in [(PositionalKind::Learned, true), (PositionalKind::Rotary, false)] {
+        let mut config = lm_config(positional, true);
+        config.tie_weights = tie;
+        let model = config.init(&device).unwrap();
+        let x = Tensor::<2, Int>::random([4, 12], Distribution::Uniform(0.0, 11.0), &device);
+        let y = Tensor::<2, Int>::random([4, 12], Distribution::Uniform(0.0, 11.0), &device);
+        let loss = model.loss(x.clone(), y.clone());
+        let before = loss.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        assert_all_params_get_gradients(&model, &grads);
+        let mut optim = AdamWConfig::new().init();
+        let model = optim.step(1e-2, model, grads);
+        let after = model.loss(x, y).into_scalar::<f32>();
+        assert!(after < before, "{positional:?}: loss {before} -> {after}");
+    }
+}
+
+#[test]
+fn one_step_lowers_the_loss_of_the_translation_model() {
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    for (norm_first, shared) in [(true, false), (false, true)] {
+        let mut config = mt_config(PositionalKind::Learned, norm_first);
+        config.shared_embeddings = shared;
+        config.tgt_vocab_size = if shared { 13 } else { 9 };
+        config.tie_output = !shared;
+        let model = config.init(&device).unwrap();
+        let src = Tensor::<2, Int>::random([3, 7], Distribution::Uniform(0.0, 13.0), &device);
+        let tgt = Tensor::<2, Int>::random([3, 6], Distribution::Uniform(0.0, 9.0), &device);
+        let out = Tensor::<2, Int>::random([3, 6], Distribution::Uniform(0.0, 9.0), &device);
+        let loss_of = |m: &EncoderDecoder| {
+            ember_model::loss::cross_entropy(m.forward(src.clone(), None, tgt.clone(), None), out.clone(), None, 0.1)
+        };
+        let loss = loss_of(&model);
+        let before = loss.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        assert_all_params_get_gradients(&model, &grads);
+        let mut optim = AdamWConfig::new().init();
+        let model = optim.step(1e-2, model, grads);
+        let after = loss_of(&model).into_scalar::<f32>();
+        assert!(after < before, "norm_first={norm_first}: loss {before} -> {after}");
+    }
+}
+
+#[test]
+fn cross_entropy_matches_hand_computed_value() {
+    let device = Device::flex();
+    // Two positions over a 3-word vocabulary; the second target is padding (id 0).
+    let logits = Tensor::<1>::from_floats([1.0, 2.0, 0.5, 0.0, 0.0, 3.0], &device).reshape([1, 2, 3]);
+    let targets = tokens(&[&[1, 0]], &device);
+    let lse = (1f64.exp() + 2f64.exp() + 0.5f64.exp()).ln();
+    let want = lse - 2.0;
+    let got = ember_model::loss::cross_entropy(logits.clone(), targets.clone(), Some(0), 0.0).into_scalar::<f32>();
+    assert!((got as f64 - want).abs() < 1e-5, "{got} vs {want}");
+    // Label smoothing 0.3: 0.7 * nll + 0.3 * mean over words of -log p.
+    let mean_nll = (3.0 * lse - (1.0 + 2.0 + 0.5)) / 3.0;
+    let want = 0.7 * want + 0.3 * mean_nll;
+    let got = ember_model::loss::cross_entropy(logits, targets, Some(0), 0.3).into_scalar::<f32>();
+    assert!((got as f64 - want).abs() < 1e-5, "{got} vs {want}");
+}
+
+#[test]
+fn invalid_configs_are_errors_naming_the_field() {
+    let device = Device::flex();
+    let base = lm_config(PositionalKind::Learned, true);
+    let cases: Vec<(DecoderOnlyConfig, &str)> = vec![
+        (DecoderOnlyConfig { n_heads: 3, ..base.clone() }, "n_heads"),
+        (DecoderOnlyConfig { d_model: 0, ..base.clone() }, "d_model"),
+        (DecoderOnlyConfig { n_layers: 0, ..base.clone() }, "n_layers"),
+        (DecoderOnlyConfig { vocab_size: 0, ..base.clone() }, "vocab_size"),
+        (DecoderOnlyConfig { max_positions: Some(8), ..base.clone() }, "context_len"),
+        (DecoderOnlyConfig { dropout: 1.5, ..base.clone() }, "dropout"),
+        (DecoderOnlyConfig { dropout: f64::NAN, ..base.clone() }, "dropout"),
+        (DecoderOnlyConfig { d_model: 6, n_heads: 2, positional: PositionalKind::Rotary, ..base.clone() }, "positional"),
+    ];
+    for (config, field) in cases {
+        let err = config.init(&device).unwrap_err();
+        assert_eq!(err.field, field, "{err}");
+        assert!(err.to_string().contains(field));
+    }
+    let bad = EncoderDecoderConfig { shared_embeddings: true, ..mt_config(PositionalKind::Sinusoidal, true) };
+    assert_eq!(bad.init(&device).unwrap_err().field, "shared_embeddings");
+}
+
+#[test]
+fn configs_parse_from_toml_and_reject_unknown_keys() {
+    let config: DecoderOnlyConfig = toml::from_str("d_model = 32\nactivation = \"gelu_tanh\"\npositional = \"rotary\"").unwrap();
+    assert_eq!(config.d_model, 32);
+    assert_eq!(config.activation, Activation::GeluTanh);
+    assert_eq!(config.positional, PositionalKind::Rotary);
+    assert_eq!(config.n_heads, DecoderOnlyConfig::default().n_heads);
+    let err = toml::from_str::<DecoderOnlyConfig>("d_modle = 32").unwrap_err();
+    assert!(err.to_string().contains("d_modle"), "{err}");
+}
+
+#[test]
+fn summary_reports_the_parameter_count() {
+    let device = Device::flex();
+    let model = lm(PositionalKind::Learned, true, &device);
+    // wte 11*16 + wpe 12*16 + 2 blocks + ln_f 32, tied head.
+    let block = 2 * 32 + (16 * 48 + 48) + (16 * 16 + 16) + (16 * 64 + 64) + (64 * 16 + 16);
+    let want = 11 * 16 + 12 * 16 + 2 * block + 32;
+    assert_eq!(model.num_params(), want);
+    let summary = model.summary();
+    assert!(summary.contains(&ember_model::summary::thousands(want)), "{summary}");
+    assert!(summary.contains("tied to wte"));
+}
