@@ -1,1 +1,10 @@
-//! ember-infer
+//! # ember-infer
+//!
+//! Autoregressive decoding for ember models: greedy, temperature, top-k and top-p sampling,
+//! with the KV cache.
+
+pub mod generate;
+pub mod sampling;
+
+pub use generate::{GenerateOptions, generate};
+pub use sampling::{Sampling, argmax, distribution, sample};

@@ -1,1 +1,21 @@
-//! ember-train
+//! # ember-train
+//!
+//! One training loop for every ember task, with AdamW, warmup + cosine (or inverse square
+//! root) schedules, gradient accumulation, global-norm clipping, periodic evaluation, metrics
+//! (`metrics.jsonl`), a loss plot (`loss.png`), and atomic checkpoints that a run resumes from.
+
+pub mod checkpoint;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod lm;
+pub mod metrics;
+pub mod optimizer;
+pub mod plot;
+pub mod schedule;
+pub mod trainer;
+
+pub use config::RunConfig;
+pub use error::{Result, TrainError};
+pub use lm::{LoadedLm, load_lm, train_lm};
+pub use trainer::{RunOptions, RunSummary, Split, Task};

@@ -1,0 +1,260 @@
+//! Checkpoint folders, written atomically.
+//!
+//! A run's output folder holds `checkpoints/step-NNNNNNN/` folders and a `latest` file naming
+//! the newest. A checkpoint is first written to a hidden temporary folder, synced, then renamed
+//! into place, and only then does `latest` (itself replaced by rename) point at it: a crash at
+//! any moment leaves the previous checkpoint whole and findable.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError, write_err};
+
+/// Version of the checkpoint layout this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The file in a run folder that names the newest checkpoint.
+pub const LATEST: &str = "latest";
+/// Where checkpoints live inside a run folder.
+pub const CHECKPOINTS: &str = "checkpoints";
+/// Model weights inside a checkpoint (Burn's burnpack format).
+pub const MODEL_FILE: &str = "model.bpk";
+/// Optimizer state inside a checkpoint.
+pub const OPTIM_FILE: &str = "optim.bpk";
+/// Run state inside a checkpoint.
+pub const STATE_FILE: &str = "state.json";
+/// The resolved run config inside a checkpoint.
+pub const CONFIG_FILE: &str = "config.toml";
+
+/// What a checkpoint records besides tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointState {
+    /// Layout version ([`FORMAT_VERSION`] when written by this build).
+    pub format_version: u32,
+    /// `decoder_only` or `encoder_decoder`.
+    pub model_kind: String,
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// The run's seed; with `step` it fixes every later batch and dropout mask.
+    pub seed: u64,
+    /// Training tokens consumed so far.
+    pub tokens_seen: u64,
+    /// Training wall time so far, in seconds.
+    pub elapsed_secs: f64,
+    /// The last validation loss, if one was measured.
+    pub val_loss: Option<f64>,
+}
+
+fn step_dir_name(step: u64) -> String {
+    format!("step-{step:07}")
+}
+
+fn sync_dir(path: &Path) {
+    // Best effort: makes the rename durable on filesystems that need it.
+    if let Ok(dir) = fs::File::open(path) {
+        let _ = dir.sync_all();
+    }
+}
+
+/// Writes a checkpoint for `state.step` into `run_dir`. `write_files` fills the (temporary)
+/// folder it is given with the model, optimizer, tokenizer and config files; this function adds
+/// `state.json`, syncs, renames the folder into place, points `latest` at it, and keeps only the
+/// newest `keep` checkpoints. Returns the checkpoint folder.
+pub fn save(
+    run_dir: &Path,
+    state: &CheckpointState,
+    keep: usize,
+    write_files: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let root = run_dir.join(CHECKPOINTS);
+    fs::create_dir_all(&root).map_err(|e| write_err(&root, e))?;
+    let name = step_dir_name(state.step);
+    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| write_err(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| write_err(&tmp, e))?;
+    write_files(&tmp)?;
+    let state_path = tmp.join(STATE_FILE);
+    let json = serde_json::to_string_pretty(state).expect("state always serializes");
+    fs::write(&state_path, json).map_err(|e| write_err(&state_path, e))?;
+    for entry in fs::read_dir(&tmp).map_err(|e| write_err(&tmp, e))? {
+        let path = entry.map_err(|e| write_err(&tmp, e))?.path();
+        let file = fs::File::open(&path).map_err(|e| write_err(&path, e))?;
+        file.sync_all().map_err(|e| write_err(&path, e))?;
+    }
+    sync_dir(&tmp);
+
+    let final_dir = root.join(&name);
+    if final_dir.exists() {
+        // The same step saved again (e.g. after a resume): move the old one aside first.
+        let old = root.join(format!(".old-{name}-{}", std::process::id()));
+        fs::rename(&final_dir, &old).map_err(|e| write_err(&final_dir, e))?;
+        fs::rename(&tmp, &final_dir).map_err(|e| write_err(&final_dir, e))?;
+        let _ = fs::remove_dir_all(&old);
+    } else {
+        fs::rename(&tmp, &final_dir).map_err(|e| write_err(&final_dir, e))?;
+    }
+    sync_dir(&root);
+
+    let latest_tmp = run_dir.join(format!(".{LATEST}.tmp"));
+    let latest = run_dir.join(LATEST);
+    fs::write(&latest_tmp, format!("{CHECKPOINTS}/{name}\n")).map_err(|e| write_err(&latest_tmp, e))?;
+    fs::rename(&latest_tmp, &latest).map_err(|e| write_err(&latest, e))?;
+    sync_dir(run_dir);
+
+    prune(&root, keep);
+    Ok(final_dir)
+}
+
+/// Removes all but the newest `keep` checkpoints, and leftovers of interrupted writes.
+fn prune(root: &Path, keep: usize) {
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    let mut steps = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if name.starts_with(".tmp-") || name.starts_with(".old-") {
+            // Another process's write in progress is not ours to remove; only our own leftovers.
+            if name.ends_with(&format!("-{}", std::process::id())) {
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        } else if name.starts_with("step-") {
+            steps.push(entry.path());
+        }
+    }
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    for old in &steps[..excess] {
+        let _ = fs::remove_dir_all(old);
+    }
+}
+
+/// Is `dir` a complete checkpoint folder (state readable, model present)?
+fn is_complete(dir: &Path) -> bool {
+    dir.join(MODEL_FILE).is_file() && read_state(dir).is_ok()
+}
+
+/// Finds the checkpoint folder `path` refers to: a checkpoint folder itself, or a run folder
+/// (then the one `latest` names, or failing that the newest complete one).
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    let missing = |message: String| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        message,
+    };
+    if !path.exists() {
+        return Err(missing("no such folder (train first, or pass --checkpoint DIR)".into()));
+    }
+    if !path.is_dir() {
+        return Err(missing("is a file; expected a checkpoint or run folder".into()));
+    }
+    if path.join(STATE_FILE).exists() || path.join(MODEL_FILE).exists() {
+        return Ok(path.to_path_buf());
+    }
+    if let Ok(text) = fs::read_to_string(path.join(LATEST)) {
+        let dir = path.join(text.trim());
+        if is_complete(&dir) {
+            return Ok(dir);
+        }
+    }
+    // `latest` missing or broken: fall back to the newest complete checkpoint.
+    let mut steps: Vec<PathBuf> = fs::read_dir(path.join(CHECKPOINTS))
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+                .collect()
+        })
+        .unwrap_or_default();
+    steps.sort();
+    steps
+        .into_iter()
+        .rev()
+        .find(|dir| is_complete(dir))
+        .ok_or_else(|| missing("holds no complete checkpoint (expected `latest` or checkpoints/step-*/)".into()))
+}
+
+/// Reads and checks `state.json` of a checkpoint folder.
+pub fn read_state(dir: &Path) -> Result<CheckpointState> {
+    let path = dir.join(STATE_FILE);
+    let bad = |message: String| TrainError::Checkpoint {
+        path: path.clone(),
+        message,
+    };
+    let text = fs::read_to_string(&path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not a valid state file: {e}")))?;
+    let version = value.get("format_version").and_then(|v| v.as_u64());
+    match version {
+        Some(v) if v > FORMAT_VERSION as u64 => {
+            return Err(bad(format!(
+                "format version {v} is newer than this ember understands ({FORMAT_VERSION}); upgrade ember"
+            )));
+        }
+        None => return Err(bad("has no format_version: not an ember checkpoint".into())),
+        _ => {}
+    }
+    serde_json::from_value(value).map_err(|e| bad(format!("not a valid state file: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(step: u64) -> CheckpointState {
+        CheckpointState {
+            format_version: FORMAT_VERSION,
+            model_kind: "decoder_only".into(),
+            step,
+            seed: 1,
+            tokens_seen: step * 10,
+            elapsed_secs: 1.0,
+            val_loss: None,
+        }
+    }
+
+    fn write_model(dir: &Path) -> Result<()> {
+        fs::write(dir.join(MODEL_FILE), b"weights").map_err(|e| write_err(dir, e))
+    }
+
+    #[test]
+    fn latest_points_at_newest_and_old_ones_are_pruned() {
+        let run = std::env::temp_dir().join(format!("ember-ckpt-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&run);
+        for step in [10, 20, 30] {
+            save(&run, &state(step), 2, write_model).unwrap();
+        }
+        let dir = resolve(&run).unwrap();
+        assert!(dir.ends_with("step-0000030"));
+        assert_eq!(read_state(&dir).unwrap().step, 30);
+        assert!(!run.join(CHECKPOINTS).join("step-0000010").exists());
+        assert!(run.join(CHECKPOINTS).join("step-0000020").exists());
+
+        // A write that died before its rename leaves only a hidden folder: still step 30.
+        fs::create_dir_all(run.join(CHECKPOINTS).join(".tmp-step-0000040-1")).unwrap();
+        assert!(resolve(&run).unwrap().ends_with("step-0000030"));
+
+        // `latest` pointing at a damaged checkpoint: fall back to the newest complete one.
+        fs::remove_file(dir.join(MODEL_FILE)).unwrap();
+        assert!(resolve(&run).unwrap().ends_with("step-0000020"));
+
+        // A newer format is refused with a clear message.
+        let mut s = state(20);
+        s.format_version = FORMAT_VERSION + 1;
+        let d = run.join(CHECKPOINTS).join("step-0000020");
+        fs::write(d.join(STATE_FILE), serde_json::to_string(&s).unwrap()).unwrap();
+        let err = read_state(&d).unwrap_err().to_string();
+        assert!(err.contains("newer"), "{err}");
+        let _ = fs::remove_dir_all(&run);
+    }
+
+    #[test]
+    fn missing_folder_is_a_clear_error() {
+        let err = resolve(Path::new("/nonexistent/ember-run")).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/ember-run") && err.contains("no such folder"), "{err}");
+    }
+}

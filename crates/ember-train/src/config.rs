@@ -1,0 +1,316 @@
+//! The TOML run config: `[model]`, `[data]` and `[training]`. Every field is documented here,
+//! has a default, and unknown keys are rejected.
+
+use std::path::{Path, PathBuf};
+
+use ember_model::DecoderOnlyConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError, value_err};
+use crate::schedule::{Schedule, ScheduleKind};
+
+/// A whole run: what to train, on what, and how.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// The model; see [`DecoderOnlyConfig`]. `vocab_size` is filled in from the tokenizer.
+    pub model: DecoderOnlyConfig,
+    /// The corpus and tokenizer.
+    pub data: DataConfig,
+    /// Optimisation, evaluation and checkpointing.
+    pub training: TrainingConfig,
+}
+
+/// How text becomes tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per character of the corpus.
+    #[default]
+    Char,
+    /// Byte-level BPE trained on the corpus (or loaded from `tokenizer_file`).
+    Bpe,
+}
+
+/// The `[data]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// UTF-8 text file to train on. Default `data/tinyshakespeare.txt`.
+    pub path: PathBuf,
+    /// `char` (default) or `bpe`.
+    pub tokenizer: TokenizerKind,
+    /// BPE vocabulary size when training one. Default 512.
+    pub bpe_vocab_size: usize,
+    /// A Hugging Face `tokenizer.json` to use instead of training a BPE.
+    pub tokenizer_file: Option<PathBuf>,
+    /// Fraction of the corpus used for training; the rest is validation. Default 0.9.
+    pub train_fraction: f64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            path: PathBuf::from("data/tinyshakespeare.txt"),
+            tokenizer: TokenizerKind::Char,
+            bpe_vocab_size: 512,
+            tokenizer_file: None,
+            train_fraction: 0.9,
+        }
+    }
+}
+
+/// The `[training]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainingConfig {
+    /// Compute device: `flex` (default), `ndarray`, or `auto`.
+    pub device: String,
+    /// Seed of weights, batches and dropout. Default 1337.
+    pub seed: u64,
+    /// Sequences per micro-batch. Default 12.
+    pub batch_size: usize,
+    /// Micro-batches whose gradients are summed before each optimizer step. Default 1.
+    pub grad_accum: usize,
+    /// Optimizer steps. Default 2000.
+    pub max_steps: u64,
+    /// Peak learning rate. Default 1e-3.
+    pub lr: f64,
+    /// Final learning rate of the cosine schedule. Default 1e-4.
+    pub min_lr: f64,
+    /// Linear warmup steps. Default 100.
+    pub warmup_steps: u64,
+    /// Step where the cosine reaches `min_lr`. Default `max_steps`.
+    pub decay_steps: Option<u64>,
+    /// `cosine` (default), `constant` or `inverse_sqrt`.
+    pub schedule: ScheduleKind,
+    /// AdamW beta1. Default 0.9.
+    pub beta1: f64,
+    /// AdamW beta2. Default 0.99.
+    pub beta2: f64,
+    /// AdamW epsilon. Default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay of weight matrices (not biases, norms). Default 0.1.
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this; 0 turns clipping off. Default 1.0.
+    pub grad_clip: f64,
+    /// Evaluate every this many steps (and at the end). Default 250.
+    pub eval_interval: u64,
+    /// Batches averaged for each train/val loss estimate. Default 20.
+    pub eval_batches: usize,
+    /// Write a checkpoint every this many steps (and at the end). Default 500.
+    pub checkpoint_interval: u64,
+    /// Checkpoints kept on disk (the newest). Default 2.
+    pub keep_checkpoints: usize,
+    /// Update the progress line every this many steps. Default 10.
+    pub log_interval: u64,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        Self {
+            device: "flex".into(),
+            seed: 1337,
+            batch_size: 12,
+            grad_accum: 1,
+            max_steps: 2000,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 100,
+            decay_steps: None,
+            schedule: ScheduleKind::Cosine,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            eval_interval: 250,
+            eval_batches: 20,
+            checkpoint_interval: 500,
+            keep_checkpoints: 2,
+            log_interval: 10,
+        }
+    }
+}
+
+impl TrainingConfig {
+    /// The learning-rate schedule these settings describe.
+    pub fn schedule(&self) -> Schedule {
+        Schedule {
+            kind: self.schedule,
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_steps: self.warmup_steps,
+            decay_steps: self.decay_steps.unwrap_or(self.max_steps),
+        }
+    }
+
+    /// Checks every value; the error names `training.<key>` and the value.
+    pub fn validate(&self) -> Result<()> {
+        let positive_int = |key: &str, v: u64| {
+            if v == 0 {
+                Err(value_err(&format!("training.{key}"), "must be at least 1, got 0"))
+            } else {
+                Ok(())
+            }
+        };
+        positive_int("batch_size", self.batch_size as u64)?;
+        positive_int("grad_accum", self.grad_accum as u64)?;
+        positive_int("max_steps", self.max_steps)?;
+        positive_int("eval_interval", self.eval_interval)?;
+        positive_int("eval_batches", self.eval_batches as u64)?;
+        positive_int("checkpoint_interval", self.checkpoint_interval)?;
+        positive_int("keep_checkpoints", self.keep_checkpoints as u64)?;
+        positive_int("log_interval", self.log_interval)?;
+        let positive_float = |key: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(value_err(&format!("training.{key}"), format!("must be a positive number, got {v}")))
+            }
+        };
+        positive_float("lr", self.lr)?;
+        positive_float("eps", self.eps)?;
+        let non_negative = |key: &str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(value_err(&format!("training.{key}"), format!("must be zero or positive, got {v}")))
+            }
+        };
+        non_negative("min_lr", self.min_lr)?;
+        non_negative("weight_decay", self.weight_decay)?;
+        non_negative("grad_clip", self.grad_clip)?;
+        for (key, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(value_err(&format!("training.{key}"), format!("must be in [0, 1), got {v}")));
+            }
+        }
+        if self.min_lr > self.lr {
+            return Err(value_err(
+                "training.min_lr",
+                format!("= {} is above training.lr = {}", self.min_lr, self.lr),
+            ));
+        }
+        crate::device::parse(&self.device).map(|_| ())
+    }
+}
+
+impl DataConfig {
+    /// Checks every value; the error names `data.<key>` and the value.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.train_fraction > 0.0 && self.train_fraction < 1.0) {
+            return Err(value_err(
+                "data.train_fraction",
+                format!("must be between 0 and 1 (exclusive), got {}", self.train_fraction),
+            ));
+        }
+        if self.tokenizer == TokenizerKind::Bpe && self.tokenizer_file.is_none() && self.bpe_vocab_size < 257 {
+            return Err(value_err(
+                "data.bpe_vocab_size",
+                format!("must be at least 257 (256 bytes + merges), got {}", self.bpe_vocab_size),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl RunConfig {
+    /// Reads and validates a config file. Errors name the file, and the line and key or the
+    /// key and value at fault.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: format!("cannot read config: {e}"),
+        })?;
+        Self::parse(&text).map_err(|e| match e {
+            TrainError::ConfigFile { message, .. } => TrainError::ConfigFile {
+                path: path.to_path_buf(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses and validates config text.
+    pub fn parse(text: &str) -> Result<Self> {
+        let config: RunConfig = toml::from_str(text).map_err(|e| TrainError::ConfigFile {
+            path: PathBuf::from("<config>"),
+            message: one_line(&e),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks all sections. The model's `vocab_size` may still be 0 (it comes from the data).
+    pub fn validate(&self) -> Result<()> {
+        let mut model = self.model.clone();
+        if model.vocab_size == 0 {
+            model.vocab_size = 1;
+        }
+        model.validate()?;
+        self.data.validate()?;
+        self.training.validate()
+    }
+
+    /// The config as TOML, as saved beside checkpoints.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("the config always serializes")
+    }
+}
+
+/// The TOML parser's message on one line: "line 3, column 1: unknown field `d_modle`, ...".
+fn one_line(e: &toml::de::Error) -> String {
+    let message = e.message().trim().replace('\n', " ");
+    let full = e.to_string();
+    let location = full.lines().next().unwrap_or_default();
+    match location.strip_prefix("TOML parse error at ") {
+        Some(at) => format!("{at}: {message}"),
+        None => message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        RunConfig::parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_parse_and_sections_override() {
+        let c = RunConfig::parse("[model]\nd_model = 64\n[training]\nlr = 3e-4\n").unwrap();
+        assert_eq!(c.model.d_model, 64);
+        assert_eq!(c.training.lr, 3e-4);
+        assert_eq!(c.training.batch_size, 12);
+        let again = RunConfig::parse(&c.to_toml()).unwrap();
+        assert_eq!(again, c);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_the_value() {
+        let e = err("[model]\nd_modle = 64\n");
+        assert!(e.contains("d_modle") && e.contains("line 2"), "{e}");
+        let e = err("[trainin]\nlr = 1\n");
+        assert!(e.contains("trainin"), "{e}");
+        let e = err("[training]\nbatch_size = \"twelve\"\n");
+        assert!(e.contains("twelve") || e.contains("invalid type"), "{e}");
+        let e = err("[training]\nlr = nan\n");
+        assert!(e.contains("training.lr") && e.contains("NaN"), "{e}");
+        let e = err("[training]\nlr = -0.1\n");
+        assert!(e.contains("training.lr") && e.contains("-0.1"), "{e}");
+        let e = err("[training]\nbatch_size = 0\n");
+        assert!(e.contains("training.batch_size"), "{e}");
+        let e = err("[training]\nbatch_size = -3\n");
+        assert!(e.contains("batch_size") || e.contains("-3"), "{e}");
+        let e = err("[model]\nd_model = 30\nn_heads = 4\n");
+        assert!(e.contains("n_heads") && e.contains("30"), "{e}");
+        let e = err("[model]\ncontext_len = 128\nmax_positions = 64\n");
+        assert!(e.contains("context_len") && e.contains("64"), "{e}");
+        let e = err("[training]\ndevice = \"tpu\"\n");
+        assert!(e.contains("tpu") && e.contains("flex"), "{e}");
+        let e = err("this is not toml");
+        assert!(e.contains("line 1"), "{e}");
+    }
+}

@@ -1,0 +1,236 @@
+//! Language modelling: a corpus, a tokenizer, random windows, and a [`DecoderOnly`] model.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Int, Tensor};
+use ember_data::{CharTokenizer, Tokenizer, WindowSampler, batch_seed, corpus};
+use ember_model::DecoderOnly;
+
+use crate::checkpoint::CONFIG_FILE;
+use crate::config::{RunConfig, TokenizerKind};
+use crate::error::{Result, TrainError, write_err};
+use crate::trainer::{RunOptions, RunSummary, Split, Task};
+
+/// Seed salt for evaluation batches: fixed, so every evaluation sees the same windows.
+const EVAL_SALT: u64 = 0xE7A1;
+
+/// A tokenized corpus split for training.
+pub struct LmData {
+    /// The tokenizer built from (or for) the corpus.
+    pub tokenizer: Tokenizer,
+    /// Training windows.
+    pub train: WindowSampler,
+    /// Validation windows.
+    pub val: WindowSampler,
+    /// Characters (or pieces) of the corpus outside the vocabulary.
+    pub unknown: usize,
+}
+
+/// Builds the tokenizer the config asks for, tokenizes the corpus and splits it.
+pub fn prepare(config: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<LmData> {
+    let path = &config.data.path;
+    let text = corpus::read_text(path)?;
+    let tokenizer = match tokenizer {
+        Some(t) => t,
+        None => build_tokenizer(config, &text)?,
+    };
+    let encoded = tokenizer.encode(&text)?;
+    let (train, val) = corpus::split(&encoded.ids, config.data.train_fraction);
+    let context = config.model.context_len;
+    let name = |split: &str| format!("the {split} split of {}", path.display());
+    Ok(LmData {
+        train: WindowSampler::new(&name("training"), train.to_vec(), context)?,
+        val: WindowSampler::new(&name("validation"), val.to_vec(), context)?,
+        tokenizer,
+        unknown: encoded.unknown,
+    })
+}
+
+fn build_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer> {
+    let data = &config.data;
+    Ok(match (data.tokenizer, &data.tokenizer_file) {
+        (_, Some(file)) => Tokenizer::Bpe(Box::new(ember_data::bpe::load_bpe(file)?)),
+        (TokenizerKind::Char, None) => Tokenizer::Char(CharTokenizer::from_text(text)),
+        (TokenizerKind::Bpe, None) => Tokenizer::Bpe(Box::new(ember_data::bpe::train_bpe(
+            &[data.path.as_path()],
+            data.bpe_vocab_size,
+            &[],
+        )?)),
+    })
+}
+
+/// The language-modelling task for the training loop.
+pub struct LmTask {
+    /// Data and tokenizer.
+    pub data: LmData,
+    /// The resolved config (saved in checkpoints).
+    pub config: RunConfig,
+    /// The compute device without autodiff.
+    pub device: Device,
+}
+
+impl LmTask {
+    fn batch(&self, split: Split, seed: u64, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+        let sampler = match split {
+            Split::Train => &self.data.train,
+            Split::Val => &self.data.val,
+        };
+        let t = self.config.model.context_len;
+        let b = self.config.training.batch_size;
+        let batch = sampler.sample(b, seed);
+        let x = Tensor::<1, Int>::from_ints(batch.inputs.as_slice(), device).reshape([b, t]);
+        let y = Tensor::<1, Int>::from_ints(batch.targets.as_slice(), device).reshape([b, t]);
+        (x, y)
+    }
+}
+
+impl Task for LmTask {
+    type Model = DecoderOnly;
+
+    fn train_loss(&self, model: &DecoderOnly, step: u64, micro: u64) -> (Tensor<1>, usize) {
+        let seed = batch_seed(self.config.training.seed, step, micro);
+        let (x, y) = self.batch(Split::Train, seed, &self.device.clone().autodiff());
+        let tokens = x.dims()[0] * x.dims()[1];
+        (model.loss(x, y), tokens)
+    }
+
+    fn eval_loss(&self, model: &DecoderOnly, split: Split, batches: usize) -> f64 {
+        let total: f64 = (0..batches as u64)
+            .map(|i| {
+                let seed = batch_seed(self.config.training.seed ^ EVAL_SALT, i, split as u64);
+                let (x, y) = self.batch(split, seed, &self.device);
+                model.loss(x, y).into_scalar::<f32>() as f64
+            })
+            .sum();
+        total / batches as f64
+    }
+
+    fn write_files(&self, dir: &Path) -> Result<()> {
+        self.data.tokenizer.save(dir)?;
+        let path = dir.join(CONFIG_FILE);
+        std::fs::write(&path, self.config.to_toml()).map_err(|e| write_err(&path, e))
+    }
+
+    fn model_kind(&self) -> &'static str {
+        "decoder_only"
+    }
+}
+
+/// The device a run uses: `--device` if given, else the config's.
+pub fn run_device(config: &RunConfig, device: Option<&str>) -> Result<Device> {
+    crate::device::parse(device.unwrap_or(&config.training.device))
+}
+
+/// Everything `ember train` does for a language model: prepare data, build (or resume) the
+/// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
+pub fn train_lm(
+    mut config: RunConfig,
+    out_dir: PathBuf,
+    resume: bool,
+    device_name: Option<&str>,
+    stop_after: Option<u64>,
+    progress: bool,
+) -> Result<RunSummary> {
+    let device = run_device(&config, device_name)?;
+    if let Some(name) = device_name {
+        config.training.device = name.to_string();
+    }
+    // On resume the checkpoint's tokenizer is reused, so ids mean the same thing.
+    let tokenizer = if resume {
+        let dir = crate::checkpoint::resolve(&out_dir)?;
+        Some(Tokenizer::load(&dir)?)
+    } else {
+        None
+    };
+    let data = prepare(&config, tokenizer)?;
+    if data.unknown > 0 {
+        eprintln!(
+            "note: {} characters of {} are outside the vocabulary (mapped to unknown)",
+            data.unknown,
+            config.data.path.display()
+        );
+    }
+    config.model.vocab_size = data.tokenizer.vocab_size();
+    config.validate()?;
+    eprintln!("resolved config:\n{}", config.to_toml());
+    eprintln!(
+        "data: {} ({} train tokens, {} val tokens, tokenizer {})",
+        config.data.path.display(),
+        data.train.len(),
+        data.val.len(),
+        data.tokenizer.describe()
+    );
+    std::fs::create_dir_all(&out_dir).map_err(|e| write_err(&out_dir, e))?;
+    let config_path = out_dir.join(CONFIG_FILE);
+    std::fs::write(&config_path, config.to_toml()).map_err(|e| write_err(&config_path, e))?;
+
+    let train_device = device.clone().autodiff();
+    train_device.seed(config.training.seed);
+    let model = config.model.init(&train_device)?;
+    eprintln!("{}", model.summary());
+    let options = RunOptions {
+        out_dir,
+        training: config.training.clone(),
+        resume,
+        stop_after,
+        progress,
+        title: format!(
+            "{} on {}",
+            "decoder-only LM",
+            config.data.path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()
+        ),
+    };
+    let task = LmTask {
+        data,
+        config,
+        device,
+    };
+    crate::trainer::train(&task, model, &options)
+}
+
+/// A trained language model, ready for inference.
+pub struct LoadedLm {
+    /// The model, on the requested device, without autodiff.
+    pub model: DecoderOnly,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The config it was trained with.
+    pub config: RunConfig,
+    /// The checkpoint folder it came from.
+    pub dir: PathBuf,
+    /// The step it was saved at.
+    pub step: u64,
+}
+
+/// Loads a checkpoint (or the newest in a run folder) for inference.
+pub fn load_lm(path: &Path, device: &Device) -> Result<LoadedLm> {
+    let dir = crate::checkpoint::resolve(path)?;
+    let state = crate::checkpoint::read_state(&dir)?;
+    if state.model_kind != "decoder_only" {
+        return Err(TrainError::Checkpoint {
+            path: dir,
+            message: format!("holds a {} model; this command needs a language model", state.model_kind),
+        });
+    }
+    let config = RunConfig::load(&dir.join(CONFIG_FILE))?;
+    let tokenizer = Tokenizer::load(&dir)?;
+    if tokenizer.vocab_size() != config.model.vocab_size {
+        return Err(TrainError::Checkpoint {
+            path: dir,
+            message: format!(
+                "tokenizer has {} tokens but the model expects {}",
+                tokenizer.vocab_size(),
+                config.model.vocab_size
+            ),
+        });
+    }
+    let model = config.model.init(device)?;
+    let model = crate::trainer::load_model(model, &dir)?;
+    Ok(LoadedLm {
+        model,
+        tokenizer,
+        config,
+        dir,
+        step: state.step,
+    })
+}

@@ -1,0 +1,149 @@
+//! AdamW with weight decay on weight matrices only, and clipping of the *global* gradient norm
+//! (Burn's own clipping is per tensor; nanoGPT and PyTorch clip the norm of all gradients).
+
+use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::Tensor;
+
+use crate::config::TrainingConfig;
+
+/// Collects the ids of parameters with fewer than two axes: biases, LayerNorm scales.
+struct VectorParams(Vec<ParamId>);
+
+impl ModuleVisitor for VectorParams {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if D < 2 {
+            self.0.push(param.id);
+        }
+    }
+}
+
+/// AdamW as the config says; biases and norm parameters get no weight decay (as in GPT-2 and
+/// nanoGPT), weight matrices and embeddings do.
+pub fn adamw<M: Module>(config: &TrainingConfig, model: &M) -> ModuleOptimizer {
+    let adam = AdamWConfig::new()
+        .with_beta_1(config.beta1 as f32)
+        .with_beta_2(config.beta2 as f32)
+        .with_epsilon(config.eps as f32);
+    let mut vectors = VectorParams(Vec::new());
+    model.visit(&mut vectors);
+    adam.clone()
+        .with_weight_decay(config.weight_decay as f32)
+        .init()
+        .with_group(
+            ParamGroup::from_ids(vectors.0),
+            adam.with_weight_decay(0.0).build(),
+            None,
+        )
+}
+
+/// Sums the squares of every gradient of `model`'s parameters.
+struct SquaredNorm<'a> {
+    grads: &'a GradientsParams,
+    total: Option<Tensor<1>>,
+}
+
+impl ModuleVisitor for SquaredNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(grad) = self.grads.get::<D>(param.id) {
+            let sq = grad.powi_scalar(2).sum();
+            self.total = Some(match self.total.take() {
+                Some(total) => total + sq,
+                None => sq,
+            });
+        }
+    }
+}
+
+/// Multiplies every gradient by a `[1]` factor.
+struct Scale<'a> {
+    grads: &'a mut GradientsParams,
+    factor: Tensor<1>,
+}
+
+impl ModuleVisitor for Scale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(grad) = self.grads.remove::<D>(param.id) {
+            let factor = self.factor.clone().reshape([1; D]);
+            self.grads.register(param.id, grad * factor);
+        }
+    }
+}
+
+/// Scales all gradients so that their global L2 norm is at most `max_norm`, and returns the
+/// norm before clipping as a `[1]` tensor (read it only when logging: reading syncs the device).
+pub fn clip_global_norm<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    max_norm: f64,
+) -> Option<Tensor<1>> {
+    let mut norm = SquaredNorm { grads, total: None };
+    model.visit(&mut norm);
+    let norm = norm.total?.sqrt();
+    if max_norm > 0.0 {
+        // min(1, max_norm / norm), computed on the device: no synchronisation.
+        let factor = norm
+            .clone()
+            .add_scalar(1e-6)
+            .recip()
+            .mul_scalar(max_norm)
+            .clamp_max(1.0);
+        model.visit(&mut Scale { grads, factor });
+    }
+    Some(norm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::Device;
+
+    #[derive(Module, Debug)]
+    struct Two {
+        a: Linear,
+        b: Linear,
+    }
+
+    #[test]
+    fn global_norm_clipping_scales_all_gradients_together() {
+        let device = Device::flex().autodiff();
+        let model = Two {
+            a: LinearConfig::new(2, 2).init(&device),
+            b: LinearConfig::new(2, 1).with_bias(false).init(&device),
+        };
+        let x = Tensor::<2>::from_floats([[1.0, 2.0], [3.0, -1.0]], &device);
+        let loss = model.b.forward(model.a.forward(x)).sum().mul_scalar(10.0);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        // The global norm by hand, from the gradients before clipping.
+        let parts: Vec<Tensor<1>> = vec![
+            grads.get::<2>(model.a.weight.id).unwrap().powi_scalar(2).sum(),
+            grads.get::<1>(model.a.bias.as_ref().unwrap().id).unwrap().powi_scalar(2).sum(),
+            grads.get::<2>(model.b.weight.id).unwrap().powi_scalar(2).sum(),
+        ];
+        let want: f32 = parts.into_iter().map(|p| p.into_scalar::<f32>()).sum::<f32>().sqrt();
+        let before_b = grads.get::<2>(model.b.weight.id).unwrap();
+        let norm = clip_global_norm(&model, &mut grads, 0.5).unwrap().into_scalar::<f32>();
+        assert!((norm - want).abs() < 1e-3 * want, "{norm} vs {want}");
+        assert!(want > 0.5, "test needs a norm above the limit");
+        let after_b = grads.get::<2>(model.b.weight.id).unwrap();
+        let ratio = (after_b / before_b).try_into_vec_as::<f32>().unwrap();
+        for r in ratio {
+            assert!((r - 0.5 / want).abs() < 1e-4, "scaled by {r}");
+        }
+    }
+
+    #[test]
+    fn biases_are_exempt_from_weight_decay() {
+        let device = Device::flex();
+        let model = Two {
+            a: LinearConfig::new(2, 2).init(&device),
+            b: LinearConfig::new(2, 1).init(&device),
+        };
+        let mut v = VectorParams(Vec::new());
+        model.visit(&mut v);
+        assert_eq!(v.0.len(), 2);
+        assert!(v.0.contains(&model.a.bias.as_ref().unwrap().id));
+        assert!(!v.0.contains(&model.a.weight.id));
+    }
+}
