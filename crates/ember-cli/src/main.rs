@@ -1,1 +1,63 @@
-fn main() {}
+//! `ember`: train, sample from, and score transformers.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod eval;
+mod generate;
+mod stream;
+mod train;
+
+/// Train, sample from and score small transformers, on CPU or GPU.
+#[derive(Parser)]
+#[command(name = "ember", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model from a TOML config (and resume an interrupted run).
+    Train(train::TrainArgs),
+    /// Sample text from a trained language model.
+    Generate(generate::GenerateArgs),
+    /// Score a trained language model on a text file.
+    Eval(eval::EvalArgs),
+}
+
+fn main() -> ExitCode {
+    // A bug in ember must still end in one readable line, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let place = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!("error: internal error{place}: {message} (please report this)");
+    }));
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train::run(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Eval(args) => eval::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes on a single line.
+fn one_line(e: &anyhow::Error) -> String {
+    format!("{e:#}").replace('\n', " ")
+}

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod eval;
 pub mod lm;
 pub mod metrics;
 pub mod optimizer;

@@ -52,6 +52,7 @@ pub fn loss_curves(records: &[Record], title: &str, path: &Path) -> Result<()> {
     chart
         .configure_mesh()
         .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .y_desc("cross-entropy loss (nats/token)")
         .label_style(("sans-serif", 14))
         .draw()

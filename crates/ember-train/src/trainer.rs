@@ -98,7 +98,6 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
     std::fs::create_dir_all(out).map_err(|e| crate::error::write_err(out, e))?;
     check_writable(out)?;
     let schedule = config.schedule();
-    let mut optim = adamw(config, &model);
     let mut state = CheckpointState {
         format_version: FORMAT_VERSION,
         model_kind: task.model_kind().to_string(),
@@ -109,6 +108,9 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         val_loss: None,
     };
     let mut last_checkpoint = PathBuf::new();
+    // Built from the model it will update: the weight-decay groups are keyed by parameter id,
+    // and loading a checkpoint restores the ids the optimizer state was saved under.
+    let mut optim = adamw(config, &model);
     if options.resume {
         let dir = checkpoint::resolve(out)?;
         let saved = checkpoint::read_state(&dir)?;
@@ -118,7 +120,8 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
                 message: format!("holds a {} model, not {}", saved.model_kind, task.model_kind()),
             });
         }
-        (model, optim) = load_weights(model, optim, &dir)?;
+        model = load_model(model, &dir)?;
+        optim = load_optimizer(adamw(config, &model), &dir)?;
         eprintln!("resuming from {} (step {})", dir.display(), saved.step);
         state = saved;
         state.seed = config.seed;
@@ -348,19 +351,13 @@ fn save_weights<M: Module>(model: &M, optim: &ModuleOptimizer, dir: &Path) -> Re
         .map_err(|e| crate::error::write_err(&optim_path, e))
 }
 
-/// Loads weights and optimizer state of checkpoint `dir` into freshly built ones.
-pub fn load_weights<M: Module>(
-    model: M,
-    optim: ModuleOptimizer,
-    dir: &Path,
-) -> Result<(M, ModuleOptimizer)> {
-    let model = load_model(model, dir)?;
-    let optim_path = dir.join(OPTIM_FILE);
-    let optim = optim.load(&optim_path).map_err(|e| TrainError::Checkpoint {
-        path: optim_path.clone(),
+/// Loads the optimizer state of checkpoint `dir`.
+fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> Result<ModuleOptimizer> {
+    let path = dir.join(OPTIM_FILE);
+    optim.load(&path).map_err(|e| TrainError::Checkpoint {
+        path: path.clone(),
         message: format!("cannot load optimizer state: {e}"),
-    })?;
-    Ok((model, optim))
+    })
 }
 
 /// Loads the weights of checkpoint `dir` into a model built from the checkpoint's config.

@@ -1,0 +1,62 @@
+//! `ember train`
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use ember_train::RunConfig;
+
+/// Arguments of `ember train`.
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Run config (TOML with [model], [data] and [training] sections).
+    #[arg(long, value_name = "FILE")]
+    config: PathBuf,
+    /// Compute device: flex (default CPU), ndarray, auto. Overrides the config.
+    #[arg(long, value_name = "NAME")]
+    device: Option<String>,
+    /// Run folder for checkpoints, metrics and the loss plot [default: runs/<config name>].
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Continue from the newest checkpoint in the run folder.
+    #[arg(long)]
+    resume: bool,
+    /// Stop after this step (with a checkpoint), as if interrupted; `--resume` continues.
+    #[arg(long, value_name = "STEP", hide = true)]
+    stop_after: Option<u64>,
+}
+
+pub fn run(args: TrainArgs) -> Result<()> {
+    let config = RunConfig::load(&args.config)?;
+    let out = args.out.unwrap_or_else(|| {
+        let name = args
+            .config
+            .file_stem()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_else(|| "run".into());
+        PathBuf::from("runs").join(name)
+    });
+    let summary = ember_train::train_lm(
+        config,
+        out.clone(),
+        args.resume,
+        args.device.as_deref(),
+        args.stop_after,
+        std::io::stderr().is_terminal(),
+    )?;
+    eprintln!(
+        "done: {} steps in {:.1}s ({:.1} ms/step, {:.0} tokens/s){}",
+        summary.step,
+        summary.elapsed_secs,
+        summary.ms_per_step,
+        summary.tokens_per_sec,
+        summary
+            .val_loss
+            .map(|v| format!(", val loss {v:.4}"))
+            .unwrap_or_default()
+    );
+    eprintln!("checkpoint: {}", summary.checkpoint.display());
+    eprintln!("metrics: {}, plot: {}", out.join("metrics.jsonl").display(), out.join("loss.png").display());
+    Ok(())
+}

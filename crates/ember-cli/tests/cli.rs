@@ -1,0 +1,138 @@
+//! The `ember` binary as a user meets it: help, the train -> generate -> eval chain, and clear
+//! one-line errors for bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn ember(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .expect("ember runs")
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ember-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Asserts a failed run with one `error:` line naming every `needle`, and no panic.
+fn assert_clear_error(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, stderr: {stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "want one error line, got: {stderr}");
+    for needle in needles {
+        assert!(errors[0].contains(needle), "{needle:?} missing from: {}", errors[0]);
+    }
+    assert!(!stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"), "{stderr}");
+}
+
+/// A tiny model trained once for all tests that need a checkpoint.
+fn trained() -> &'static PathBuf {
+    static RUN: OnceLock<PathBuf> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let dir = temp("trained").join("run");
+        let config = repo().join("configs/tiny.toml");
+        let out = ember(&["train", "--config", config.to_str().unwrap(), "--out", dir.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        dir
+    })
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    for sub in [&["--help"][..], &["train", "--help"], &["generate", "--help"], &["eval", "--help"]] {
+        let out = ember(sub);
+        assert!(out.status.success());
+        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+    }
+}
+
+#[test]
+fn train_then_generate_then_eval() {
+    let run = trained().to_str().unwrap();
+    let gen_args = ["generate", "--checkpoint", run, "--prompt", "ROMEO:", "--max-tokens", "60", "--seed", "3"];
+    let a = ember(&gen_args);
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    let text = String::from_utf8_lossy(&a.stdout).to_string();
+    assert!(text.starts_with("ROMEO:") && text.chars().count() >= 60, "{text:?}");
+    assert!(String::from_utf8_lossy(&a.stderr).contains("tokens/s"));
+    // Same seed, same text; the KV cache does not change greedy output.
+    assert_eq!(ember(&gen_args).stdout, a.stdout);
+    let greedy = |extra: &[&str]| {
+        let mut args = vec!["generate", "--checkpoint", run, "--prompt", "First", "--max-tokens", "20", "--greedy"];
+        args.extend_from_slice(extra);
+        ember(&args).stdout
+    };
+    assert_eq!(greedy(&[]), greedy(&["--no-cache"]));
+
+    let eval = ember(&["eval", "--checkpoint", run, "--data", "data/tinyshakespeare.txt", "--json"]);
+    assert!(eval.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&eval.stdout).unwrap();
+    let loss = json["loss"].as_f64().unwrap();
+    assert!(loss > 1.0 && loss < 3.0, "{json}");
+    assert!((json["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6);
+    assert_eq!(json["unknown"], 0);
+    assert!(json["tokens"].as_u64().unwrap() > 1_000_000);
+}
+
+#[test]
+fn stop_string_ends_the_sample_and_long_prompts_are_cut() {
+    let run = trained().to_str().unwrap();
+    let out = ember(&["generate", "--checkpoint", run, "--prompt", "KING:", "--max-tokens", "300", "--stop", "\n"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.trim_end_matches('\n').contains('\n'), "{text:?}");
+
+    let long = "To be, or not to be, that is the question. ".repeat(10);
+    let out = ember(&["generate", "--checkpoint", run, "--prompt", &long, "--max-tokens", "10"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sees only the last 32"));
+
+    let out = ember(&["generate", "--checkpoint", run, "--prompt", "Ωμέγα", "--max-tokens", "5"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("5 character(s) of the prompt are not in the model's vocabulary"));
+}
+
+#[test]
+fn bad_input_gives_one_clear_line() {
+    let dir = temp("errors");
+    let write = |name: &str, text: &[u8]| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let missing = dir.join("nope.toml");
+    assert_clear_error(&ember(&["train", "--config", missing.to_str().unwrap()]), &["nope.toml"]);
+    let unknown = write("unknown.toml", b"[model]\nd_modle = 3\n");
+    assert_clear_error(&ember(&["train", "--config", &unknown]), &["unknown.toml", "d_modle", "line 2"]);
+    let invalid = write("invalid.toml", b"[training]\nlr = -1.0\n");
+    assert_clear_error(&ember(&["train", "--config", &invalid]), &["training.lr", "-1"]);
+    let heads = write("heads.toml", b"[model]\nd_model = 30\nn_heads = 4\n");
+    assert_clear_error(&ember(&["train", "--config", &heads]), &["n_heads", "30"]);
+    let empty_corpus = write("empty.txt", b"");
+    let empty = write("empty.toml", format!("[data]\npath = \"{empty_corpus}\"\n").as_bytes());
+    assert_clear_error(&ember(&["train", "--config", &empty]), &["empty.txt", "empty"]);
+    let binary = write("binary.txt", b"abc\xff\xfe");
+    let not_utf8 = write("binary.toml", format!("[data]\npath = \"{binary}\"\n").as_bytes());
+    assert_clear_error(&ember(&["train", "--config", &not_utf8]), &["binary.txt", "UTF-8", "offset 3"]);
+    let tiny = repo().join("configs/tiny.toml");
+    assert_clear_error(&ember(&["train", "--config", tiny.to_str().unwrap(), "--device", "tpu"]), &["tpu", "flex"]);
+
+    let nowhere = dir.join("no-run");
+    let out = ember(&["generate", "--checkpoint", nowhere.to_str().unwrap(), "--prompt", "x"]);
+    assert_clear_error(&out, &["no-run"]);
+    let run = trained().to_str().unwrap();
+    assert_clear_error(&ember(&["generate", "--checkpoint", run, "--prompt", ""]), &["--prompt"]);
+    assert_clear_error(&ember(&["eval", "--checkpoint", run, "--data", missing.to_str().unwrap()]), &["nope.toml"]);
+    let _ = std::fs::remove_dir_all(dir);
+}

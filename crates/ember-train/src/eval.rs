@@ -1,0 +1,80 @@
+//! Scoring a trained language model on any UTF-8 text: loss, perplexity, bits per character.
+
+use std::path::Path;
+
+use burn::tensor::{Int, Tensor};
+use ember_data::corpus;
+
+use crate::error::{Result, TrainError};
+use crate::lm::LoadedLm;
+
+/// The score of a model on a text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalReport {
+    /// Mean cross-entropy per token, in nats.
+    pub loss: f64,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+    /// Tokens scored (every token after the first).
+    pub tokens: usize,
+    /// Characters outside the vocabulary.
+    pub unknown: usize,
+    /// Bits per character, for character-level models.
+    pub bits_per_char: Option<f64>,
+}
+
+/// Windows scored per forward pass.
+const WINDOWS_PER_BATCH: usize = 16;
+
+/// Scores every token of `path` given the tokens before it (up to one context of them): the
+/// text is cut into consecutive windows of `context_len` predictions.
+pub fn evaluate(lm: &LoadedLm, path: &Path) -> Result<EvalReport> {
+    let text = corpus::read_text(path)?;
+    let encoded = lm.tokenizer.encode(&text)?;
+    let ids: Vec<i32> = encoded.ids.iter().map(|&i| i as i32).collect();
+    if ids.len() < 2 {
+        return Err(TrainError::Data(ember_data::DataError::TooShort {
+            what: path.display().to_string(),
+            tokens: ids.len(),
+            needed: 2,
+        }));
+    }
+    let t = lm.config.model.context_len;
+    let device = lm.model.wte.weight.device();
+    let starts: Vec<usize> = (0..ids.len() - 1).step_by(t).collect();
+    let (full, partial): (Vec<usize>, Vec<usize>) =
+        starts.into_iter().partition(|&s| s + t < ids.len());
+    let mut nll = 0.0f64;
+    let mut count = 0usize;
+    let mut score = |batch: &[usize], len: usize| {
+        let mut x = Vec::with_capacity(batch.len() * len);
+        let mut y = Vec::with_capacity(batch.len() * len);
+        for &s in batch {
+            x.extend_from_slice(&ids[s..s + len]);
+            y.extend_from_slice(&ids[s + 1..s + len + 1]);
+        }
+        let b = batch.len();
+        let x = Tensor::<1, Int>::from_ints(x.as_slice(), &device).reshape([b, len]);
+        let y = Tensor::<1, Int>::from_ints(y.as_slice(), &device).reshape([b, len]);
+        let loss = lm.model.loss(x, y).into_scalar::<f32>() as f64;
+        nll += loss * (b * len) as f64;
+        count += b * len;
+    };
+    for batch in full.chunks(WINDOWS_PER_BATCH) {
+        score(batch, t);
+    }
+    for &s in &partial {
+        score(&[s], ids.len() - 1 - s);
+    }
+    let loss = nll / count as f64;
+    Ok(EvalReport {
+        loss,
+        perplexity: loss.exp(),
+        tokens: count,
+        unknown: encoded.unknown,
+        bits_per_char: lm
+            .tokenizer
+            .is_char()
+            .then(|| loss / std::f64::consts::LN_2),
+    })
+}
