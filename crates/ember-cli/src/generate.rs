@@ -55,7 +55,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bail!("--prompt is empty: give some text to continue, e.g. --prompt \"ROMEO:\"");
     }
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
-        bail!("--temperature must be zero or positive, got {}", args.temperature);
+        bail!(
+            "--temperature must be zero or positive, got {}",
+            args.temperature
+        );
     }
     if let Some(p) = args.top_p
         && !(p > 0.0 && p <= 1.0)
@@ -115,7 +118,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     eprintln!(
         "{total_tokens} tokens in {secs:.2}s ({:.0} tokens/s, {})",
         total_tokens as f64 / secs.max(1e-9),
-        if args.no_cache { "no KV cache" } else { "KV cache" }
+        if args.no_cache {
+            "no KV cache"
+        } else {
+            "KV cache"
+        }
     );
     Ok(())
 }

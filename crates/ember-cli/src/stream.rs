@@ -55,9 +55,12 @@ impl<'a> Stream<'a> {
     }
 
     fn emit(&mut self, upto: usize) {
-        if upto > self.printed && self.text.is_char_boundary(upto) && self.text.is_char_boundary(self.printed) {
+        if upto > self.printed
+            && self.text.is_char_boundary(upto)
+            && self.text.is_char_boundary(self.printed)
+        {
             let mut out = std::io::stdout().lock();
-            let _ = out.write_all(self.text[self.printed..upto].as_bytes());
+            let _ = out.write_all(&self.text.as_bytes()[self.printed..upto]);
             let _ = out.flush();
             self.printed = upto;
         }

@@ -56,7 +56,22 @@ pub fn run(args: TrainArgs) -> Result<()> {
             .map(|v| format!(", val loss {v:.4}"))
             .unwrap_or_default()
     );
+    if let Some(peak) = peak_memory() {
+        eprintln!("peak memory: {peak}");
+    }
     eprintln!("checkpoint: {}", summary.checkpoint.display());
-    eprintln!("metrics: {}, plot: {}", out.join("metrics.jsonl").display(), out.join("loss.png").display());
+    eprintln!(
+        "metrics: {}, plot: {}",
+        out.join("metrics.jsonl").display(),
+        out.join("loss.png").display()
+    );
     Ok(())
+}
+
+/// Peak resident memory of this process, from /proc (Linux only).
+fn peak_memory() -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(format!("{:.0} MiB", kb / 1024.0))
 }

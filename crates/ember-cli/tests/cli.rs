@@ -31,9 +31,16 @@ fn assert_clear_error(out: &Output, needles: &[&str]) {
     let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(errors.len(), 1, "want one error line, got: {stderr}");
     for needle in needles {
-        assert!(errors[0].contains(needle), "{needle:?} missing from: {}", errors[0]);
+        assert!(
+            errors[0].contains(needle),
+            "{needle:?} missing from: {}",
+            errors[0]
+        );
     }
-    assert!(!stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"), "{stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
+        "{stderr}"
+    );
 }
 
 /// A tiny model trained once for all tests that need a checkpoint.
@@ -42,15 +49,30 @@ fn trained() -> &'static PathBuf {
     RUN.get_or_init(|| {
         let dir = temp("trained").join("run");
         let config = repo().join("configs/tiny.toml");
-        let out = ember(&["train", "--config", config.to_str().unwrap(), "--out", dir.to_str().unwrap()]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = ember(&[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--out",
+            dir.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         dir
     })
 }
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in [&["--help"][..], &["train", "--help"], &["generate", "--help"], &["eval", "--help"]] {
+    for sub in [
+        &["--help"][..],
+        &["train", "--help"],
+        &["generate", "--help"],
+        &["eval", "--help"],
+    ] {
         let out = ember(sub);
         assert!(out.status.success());
         assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
@@ -60,22 +82,51 @@ fn every_subcommand_has_help() {
 #[test]
 fn train_then_generate_then_eval() {
     let run = trained().to_str().unwrap();
-    let gen_args = ["generate", "--checkpoint", run, "--prompt", "ROMEO:", "--max-tokens", "60", "--seed", "3"];
+    let gen_args = [
+        "generate",
+        "--checkpoint",
+        run,
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "60",
+        "--seed",
+        "3",
+    ];
     let a = ember(&gen_args);
     assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
     let text = String::from_utf8_lossy(&a.stdout).to_string();
-    assert!(text.starts_with("ROMEO:") && text.chars().count() >= 60, "{text:?}");
+    assert!(
+        text.starts_with("ROMEO:") && text.chars().count() >= 60,
+        "{text:?}"
+    );
     assert!(String::from_utf8_lossy(&a.stderr).contains("tokens/s"));
     // Same seed, same text; the KV cache does not change greedy output.
     assert_eq!(ember(&gen_args).stdout, a.stdout);
     let greedy = |extra: &[&str]| {
-        let mut args = vec!["generate", "--checkpoint", run, "--prompt", "First", "--max-tokens", "20", "--greedy"];
+        let mut args = vec![
+            "generate",
+            "--checkpoint",
+            run,
+            "--prompt",
+            "First",
+            "--max-tokens",
+            "20",
+            "--greedy",
+        ];
         args.extend_from_slice(extra);
         ember(&args).stdout
     };
     assert_eq!(greedy(&[]), greedy(&["--no-cache"]));
 
-    let eval = ember(&["eval", "--checkpoint", run, "--data", "data/tinyshakespeare.txt", "--json"]);
+    let eval = ember(&[
+        "eval",
+        "--checkpoint",
+        run,
+        "--data",
+        "data/tinyshakespeare.txt",
+        "--json",
+    ]);
     assert!(eval.status.success());
     let json: serde_json::Value = serde_json::from_slice(&eval.stdout).unwrap();
     let loss = json["loss"].as_f64().unwrap();
@@ -88,19 +139,48 @@ fn train_then_generate_then_eval() {
 #[test]
 fn stop_string_ends_the_sample_and_long_prompts_are_cut() {
     let run = trained().to_str().unwrap();
-    let out = ember(&["generate", "--checkpoint", run, "--prompt", "KING:", "--max-tokens", "300", "--stop", "\n"]);
+    let out = ember(&[
+        "generate",
+        "--checkpoint",
+        run,
+        "--prompt",
+        "KING:",
+        "--max-tokens",
+        "300",
+        "--stop",
+        "\n",
+    ]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!text.trim_end_matches('\n').contains('\n'), "{text:?}");
 
     let long = "To be, or not to be, that is the question. ".repeat(10);
-    let out = ember(&["generate", "--checkpoint", run, "--prompt", &long, "--max-tokens", "10"]);
+    let out = ember(&[
+        "generate",
+        "--checkpoint",
+        run,
+        "--prompt",
+        &long,
+        "--max-tokens",
+        "10",
+    ]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("sees only the last 32"));
 
-    let out = ember(&["generate", "--checkpoint", run, "--prompt", "Ωμέγα", "--max-tokens", "5"]);
+    let out = ember(&[
+        "generate",
+        "--checkpoint",
+        run,
+        "--prompt",
+        "Ωμέγα",
+        "--max-tokens",
+        "5",
+    ]);
     assert!(out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("5 character(s) of the prompt are not in the model's vocabulary"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("5 character(s) of the prompt are not in the model's vocabulary")
+    );
 }
 
 #[test]
@@ -112,27 +192,131 @@ fn bad_input_gives_one_clear_line() {
         path.to_str().unwrap().to_string()
     };
     let missing = dir.join("nope.toml");
-    assert_clear_error(&ember(&["train", "--config", missing.to_str().unwrap()]), &["nope.toml"]);
+    assert_clear_error(
+        &ember(&["train", "--config", missing.to_str().unwrap()]),
+        &["nope.toml"],
+    );
     let unknown = write("unknown.toml", b"[model]\nd_modle = 3\n");
-    assert_clear_error(&ember(&["train", "--config", &unknown]), &["unknown.toml", "d_modle", "line 2"]);
+    assert_clear_error(
+        &ember(&["train", "--config", &unknown]),
+        &["unknown.toml", "d_modle", "line 2"],
+    );
     let invalid = write("invalid.toml", b"[training]\nlr = -1.0\n");
-    assert_clear_error(&ember(&["train", "--config", &invalid]), &["training.lr", "-1"]);
+    assert_clear_error(
+        &ember(&["train", "--config", &invalid]),
+        &["training.lr", "-1"],
+    );
     let heads = write("heads.toml", b"[model]\nd_model = 30\nn_heads = 4\n");
     assert_clear_error(&ember(&["train", "--config", &heads]), &["n_heads", "30"]);
     let empty_corpus = write("empty.txt", b"");
-    let empty = write("empty.toml", format!("[data]\npath = \"{empty_corpus}\"\n").as_bytes());
-    assert_clear_error(&ember(&["train", "--config", &empty]), &["empty.txt", "empty"]);
+    let empty = write(
+        "empty.toml",
+        format!("[data]\npath = \"{empty_corpus}\"\n").as_bytes(),
+    );
+    assert_clear_error(
+        &ember(&["train", "--config", &empty]),
+        &["empty.txt", "empty"],
+    );
     let binary = write("binary.txt", b"abc\xff\xfe");
-    let not_utf8 = write("binary.toml", format!("[data]\npath = \"{binary}\"\n").as_bytes());
-    assert_clear_error(&ember(&["train", "--config", &not_utf8]), &["binary.txt", "UTF-8", "offset 3"]);
+    let not_utf8 = write(
+        "binary.toml",
+        format!("[data]\npath = \"{binary}\"\n").as_bytes(),
+    );
+    assert_clear_error(
+        &ember(&["train", "--config", &not_utf8]),
+        &["binary.txt", "UTF-8", "offset 3"],
+    );
     let tiny = repo().join("configs/tiny.toml");
-    assert_clear_error(&ember(&["train", "--config", tiny.to_str().unwrap(), "--device", "tpu"]), &["tpu", "flex"]);
+    assert_clear_error(
+        &ember(&[
+            "train",
+            "--config",
+            tiny.to_str().unwrap(),
+            "--device",
+            "tpu",
+        ]),
+        &["tpu", "flex"],
+    );
 
     let nowhere = dir.join("no-run");
-    let out = ember(&["generate", "--checkpoint", nowhere.to_str().unwrap(), "--prompt", "x"]);
+    let out = ember(&[
+        "generate",
+        "--checkpoint",
+        nowhere.to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
     assert_clear_error(&out, &["no-run"]);
     let run = trained().to_str().unwrap();
-    assert_clear_error(&ember(&["generate", "--checkpoint", run, "--prompt", ""]), &["--prompt"]);
-    assert_clear_error(&ember(&["eval", "--checkpoint", run, "--data", missing.to_str().unwrap()]), &["nope.toml"]);
+    assert_clear_error(
+        &ember(&["generate", "--checkpoint", run, "--prompt", ""]),
+        &["--prompt"],
+    );
+    assert_clear_error(
+        &ember(&[
+            "eval",
+            "--checkpoint",
+            run,
+            "--data",
+            missing.to_str().unwrap(),
+        ]),
+        &["nope.toml"],
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Every parameter of the newest checkpoint in `dir`, flattened.
+fn params(dir: &Path) -> Vec<f32> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct Collect(Vec<f32>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.extend(p.val().try_into_vec_as::<f32>().unwrap());
+        }
+    }
+    let lm = ember_train::load_lm(dir, &burn::tensor::Device::flex()).unwrap();
+    let mut collect = Collect(Vec::new());
+    lm.model.visit(&mut collect);
+    collect.0
+}
+
+#[test]
+fn interrupted_and_resumed_training_with_dropout_matches_an_uninterrupted_run() {
+    let dir = temp("resume");
+    let corpus = repo().join("data/tinyshakespeare.txt");
+    let config = dir.join("dropout.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nd_model = 32\nn_heads = 2\nn_layers = 2\ncontext_len = 32\ndropout = 0.1\n\
+             [data]\npath = {:?}\n\
+             [training]\nmax_steps = 30\ncheckpoint_interval = 10\neval_interval = 30\neval_batches = 2\ngrad_accum = 2\nbatch_size = 4\n",
+            corpus.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let train = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["train", "--config", config, "--out", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let result = ember(&args);
+        assert!(
+            result.status.success(),
+            "{}",
+            String::from_utf8_lossy(&result.stderr)
+        );
+    };
+    let (whole, split) = (dir.join("whole"), dir.join("split"));
+    train(&whole, &[]);
+    train(&split, &["--stop-after", "10"]);
+    train(&split, &["--resume", "--stop-after", "20"]);
+    train(&split, &["--resume"]);
+    let (a, b) = (params(&whole), params(&split));
+    assert_eq!(a.len(), b.len());
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| x == y),
+        "resumed parameters differ"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -87,7 +87,9 @@ mod tests {
 
     #[test]
     fn windows_are_true_slices_with_shifted_targets() {
-        let ids: Vec<u32> = (0..50).map(|i| (i * 7 % 13) as u32 + 100 * (i as u32)).collect();
+        let ids: Vec<u32> = (0..50)
+            .map(|i| (i * 7 % 13) as u32 + 100 * (i as u32))
+            .collect();
         let sampler = WindowSampler::new("train", ids.clone(), 8).unwrap();
         let batch = sampler.sample(16, 3);
         for b in 0..16 {
@@ -96,7 +98,10 @@ mod tests {
             // Values are distinct, so the first one locates the window in the corpus.
             let start = ids.iter().position(|&v| v as i32 == x[0]).unwrap();
             let want_x: Vec<i32> = ids[start..start + 8].iter().map(|&v| v as i32).collect();
-            let want_y: Vec<i32> = ids[start + 1..start + 9].iter().map(|&v| v as i32).collect();
+            let want_y: Vec<i32> = ids[start + 1..start + 9]
+                .iter()
+                .map(|&v| v as i32)
+                .collect();
             assert_eq!(x, want_x.as_slice());
             assert_eq!(y, want_y.as_slice());
         }
@@ -118,12 +123,19 @@ mod tests {
         let sampler = WindowSampler::new("val", ids, 9).unwrap();
         let batch = sampler.sample(64, 0);
         assert!(batch.inputs.chunks(9).any(|w| w[0] == 0));
-        assert!(batch.inputs.chunks(9).any(|w| w[0] == 0) && batch.targets.chunks(9).any(|w| w[8] == 9));
+        assert!(
+            batch.inputs.chunks(9).any(|w| w[0] == 0) && batch.targets.chunks(9).any(|w| w[8] == 9)
+        );
     }
 
     #[test]
     fn too_short_corpus_is_an_error() {
-        let err = WindowSampler::new("val split of x.txt", vec![1, 2, 3], 8).unwrap_err().to_string();
-        assert!(err.contains("val split of x.txt") && err.contains("3 tokens") && err.contains("9"), "{err}");
+        let err = WindowSampler::new("val split of x.txt", vec![1, 2, 3], 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("val split of x.txt") && err.contains("3 tokens") && err.contains("9"),
+            "{err}"
+        );
     }
 }

@@ -61,10 +61,11 @@ pub fn train_bpe(files: &[&Path], vocab_size: usize, special: &[&str]) -> Result
 /// Loads any Hugging Face `tokenizer.json`.
 pub fn load_bpe(path: &Path) -> Result<Tokenizer> {
     let text = crate::corpus::read_text(path)?;
-    text.parse::<Tokenizer>().map_err(|e| DataError::BadTokenizer {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })
+    text.parse::<Tokenizer>()
+        .map_err(|e| DataError::BadTokenizer {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
 }
 
 /// Writes `tokenizer` as a Hugging Face `tokenizer.json`.

@@ -161,6 +161,9 @@ mod tests {
         assert_eq!(CharTokenizer::load(&path).unwrap(), tok);
         std::fs::write(&path, "{\"kind\": \"char\", \"chars\": \"ba\"}").unwrap();
         let err = CharTokenizer::load(&path).unwrap_err().to_string();
-        assert!(err.contains("chars.json") && err.contains("sorted"), "{err}");
+        assert!(
+            err.contains("chars.json") && err.contains("sorted"),
+            "{err}"
+        );
     }
 }

@@ -18,7 +18,10 @@ pub fn read_text(path: &Path) -> Result<String> {
     }
     String::from_utf8(bytes).map_err(|e| {
         let offset = e.utf8_error().valid_up_to();
-        let line = 1 + e.as_bytes()[..offset].iter().filter(|&&b| b == b'\n').count();
+        let line = 1 + e.as_bytes()[..offset]
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count();
         DataError::InvalidUtf8 {
             path: path.to_path_buf(),
             offset,
@@ -58,7 +61,17 @@ mod tests {
 
         let bad = temp_file("bad.txt", b"ab\ncd\xffef");
         let err = read_text(&bad).unwrap_err();
-        assert!(matches!(err, DataError::InvalidUtf8 { offset: 5, line: 2, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                DataError::InvalidUtf8 {
+                    offset: 5,
+                    line: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("offset 5"), "{err}");
     }
 

@@ -39,7 +39,9 @@ pub enum DataError {
         line: usize,
     },
     /// The corpus is too short for one training window.
-    #[error("{what} has {tokens} tokens, fewer than one window of {needed} (context_len + 1); use a longer text or a smaller context_len")]
+    #[error(
+        "{what} has {tokens} tokens, fewer than one window of {needed} (context_len + 1); use a longer text or a smaller context_len"
+    )]
     TooShort {
         /// Which split or file.
         what: String,

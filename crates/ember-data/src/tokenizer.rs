@@ -108,7 +108,8 @@ mod tests {
         dir
     }
 
-    const TEXT: &str = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n";
+    const TEXT: &str =
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n";
 
     #[test]
     fn bpe_trains_round_trips_and_reloads() {
@@ -118,7 +119,12 @@ mod tests {
         let tk = train_bpe(&[&corpus], 300, &["<pad>"]).unwrap();
         let tok = Tokenizer::Bpe(Box::new(tk));
         assert!(tok.vocab_size() <= 300 && tok.vocab_size() > 257);
-        for text in [TEXT, "unseen words: zebra, ünïcødé ✓ 🦀", " leading space", ""] {
+        for text in [
+            TEXT,
+            "unseen words: zebra, ünïcødé ✓ 🦀",
+            " leading space",
+            "",
+        ] {
             let enc = tok.encode(text).unwrap();
             assert_eq!(enc.unknown, 0);
             assert_eq!(tok.decode(&enc.ids), text, "round trip of {text:?}");

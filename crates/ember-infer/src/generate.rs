@@ -35,7 +35,10 @@ pub fn generate(
     options: &GenerateOptions,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Vec<u32> {
-    assert!(!prompt.is_empty(), "generation needs at least one prompt token");
+    assert!(
+        !prompt.is_empty(),
+        "generation needs at least one prompt token"
+    );
     let device = model.wte.weight.device();
     let ctx = options.context_len.min(model.max_positions).max(1);
     let mut rng = StdRng::seed_from_u64(options.seed);
@@ -74,7 +77,11 @@ fn next_logits_cached(
         return last_logits(model, last, cache.as_mut(), device);
     }
     // First call, or the cache is full: (re)build it from the newest tokens.
-    let keep = if cache.is_none() { ctx } else { (ctx / 2).max(1) };
+    let keep = if cache.is_none() {
+        ctx
+    } else {
+        (ctx / 2).max(1)
+    };
     let window = &tokens[tokens.len().saturating_sub(keep)..];
     let mut fresh = model.new_cache();
     let logits = last_logits(model, window, Some(&mut fresh), device);

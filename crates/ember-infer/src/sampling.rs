@@ -98,22 +98,50 @@ mod tests {
         for (got, want) in all.iter().zip([0.2, 0.4, 0.1, 0.3]) {
             assert!((got - want).abs() < 1e-6);
         }
-        let k2 = distribution(&logits, &Sampling { top_k: Some(2), ..Default::default() });
+        let k2 = distribution(
+            &logits,
+            &Sampling {
+                top_k: Some(2),
+                ..Default::default()
+            },
+        );
         assert_eq!(k2[0], 0.0);
         assert!((k2[1] - 4.0 / 7.0).abs() < 1e-6 && (k2[3] - 3.0 / 7.0).abs() < 1e-6);
         // 0.4 + 0.3 = 0.7 >= 0.65: the nucleus is tokens 1 and 3.
-        let p = distribution(&logits, &Sampling { top_p: Some(0.65), ..Default::default() });
+        let p = distribution(
+            &logits,
+            &Sampling {
+                top_p: Some(0.65),
+                ..Default::default()
+            },
+        );
         assert_eq!((p[0], p[2]), (0.0, 0.0));
         assert!((p[1] - 4.0 / 7.0).abs() < 1e-6);
         // Temperature 0.5 squares the odds: 4:16:1:9.
-        let t = distribution(&logits, &Sampling { temperature: 0.5, ..Default::default() });
+        let t = distribution(
+            &logits,
+            &Sampling {
+                temperature: 0.5,
+                ..Default::default()
+            },
+        );
         assert!((t[1] - 16.0 / 30.0).abs() < 1e-5);
     }
 
     #[test]
     fn sampling_follows_the_distribution_and_greedy_takes_the_max() {
         let logits = [0.0f32, 1.0, 0.5];
-        assert_eq!(sample(&logits, &Sampling { greedy: true, ..Default::default() }, &mut StdRng::seed_from_u64(0)), 1);
+        assert_eq!(
+            sample(
+                &logits,
+                &Sampling {
+                    greedy: true,
+                    ..Default::default()
+                },
+                &mut StdRng::seed_from_u64(0)
+            ),
+            1
+        );
         let mut rng = StdRng::seed_from_u64(1);
         let s = Sampling::default();
         let want = distribution(&logits, &s);
@@ -123,7 +151,11 @@ mod tests {
         }
         for i in 0..3 {
             let freq = counts[i] as f32 / 20_000.0;
-            assert!((freq - want[i]).abs() < 0.015, "token {i}: {freq} vs {}", want[i]);
+            assert!(
+                (freq - want[i]).abs() < 0.015,
+                "token {i}: {freq} vs {}",
+                want[i]
+            );
         }
     }
 }

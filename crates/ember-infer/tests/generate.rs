@@ -19,7 +19,11 @@ fn model(positional: PositionalKind) -> DecoderOnly {
         ..Default::default()
     };
     let mut model = config.init(&device).unwrap();
-    model.wte.weight = Param::from_tensor(Tensor::random([17, 32], Distribution::Normal(0.0, 1.0), &device));
+    model.wte.weight = Param::from_tensor(Tensor::random(
+        [17, 32],
+        Distribution::Normal(0.0, 1.0),
+        &device,
+    ));
     model
 }
 
@@ -35,7 +39,10 @@ fn options(use_cache: bool, sampling: Sampling, max_new_tokens: usize) -> Genera
 
 #[test]
 fn greedy_with_cache_equals_greedy_without() {
-    let greedy = Sampling { greedy: true, ..Default::default() };
+    let greedy = Sampling {
+        greedy: true,
+        ..Default::default()
+    };
     for positional in [PositionalKind::Learned, PositionalKind::Rotary] {
         let m = model(positional);
         // Prompt 3 + 13 new = 16 tokens: all inside the context.
@@ -50,7 +57,10 @@ fn same_seed_same_tokens_other_seed_other_tokens() {
     let m = model(PositionalKind::Learned);
     // Tied unit-scale embeddings make "repeat the token" very likely; a high temperature
     // spreads the choice so different seeds show.
-    let s = Sampling { temperature: 30.0, ..Default::default() };
+    let s = Sampling {
+        temperature: 30.0,
+        ..Default::default()
+    };
     let a = generate(&m, &[4], &options(true, s, 40), |_| true);
     let b = generate(&m, &[4], &options(true, s, 40), |_| true);
     assert_eq!(a, b);
@@ -64,7 +74,12 @@ fn long_prompts_and_long_outputs_stay_within_the_context() {
     let m = model(PositionalKind::Learned);
     let prompt: Vec<u32> = (0..50).map(|i| i % 17).collect();
     for use_cache in [true, false] {
-        let out = generate(&m, &prompt, &options(use_cache, Sampling::default(), 40), |_| true);
+        let out = generate(
+            &m,
+            &prompt,
+            &options(use_cache, Sampling::default(), 40),
+            |_| true,
+        );
         assert_eq!(out.len(), 40);
         assert!(out.iter().all(|&t| t < 17));
     }

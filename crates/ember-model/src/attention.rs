@@ -124,7 +124,13 @@ mod tests {
                 .map(|j| scores[j])
                 .fold(f64::NEG_INFINITY, f64::max);
             let exps: Vec<f64> = (0..k.len())
-                .map(|j| if masked(i, j) { 0.0 } else { (scores[j] - max).exp() })
+                .map(|j| {
+                    if masked(i, j) {
+                        0.0
+                    } else {
+                        (scores[j] - max).exp()
+                    }
+                })
                 .collect();
             let total: f64 = exps.iter().sum();
             let w: Vec<f64> = exps.iter().map(|e| e / total).collect();
@@ -159,11 +165,17 @@ mod tests {
             assert!((row_sum - 1.0).abs() < 1e-6, "row {i} sums to {row_sum}");
             for j in 0..3 {
                 let (got, want) = (got_w[i * 3 + j] as f64, want_w[i][j]);
-                assert!((got - want).abs() < 1e-6, "weight[{i}][{j}] = {got}, by hand {want}");
+                assert!(
+                    (got - want).abs() < 1e-6,
+                    "weight[{i}][{j}] = {got}, by hand {want}"
+                );
             }
             for c in 0..2 {
                 let (got, want) = (got_o[i * 2 + c] as f64, want_o[i][c]);
-                assert!((got - want).abs() < 1e-5, "out[{i}][{c}] = {got}, by hand {want}");
+                assert!(
+                    (got - want).abs() < 1e-5,
+                    "out[{i}][{c}] = {got}, by hand {want}"
+                );
             }
         }
     }

@@ -2,7 +2,9 @@
 //! LayerNorm and a head over the vocabulary (optionally tied to the embedding).
 
 use burn::module::Module;
-use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{
+    Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
 use burn::tensor::{Bool, Device, Int, Tensor};
 
 use crate::decoder_block::{BlockWeights, DecoderBlock};

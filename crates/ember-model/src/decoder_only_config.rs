@@ -1,4 +1,4 @@
-//! Configuration of the GPT-style [`DecoderOnly`](crate::DecoderOnly) language model.
+//! Configuration of the GPT-style [`DecoderOnly`] language model.
 
 use burn::serde::{Deserialize, Serialize};
 use burn::tensor::Device;
@@ -132,13 +132,13 @@ pub(crate) fn validate_attention(
 ) -> Result<(), ConfigError> {
     positive("d_model", d_model)?;
     positive("n_heads", n_heads)?;
-    if d_model % n_heads != 0 {
+    if !d_model.is_multiple_of(n_heads) {
         return Err(ConfigError::new(
             "n_heads",
             format!("= {n_heads} does not divide d_model = {d_model}"),
         ));
     }
-    if positional == PositionalKind::Rotary && (d_model / n_heads) % 2 != 0 {
+    if positional == PositionalKind::Rotary && !(d_model / n_heads).is_multiple_of(2) {
         return Err(ConfigError::new(
             "positional",
             format!(

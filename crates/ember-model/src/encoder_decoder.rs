@@ -3,7 +3,10 @@
 //! projection to the target vocabulary.
 
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
+    Linear, LinearConfig,
+};
 use burn::tensor::{Bool, Device, Int, Tensor};
 
 use crate::decoder_block::{BlockWeights, DecoderBlock, Memory};
@@ -171,7 +174,9 @@ impl EncoderDecoder {
                 let [b, t, d] = x.dims();
                 let w = self.tgt_table().weight.val(); // [V, D]
                 let v = w.dims()[0];
-                x.reshape([b * t, d]).matmul(w.transpose()).reshape([b, t, v])
+                x.reshape([b * t, d])
+                    .matmul(w.transpose())
+                    .reshape([b, t, v])
             }
         };
         DecoderOutput { logits, weights }

@@ -1,4 +1,4 @@
-//! Configuration of the [`EncoderDecoder`](crate::EncoderDecoder) translation model.
+//! Configuration of the [`EncoderDecoder`] translation model.
 
 use burn::serde::{Deserialize, Serialize};
 use burn::tensor::Device;

@@ -38,7 +38,10 @@ impl KvCache {
     /// - output: `[B, H, S + T, K]` each
     pub fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
         let (k, v) = match (self.k.take(), self.v.take()) {
-            (Some(old_k), Some(old_v)) => (Tensor::cat(vec![old_k, k], 2), Tensor::cat(vec![old_v, v], 2)),
+            (Some(old_k), Some(old_v)) => (
+                Tensor::cat(vec![old_k, k], 2),
+                Tensor::cat(vec![old_v, v], 2),
+            ),
             _ => (k, v),
         };
         self.k = Some(k.clone());

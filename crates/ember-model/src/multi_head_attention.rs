@@ -141,14 +141,14 @@ impl MultiHeadAttention {
         let q = burn::tensor::module::linear(
             x,
             weight.clone().slice([0..d, 0..d]),
-            bias.clone().map(|b| b.slice([0..d])),
+            bias.clone().map(|b| b.narrow(0, 0, d)),
         );
         let q = self.split_heads(q);
         let project_memory = |memory: Tensor<3>| {
             let kv = burn::tensor::module::linear(
                 memory,
                 weight.clone().slice([0..d, d..3 * d]),
-                bias.clone().map(|b| b.slice([d..3 * d])),
+                bias.clone().map(|b| b.narrow(0, d, 2 * d)),
             ); // [B, S, 2D]
             let [b, s, _] = kv.dims();
             let k = self.split_heads(kv.clone().slice([0..b, 0..s, 0..d]));
@@ -178,14 +178,8 @@ impl MultiHeadAttention {
         mask: Option<Tensor<4, Bool>>,
         return_weights: bool,
     ) -> AttentionResult {
-        let out = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            Some(&self.attn_dropout),
-            return_weights,
-        );
+        let out =
+            scaled_dot_product_attention(q, k, v, mask, Some(&self.attn_dropout), return_weights);
         let [b, h, t, k] = out.context.dims();
         let context = out.context.swap_dims(1, 2).reshape([b, t, h * k]); // [B, T, D]
         (self.c_proj.forward(context), out.weights)
@@ -223,11 +217,19 @@ mod tests {
 
     /// Burn's MHA and ours with identical weights: Burn's separate Q/K/V matrices go side by
     /// side into our fused one.
-    fn twin(d: usize, h: usize, device: &Device) -> (burn::nn::attention::MultiHeadAttention, MultiHeadAttention) {
+    fn twin(
+        d: usize,
+        h: usize,
+        device: &Device,
+    ) -> (burn::nn::attention::MultiHeadAttention, MultiHeadAttention) {
         let theirs = BurnMhaConfig::new(d, h).with_dropout(0.0).init(device);
         let mut ours = MultiHeadAttentionConfig::new(d, h).init(device);
         let w = Tensor::cat(
-            vec![theirs.query.weight.val(), theirs.key.weight.val(), theirs.value.weight.val()],
+            vec![
+                theirs.query.weight.val(),
+                theirs.key.weight.val(),
+                theirs.value.weight.val(),
+            ],
             1,
         );
         let b = Tensor::cat(
@@ -241,7 +243,9 @@ mod tests {
         ours.c_attn.weight = Param::from_tensor(w);
         ours.c_attn.bias = Some(Param::from_tensor(b));
         ours.c_proj.weight = Param::from_tensor(theirs.output.weight.val());
-        ours.c_proj.bias = Some(Param::from_tensor(theirs.output.bias.as_ref().unwrap().val()));
+        ours.c_proj.bias = Some(Param::from_tensor(
+            theirs.output.bias.as_ref().unwrap().val(),
+        ));
         (theirs, ours)
     }
 
@@ -251,13 +255,19 @@ mod tests {
         let (theirs, ours) = twin(16, 4, &device);
         let x = Tensor::<3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
         let pad = Tensor::<2, Bool>::from_bool(
-            [[false, false, false, false, false], [false, false, false, true, true]],
+            [
+                [false, false, false, false, false],
+                [false, false, false, true, true],
+            ],
             &device,
         );
         let want = theirs.forward(MhaInput::self_attn(x.clone()).mask_pad(pad.clone()));
         let (got, weights) = ours.forward_self(x, false, Some(pad), None, true);
         assert!(max_diff(want.context, got) < 1e-5);
-        let diff = (want.weights - weights.unwrap()).abs().max().into_scalar::<f32>();
+        let diff = (want.weights - weights.unwrap())
+            .abs()
+            .max()
+            .into_scalar::<f32>();
         assert!(diff < 1e-5, "weights differ by {diff}");
     }
 
@@ -278,9 +288,12 @@ mod tests {
         let (theirs, ours) = twin(8, 2, &device);
         let x = Tensor::<3>::random([2, 3, 8], Distribution::Normal(0.0, 1.0), &device);
         let memory = Tensor::<3>::random([2, 7, 8], Distribution::Normal(0.0, 1.0), &device);
-        let pad = Tensor::<2, Int>::from_ints([[0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 1, 1, 1]], &device)
-            .equal_elem(1);
-        let want = theirs.forward(MhaInput::new(x.clone(), memory.clone(), memory.clone()).mask_pad(pad.clone()));
+        let pad =
+            Tensor::<2, Int>::from_ints([[0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 1, 1, 1]], &device)
+                .equal_elem(1);
+        let want = theirs.forward(
+            MhaInput::new(x.clone(), memory.clone(), memory.clone()).mask_pad(pad.clone()),
+        );
         let (got, _) = ours.forward_cross(x, memory, Some(pad), None, false);
         assert!(max_diff(want.context, got) < 1e-5);
     }
@@ -288,11 +301,16 @@ mod tests {
     /// Output rows after permuting the input rows, and the permuted output rows.
     /// Weights are drawn at unit scale so attention is far from uniform.
     fn permuted_pair(mha: &mut MultiHeadAttention, device: &Device) -> (Tensor<3>, Tensor<3>) {
-        mha.c_attn.weight = Param::from_tensor(Tensor::random([8, 24], Distribution::Normal(0.0, 1.0), device));
+        mha.c_attn.weight = Param::from_tensor(Tensor::random(
+            [8, 24],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        ));
         let x = Tensor::<3>::random([1, 5, 8], Distribution::Normal(0.0, 1.0), device);
         let perm = Tensor::<1, Int>::from_ints([3, 0, 4, 1, 2], device);
         let (out, _) = mha.forward_self(x.clone(), false, None, None, false);
-        let (out_of_permuted, _) = mha.forward_self(x.select(1, perm.clone()), false, None, None, false);
+        let (out_of_permuted, _) =
+            mha.forward_self(x.select(1, perm.clone()), false, None, None, false);
         (out_of_permuted, out.select(1, perm))
     }
 

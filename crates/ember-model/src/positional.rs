@@ -66,8 +66,7 @@ impl AdditivePositions {
     pub fn forward(&self, start: usize, t: usize, device: &Device) -> Tensor<3> {
         match &self.wpe {
             Some(wpe) => {
-                let positions =
-                    Tensor::<1, Int>::arange(start as i64..(start + t) as i64, device);
+                let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, device);
                 wpe.forward(positions.reshape([1, t]))
             }
             None => sinusoidal_table(start, t, self.sinusoidal_width, device).unsqueeze(),
@@ -92,7 +91,14 @@ pub fn sinusoidal_table(start: usize, t: usize, d_model: usize, device: &Device)
 ///
 /// # Shapes
 /// - output: `[T, half]`
-fn angles(start: usize, t: usize, half: usize, base: f64, width: f64, device: &Device) -> Tensor<2> {
+fn angles(
+    start: usize,
+    t: usize,
+    half: usize,
+    base: f64,
+    width: f64,
+    device: &Device,
+) -> Tensor<2> {
     let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, device)
         .float()
         .reshape([t, 1]);
@@ -157,7 +163,11 @@ mod tests {
     }
 
     fn norms(x: Tensor<4>) -> Vec<f32> {
-        x.powi_scalar(2).sum_dim(3).sqrt().try_into_vec_as::<f32>().unwrap()
+        x.powi_scalar(2)
+            .sum_dim(3)
+            .sqrt()
+            .try_into_vec_as::<f32>()
+            .unwrap()
     }
 
     #[test]
@@ -186,7 +196,10 @@ mod tests {
         let base = rotated_dot(&q, &k, 5, 2);
         for shift in [1, 10, 100] {
             let shifted = rotated_dot(&q, &k, 5 + shift, 2 + shift);
-            assert!((base - shifted).abs() < 1e-3, "offset 3: {base} vs {shifted}");
+            assert!(
+                (base - shifted).abs() < 1e-3,
+                "offset 3: {base} vs {shifted}"
+            );
         }
         // A different offset gives a different product: the rotation is not a no-op.
         let other = rotated_dot(&q, &k, 9, 2);

@@ -9,7 +9,7 @@ pub fn thousands(n: usize) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -37,7 +37,10 @@ impl DecoderOnly {
             Some(head) => row(&mut out, "lm_head", head.num_params()),
             None => out.push_str("  lm_head                  tied to wte\n"),
         }
-        out.push_str(&format!("  total parameters {:>22}\n", thousands(self.num_params())));
+        out.push_str(&format!(
+            "  total parameters {:>22}\n",
+            thousands(self.num_params())
+        ));
         out
     }
 }
@@ -61,7 +64,10 @@ impl EncoderDecoder {
             Some(o) => row(&mut out, "output", o.num_params()),
             None => out.push_str("  output                   tied to the target embedding\n"),
         }
-        out.push_str(&format!("  total parameters {:>22}\n", thousands(self.num_params())));
+        out.push_str(&format!(
+            "  total parameters {:>22}\n",
+            thousands(self.num_params())
+        ));
         out
     }
 }

@@ -71,8 +71,14 @@ fn causal_outputs_ignore_future_tokens() {
         let b = tokens(&[&[1, 2, 3, 4, 9, 0, 10, 3]], &device);
         let la = model.forward(a).slice([0..1, 0..4, 0..11]);
         let lb = model.forward(b);
-        let (prefix, rest) = (lb.clone().slice([0..1, 0..4, 0..11]), lb.slice([0..1, 4..8, 0..11]));
-        assert!(max_diff(la.clone(), prefix) < 1e-5, "{positional:?}: past changed");
+        let (prefix, rest) = (
+            lb.clone().slice([0..1, 0..4, 0..11]),
+            lb.slice([0..1, 4..8, 0..11]),
+        );
+        assert!(
+            max_diff(la.clone(), prefix) < 1e-5,
+            "{positional:?}: past changed"
+        );
         // And the future does change: the test would notice a model that ignores its input.
         let la_rest = model
             .forward(tokens(&[&[1, 2, 3, 4, 5, 6, 7, 8]], &device))
@@ -92,9 +98,16 @@ fn padded_keys_get_zero_weight_and_padding_changes_nothing() {
         let (plain, _) = model.encode_with(src, None, false);
         let (with_pad, weights) = model.encode_with(padded, Some(pad.clone()), true);
         let real = with_pad.states.clone().slice([0..1, 0..4, 0..16]);
-        assert!(max_diff(plain.states.clone(), real) < 1e-5, "encoder output changed");
+        assert!(
+            max_diff(plain.states.clone(), real) < 1e-5,
+            "encoder output changed"
+        );
         for w in weights {
-            let padded_weight = w.slice([0..1, 0..4, 0..6, 4..6]).abs().max().into_scalar::<f32>();
+            let padded_weight = w
+                .slice([0..1, 0..4, 0..6, 4..6])
+                .abs()
+                .max()
+                .into_scalar::<f32>();
             assert_eq!(padded_weight, 0.0, "a padded key got weight");
         }
         // The decoder reads the memory through the same mask: same logits.
@@ -112,8 +125,13 @@ fn positions_break_permutation_equivariance_of_the_encoder() {
     let src = tokens(&[&[3, 4, 5, 6]], &device);
     let gap = |positional| {
         let model = mt(positional, true, &device);
-        let out = model.encode(src.clone(), None).states.select(1, perm.clone());
-        let out_of_permuted = model.encode(src.clone().select(1, perm.clone()), None).states;
+        let out = model
+            .encode(src.clone(), None)
+            .states
+            .select(1, perm.clone());
+        let out_of_permuted = model
+            .encode(src.clone().select(1, perm.clone()), None)
+            .states;
         max_diff(out, out_of_permuted)
     };
     assert!(gap(PositionalKind::None) < 1e-5);
@@ -127,19 +145,41 @@ fn kv_cache_gives_the_logits_of_full_recomputation_decoder_only() {
     for positional in ALL_POSITIONS {
         for norm_first in [true, false] {
             let model = lm(positional, norm_first, &device);
-            let seq = tokens(&[&[1, 5, 2, 8, 3, 3, 9, 0, 4, 7], &[2, 2, 6, 1, 0, 10, 4, 4, 1, 3]], &device);
+            let seq = tokens(
+                &[
+                    &[1, 5, 2, 8, 3, 3, 9, 0, 4, 7],
+                    &[2, 2, 6, 1, 0, 10, 4, 4, 1, 3],
+                ],
+                &device,
+            );
             let full = model.forward(seq.clone());
             let mut cache = model.new_cache();
             // Prefill three tokens at once, then one at a time.
-            let mut pieces = vec![model.forward_with(seq.clone().slice([0..2, 0..3]), None, Some(&mut cache), false).logits];
+            let mut pieces = vec![
+                model
+                    .forward_with(
+                        seq.clone().slice([0..2, 0..3]),
+                        None,
+                        Some(&mut cache),
+                        false,
+                    )
+                    .logits,
+            ];
             for t in 3..10 {
                 let step = seq.clone().slice([0..2, t..t + 1]);
-                pieces.push(model.forward_with(step, None, Some(&mut cache), false).logits);
+                pieces.push(
+                    model
+                        .forward_with(step, None, Some(&mut cache), false)
+                        .logits,
+                );
             }
             assert_eq!(cache.len(), 10);
             let incremental = Tensor::cat(pieces, 1);
             let diff = max_diff(full, incremental);
-            assert!(diff < 1e-4, "{positional:?} norm_first={norm_first}: {diff}");
+            assert!(
+                diff < 1e-4,
+                "{positional:?} norm_first={norm_first}: {diff}"
+            );
         }
     }
 }
@@ -158,7 +198,9 @@ fn kv_cache_gives_the_logits_of_full_recomputation_encoder_decoder() {
         let pieces: Vec<_> = (0..6)
             .map(|t| {
                 let step = tgt.clone().slice([0..2, t..t + 1]);
-                model.decode(step, None, &memory, Some(&mut cache), false).logits
+                model
+                    .decode(step, None, &memory, Some(&mut cache), false)
+                    .logits
             })
             .collect();
         let diff = max_diff(full, Tensor::cat(pieces, 1));
@@ -182,7 +224,8 @@ impl ModuleVisitor for GradCheck<'_> {
             .map(|g| g.abs().sum().into_scalar::<f32>() > 0.0)
             .unwrap_or(false);
         if !alive {
-            self.dead.push(format!("{:?} {:?}", param.id, param.val().dims()));
+            self.dead
+                .push(format!("{:?} {:?}", param.id, param.val().dims()));
         }
     }
 }
@@ -202,7 +245,10 @@ fn assert_all_params_get_gradients<M: Module>(model: &M, grads: &GradientsParams
 fn one_step_lowers_the_loss_of_the_language_model() {
     let device = Device::flex().autodiff();
     device.seed(7);
-    for (positional, tie) in [(PositionalKind::Learned, true), (PositionalKind::Rotary, false)] {
+    for (positional, tie) in [
+        (PositionalKind::Learned, true),
+        (PositionalKind::Rotary, false),
+    ] {
         let mut config = lm_config(positional, true);
         config.tie_weights = tie;
         let model = config.init(&device).unwrap();
@@ -233,7 +279,12 @@ fn one_step_lowers_the_loss_of_the_translation_model() {
         let tgt = Tensor::<2, Int>::random([3, 6], Distribution::Uniform(0.0, 9.0), &device);
         let out = Tensor::<2, Int>::random([3, 6], Distribution::Uniform(0.0, 9.0), &device);
         let loss_of = |m: &EncoderDecoder| {
-            ember_model::loss::cross_entropy(m.forward(src.clone(), None, tgt.clone(), None), out.clone(), None, 0.1)
+            ember_model::loss::cross_entropy(
+                m.forward(src.clone(), None, tgt.clone(), None),
+                out.clone(),
+                None,
+                0.1,
+            )
         };
         let loss = loss_of(&model);
         let before = loss.clone().into_scalar::<f32>();
@@ -242,7 +293,10 @@ fn one_step_lowers_the_loss_of_the_translation_model() {
         let mut optim = AdamWConfig::new().init();
         let model = optim.step(1e-2, model, grads);
         let after = loss_of(&model).into_scalar::<f32>();
-        assert!(after < before, "norm_first={norm_first}: loss {before} -> {after}");
+        assert!(
+            after < before,
+            "norm_first={norm_first}: loss {before} -> {after}"
+        );
     }
 }
 
@@ -250,11 +304,13 @@ fn one_step_lowers_the_loss_of_the_translation_model() {
 fn cross_entropy_matches_hand_computed_value() {
     let device = Device::flex();
     // Two positions over a 3-word vocabulary; the second target is padding (id 0).
-    let logits = Tensor::<1>::from_floats([1.0, 2.0, 0.5, 0.0, 0.0, 3.0], &device).reshape([1, 2, 3]);
+    let logits =
+        Tensor::<1>::from_floats([1.0, 2.0, 0.5, 0.0, 0.0, 3.0], &device).reshape([1, 2, 3]);
     let targets = tokens(&[&[1, 0]], &device);
     let lse = (1f64.exp() + 2f64.exp() + 0.5f64.exp()).ln();
     let want = lse - 2.0;
-    let got = ember_model::loss::cross_entropy(logits.clone(), targets.clone(), Some(0), 0.0).into_scalar::<f32>();
+    let got = ember_model::loss::cross_entropy(logits.clone(), targets.clone(), Some(0), 0.0)
+        .into_scalar::<f32>();
     assert!((got as f64 - want).abs() < 1e-5, "{got} vs {want}");
     // Label smoothing 0.3: 0.7 * nll + 0.3 * mean over words of -log p.
     let mean_nll = (3.0 * lse - (1.0 + 2.0 + 0.5)) / 3.0;
@@ -268,27 +324,82 @@ fn invalid_configs_are_errors_naming_the_field() {
     let device = Device::flex();
     let base = lm_config(PositionalKind::Learned, true);
     let cases: Vec<(DecoderOnlyConfig, &str)> = vec![
-        (DecoderOnlyConfig { n_heads: 3, ..base.clone() }, "n_heads"),
-        (DecoderOnlyConfig { d_model: 0, ..base.clone() }, "d_model"),
-        (DecoderOnlyConfig { n_layers: 0, ..base.clone() }, "n_layers"),
-        (DecoderOnlyConfig { vocab_size: 0, ..base.clone() }, "vocab_size"),
-        (DecoderOnlyConfig { max_positions: Some(8), ..base.clone() }, "context_len"),
-        (DecoderOnlyConfig { dropout: 1.5, ..base.clone() }, "dropout"),
-        (DecoderOnlyConfig { dropout: f64::NAN, ..base.clone() }, "dropout"),
-        (DecoderOnlyConfig { d_model: 6, n_heads: 2, positional: PositionalKind::Rotary, ..base.clone() }, "positional"),
+        (
+            DecoderOnlyConfig {
+                n_heads: 3,
+                ..base.clone()
+            },
+            "n_heads",
+        ),
+        (
+            DecoderOnlyConfig {
+                d_model: 0,
+                ..base.clone()
+            },
+            "d_model",
+        ),
+        (
+            DecoderOnlyConfig {
+                n_layers: 0,
+                ..base.clone()
+            },
+            "n_layers",
+        ),
+        (
+            DecoderOnlyConfig {
+                vocab_size: 0,
+                ..base.clone()
+            },
+            "vocab_size",
+        ),
+        (
+            DecoderOnlyConfig {
+                max_positions: Some(8),
+                ..base.clone()
+            },
+            "context_len",
+        ),
+        (
+            DecoderOnlyConfig {
+                dropout: 1.5,
+                ..base.clone()
+            },
+            "dropout",
+        ),
+        (
+            DecoderOnlyConfig {
+                dropout: f64::NAN,
+                ..base.clone()
+            },
+            "dropout",
+        ),
+        (
+            DecoderOnlyConfig {
+                d_model: 6,
+                n_heads: 2,
+                positional: PositionalKind::Rotary,
+                ..base.clone()
+            },
+            "positional",
+        ),
     ];
     for (config, field) in cases {
         let err = config.init(&device).unwrap_err();
         assert_eq!(err.field, field, "{err}");
         assert!(err.to_string().contains(field));
     }
-    let bad = EncoderDecoderConfig { shared_embeddings: true, ..mt_config(PositionalKind::Sinusoidal, true) };
+    let bad = EncoderDecoderConfig {
+        shared_embeddings: true,
+        ..mt_config(PositionalKind::Sinusoidal, true)
+    };
     assert_eq!(bad.init(&device).unwrap_err().field, "shared_embeddings");
 }
 
 #[test]
 fn configs_parse_from_toml_and_reject_unknown_keys() {
-    let config: DecoderOnlyConfig = toml::from_str("d_model = 32\nactivation = \"gelu_tanh\"\npositional = \"rotary\"").unwrap();
+    let config: DecoderOnlyConfig =
+        toml::from_str("d_model = 32\nactivation = \"gelu_tanh\"\npositional = \"rotary\"")
+            .unwrap();
     assert_eq!(config.d_model, 32);
     assert_eq!(config.activation, Activation::GeluTanh);
     assert_eq!(config.positional, PositionalKind::Rotary);
@@ -306,6 +417,9 @@ fn summary_reports_the_parameter_count() {
     let want = 11 * 16 + 12 * 16 + 2 * block + 32;
     assert_eq!(model.num_params(), want);
     let summary = model.summary();
-    assert!(summary.contains(&ember_model::summary::thousands(want)), "{summary}");
+    assert!(
+        summary.contains(&ember_model::summary::thousands(want)),
+        "{summary}"
+    );
     assert!(summary.contains("tied to wte"));
 }

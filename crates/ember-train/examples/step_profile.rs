@@ -13,7 +13,10 @@ fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
     for _ in 0..n {
         f();
     }
-    println!("{name:<40} {:8.2} ms", start.elapsed().as_secs_f64() * 1000.0 / n as f64);
+    println!(
+        "{name:<40} {:8.2} ms",
+        start.elapsed().as_secs_f64() * 1000.0 / n as f64
+    );
 }
 
 fn main() {
@@ -43,31 +46,79 @@ fn main() {
     });
     let h = Tensor::<3>::random([12, 64, 128], Distribution::Normal(0.0, 1.0), &inner);
     time("  1 block forward (no autodiff)", n, || {
-        let _ = m2.blocks[0].forward(h.clone(), None, None, None, false).0.sum().into_scalar::<f32>();
+        let _ = m2.blocks[0]
+            .forward(h.clone(), None, None, None, false)
+            .0
+            .sum()
+            .into_scalar::<f32>();
     });
     time("  attention forward (no autodiff)", n, || {
-        let _ = m2.blocks[0].attn.forward_self(h.clone(), true, None, None, false).0.sum().into_scalar::<f32>();
+        let _ = m2.blocks[0]
+            .attn
+            .forward_self(h.clone(), true, None, None, false)
+            .0
+            .sum()
+            .into_scalar::<f32>();
     });
     time("  mlp forward (no autodiff)", n, || {
-        let _ = m2.blocks[0].mlp.forward(h.clone()).sum().into_scalar::<f32>();
+        let _ = m2.blocks[0]
+            .mlp
+            .forward(h.clone())
+            .sum()
+            .into_scalar::<f32>();
     });
     time("  c_attn linear (no autodiff)", n, || {
-        let _ = m2.blocks[0].attn.c_attn.forward(h.clone()).sum().into_scalar::<f32>();
+        let _ = m2.blocks[0]
+            .attn
+            .c_attn
+            .forward(h.clone())
+            .sum()
+            .into_scalar::<f32>();
     });
     time("  layernorm (no autodiff)", n, || {
-        let _ = m2.blocks[0].ln_1.norm.forward(h.clone()).sum().into_scalar::<f32>();
+        let _ = m2.blocks[0]
+            .ln_1
+            .norm
+            .forward(h.clone())
+            .sum()
+            .into_scalar::<f32>();
     });
     let q = Tensor::<4>::random([12, 4, 64, 32], Distribution::Normal(0.0, 1.0), &inner);
     time("  sdpa causal (no autodiff)", n, || {
         let mask = ember_model::attention::causal_mask(64, 64, &inner);
-        let _ = ember_model::scaled_dot_product_attention(q.clone(), q.clone(), q.clone(), Some(mask), None, false).context.sum().into_scalar::<f32>();
+        let _ = ember_model::scaled_dot_product_attention(
+            q.clone(),
+            q.clone(),
+            q.clone(),
+            Some(mask),
+            None,
+            false,
+        )
+        .context
+        .sum()
+        .into_scalar::<f32>();
     });
     time("  fused attention op causal (no autodiff)", n, || {
-        let _ = burn::tensor::module::attention(q.clone(), q.clone(), q.clone(), None, None, burn::tensor::ops::AttentionModuleOptions { scale: None, softcap: None, is_causal: true }).sum().into_scalar::<f32>();
+        let _ = burn::tensor::module::attention(
+            q.clone(),
+            q.clone(),
+            q.clone(),
+            None,
+            None,
+            burn::tensor::ops::AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: true,
+            },
+        )
+        .sum()
+        .into_scalar::<f32>();
     });
     let big = Tensor::<3>::random([12, 64, 512], Distribution::Normal(0.0, 1.0), &inner);
     time("  gelu [12,64,512]", n, || {
-        let _ = burn::tensor::activation::gelu(big.clone()).sum().into_scalar::<f32>();
+        let _ = burn::tensor::activation::gelu(big.clone())
+            .sum()
+            .into_scalar::<f32>();
     });
     time("  sum only [12,64,512]", n, || {
         let _ = big.clone().sum().into_scalar::<f32>();

@@ -101,7 +101,8 @@ pub fn save(
 
     let latest_tmp = run_dir.join(format!(".{LATEST}.tmp"));
     let latest = run_dir.join(LATEST);
-    fs::write(&latest_tmp, format!("{CHECKPOINTS}/{name}\n")).map_err(|e| write_err(&latest_tmp, e))?;
+    fs::write(&latest_tmp, format!("{CHECKPOINTS}/{name}\n"))
+        .map_err(|e| write_err(&latest_tmp, e))?;
     fs::rename(&latest_tmp, &latest).map_err(|e| write_err(&latest, e))?;
     sync_dir(run_dir);
 
@@ -146,10 +147,14 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         message,
     };
     if !path.exists() {
-        return Err(missing("no such folder (train first, or pass --checkpoint DIR)".into()));
+        return Err(missing(
+            "no such folder (train first, or pass --checkpoint DIR)".into(),
+        ));
     }
     if !path.is_dir() {
-        return Err(missing("is a file; expected a checkpoint or run folder".into()));
+        return Err(missing(
+            "is a file; expected a checkpoint or run folder".into(),
+        ));
     }
     if path.join(STATE_FILE).exists() || path.join(MODEL_FILE).exists() {
         return Ok(path.to_path_buf());
@@ -166,7 +171,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
             entries
                 .flatten()
                 .map(|e| e.path())
-                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -175,7 +183,11 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         .into_iter()
         .rev()
         .find(|dir| is_complete(dir))
-        .ok_or_else(|| missing("holds no complete checkpoint (expected `latest` or checkpoints/step-*/)".into()))
+        .ok_or_else(|| {
+            missing(
+                "holds no complete checkpoint (expected `latest` or checkpoints/step-*/)".into(),
+            )
+        })
 }
 
 /// Reads and checks `state.json` of a checkpoint folder.
@@ -254,7 +266,12 @@ mod tests {
 
     #[test]
     fn missing_folder_is_a_clear_error() {
-        let err = resolve(Path::new("/nonexistent/ember-run")).unwrap_err().to_string();
-        assert!(err.contains("/nonexistent/ember-run") && err.contains("no such folder"), "{err}");
+        let err = resolve(Path::new("/nonexistent/ember-run"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("/nonexistent/ember-run") && err.contains("no such folder"),
+            "{err}"
+        );
     }
 }

@@ -149,7 +149,10 @@ impl TrainingConfig {
     pub fn validate(&self) -> Result<()> {
         let positive_int = |key: &str, v: u64| {
             if v == 0 {
-                Err(value_err(&format!("training.{key}"), "must be at least 1, got 0"))
+                Err(value_err(
+                    &format!("training.{key}"),
+                    "must be at least 1, got 0",
+                ))
             } else {
                 Ok(())
             }
@@ -166,7 +169,10 @@ impl TrainingConfig {
             if v.is_finite() && v > 0.0 {
                 Ok(())
             } else {
-                Err(value_err(&format!("training.{key}"), format!("must be a positive number, got {v}")))
+                Err(value_err(
+                    &format!("training.{key}"),
+                    format!("must be a positive number, got {v}"),
+                ))
             }
         };
         positive_float("lr", self.lr)?;
@@ -175,7 +181,10 @@ impl TrainingConfig {
             if v.is_finite() && v >= 0.0 {
                 Ok(())
             } else {
-                Err(value_err(&format!("training.{key}"), format!("must be zero or positive, got {v}")))
+                Err(value_err(
+                    &format!("training.{key}"),
+                    format!("must be zero or positive, got {v}"),
+                ))
             }
         };
         non_negative("min_lr", self.min_lr)?;
@@ -183,7 +192,10 @@ impl TrainingConfig {
         non_negative("grad_clip", self.grad_clip)?;
         for (key, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&v) {
-                return Err(value_err(&format!("training.{key}"), format!("must be in [0, 1), got {v}")));
+                return Err(value_err(
+                    &format!("training.{key}"),
+                    format!("must be in [0, 1), got {v}"),
+                ));
             }
         }
         if self.min_lr > self.lr {
@@ -202,13 +214,22 @@ impl DataConfig {
         if !(self.train_fraction > 0.0 && self.train_fraction < 1.0) {
             return Err(value_err(
                 "data.train_fraction",
-                format!("must be between 0 and 1 (exclusive), got {}", self.train_fraction),
+                format!(
+                    "must be between 0 and 1 (exclusive), got {}",
+                    self.train_fraction
+                ),
             ));
         }
-        if self.tokenizer == TokenizerKind::Bpe && self.tokenizer_file.is_none() && self.bpe_vocab_size < 257 {
+        if self.tokenizer == TokenizerKind::Bpe
+            && self.tokenizer_file.is_none()
+            && self.bpe_vocab_size < 257
+        {
             return Err(value_err(
                 "data.bpe_vocab_size",
-                format!("must be at least 257 (256 bytes + merges), got {}", self.bpe_vocab_size),
+                format!(
+                    "must be at least 257 (256 bytes + merges), got {}",
+                    self.bpe_vocab_size
+                ),
             ));
         }
         Ok(())

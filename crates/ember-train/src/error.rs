@@ -47,7 +47,9 @@ pub enum TrainError {
         message: String,
     },
     /// The loss stopped being a finite number.
-    #[error("loss is {loss} at step {step}: training diverged; the last good checkpoint is kept (try a lower training.lr or gradient clipping)")]
+    #[error(
+        "loss is {loss} at step {step}: training diverged; the last good checkpoint is kept (try a lower training.lr or gradient clipping)"
+    )]
     Diverged {
         /// The step.
         step: u64,

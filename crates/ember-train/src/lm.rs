@@ -177,7 +177,12 @@ pub fn train_lm(
         title: format!(
             "{} on {}",
             "decoder-only LM",
-            config.data.path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()
+            config
+                .data
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default()
         ),
     };
     let task = LmTask {
@@ -209,7 +214,10 @@ pub fn load_lm(path: &Path, device: &Device) -> Result<LoadedLm> {
     if state.model_kind != "decoder_only" {
         return Err(TrainError::Checkpoint {
             path: dir,
-            message: format!("holds a {} model; this command needs a language model", state.model_kind),
+            message: format!(
+                "holds a {} model; this command needs a language model",
+                state.model_kind
+            ),
         });
     }
     let config = RunConfig::load(&dir.join(CONFIG_FILE))?;

@@ -43,7 +43,8 @@ impl Metrics {
         let path = run_dir.join("metrics.jsonl");
         match resume_step {
             Some(step) => {
-                let kept: Vec<Record> = read(&path).into_iter().filter(|r| r.step <= step).collect();
+                let kept: Vec<Record> =
+                    read(&path).into_iter().filter(|r| r.step <= step).collect();
                 let text: String = kept
                     .iter()
                     .map(|r| serde_json::to_string(r).expect("record serializes") + "\n")

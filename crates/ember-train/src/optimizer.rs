@@ -117,13 +117,31 @@ mod tests {
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         // The global norm by hand, from the gradients before clipping.
         let parts: Vec<Tensor<1>> = vec![
-            grads.get::<2>(model.a.weight.id).unwrap().powi_scalar(2).sum(),
-            grads.get::<1>(model.a.bias.as_ref().unwrap().id).unwrap().powi_scalar(2).sum(),
-            grads.get::<2>(model.b.weight.id).unwrap().powi_scalar(2).sum(),
+            grads
+                .get::<2>(model.a.weight.id)
+                .unwrap()
+                .powi_scalar(2)
+                .sum(),
+            grads
+                .get::<1>(model.a.bias.as_ref().unwrap().id)
+                .unwrap()
+                .powi_scalar(2)
+                .sum(),
+            grads
+                .get::<2>(model.b.weight.id)
+                .unwrap()
+                .powi_scalar(2)
+                .sum(),
         ];
-        let want: f32 = parts.into_iter().map(|p| p.into_scalar::<f32>()).sum::<f32>().sqrt();
+        let want: f32 = parts
+            .into_iter()
+            .map(|p| p.into_scalar::<f32>())
+            .sum::<f32>()
+            .sqrt();
         let before_b = grads.get::<2>(model.b.weight.id).unwrap();
-        let norm = clip_global_norm(&model, &mut grads, 0.5).unwrap().into_scalar::<f32>();
+        let norm = clip_global_norm(&model, &mut grads, 0.5)
+            .unwrap()
+            .into_scalar::<f32>();
         assert!((norm - want).abs() < 1e-3 * want, "{norm} vs {want}");
         assert!(want > 0.5, "test needs a norm above the limit");
         let after_b = grads.get::<2>(model.b.weight.id).unwrap();

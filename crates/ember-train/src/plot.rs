@@ -10,6 +10,9 @@ use plotters::style::{FontStyle, register_font};
 use crate::error::{Result, write_err};
 use crate::metrics::Record;
 
+/// A named line of `(step, loss)` points and its colour.
+type Series<'a> = (&'a str, &'a Vec<(f64, f64)>, RGBColor);
+
 fn register_fonts() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -31,14 +34,23 @@ pub fn loss_curves(records: &[Record], title: &str, path: &Path) -> Result<()> {
         .iter()
         .filter_map(|r| r.val_loss.map(|v| (r.step as f64, v)))
         .collect();
-    let train_eval: Vec<(f64, f64)> = evals.iter().map(|r| (r.step as f64, r.train_loss)).collect();
+    let train_eval: Vec<(f64, f64)> = evals
+        .iter()
+        .map(|r| (r.step as f64, r.train_loss))
+        .collect();
     let all = logs.iter().chain(&val).chain(&train_eval);
     let max_step = all.clone().map(|p| p.0).fold(1.0, f64::max);
     let (lo, hi) = all
         .map(|p| p.1)
         .filter(|v| v.is_finite())
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
-    let (lo, hi) = if lo.is_finite() { (lo * 0.95, hi * 1.05) } else { (0.0, 1.0) };
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    let (lo, hi) = if lo.is_finite() {
+        (lo * 0.95, hi * 1.05)
+    } else {
+        (0.0, 1.0)
+    };
 
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
@@ -57,7 +69,7 @@ pub fn loss_curves(records: &[Record], title: &str, path: &Path) -> Result<()> {
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(|e| err(&e))?;
-    let series: [(&str, &Vec<(f64, f64)>, RGBColor); 3] = [
+    let series: [Series; 3] = [
         ("train (logged)", &logs, RGBColor(160, 190, 230)),
         ("train (eval)", &train_eval, RGBColor(31, 119, 180)),
         ("val (eval)", &val, RGBColor(214, 39, 40)),
@@ -67,10 +79,15 @@ pub fn loss_curves(records: &[Record], title: &str, path: &Path) -> Result<()> {
             continue;
         }
         chart
-            .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
             .map_err(|e| err(&e))?
             .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
     }
     chart
         .configure_series_labels()

@@ -41,7 +41,12 @@ impl Schedule {
         }
         match self.kind {
             ScheduleKind::Constant => self.lr,
-            ScheduleKind::InverseSqrt => self.lr * (warmup.max(1) as f64 / (step.max(1)) as f64).sqrt().min(1.0),
+            ScheduleKind::InverseSqrt => {
+                self.lr
+                    * (warmup.max(1) as f64 / (step.max(1)) as f64)
+                        .sqrt()
+                        .min(1.0)
+            }
             ScheduleKind::Cosine => {
                 if step >= self.decay_steps {
                     return self.min_lr;

@@ -117,7 +117,11 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         if saved.model_kind != task.model_kind() {
             return Err(TrainError::Checkpoint {
                 path: dir,
-                message: format!("holds a {} model, not {}", saved.model_kind, task.model_kind()),
+                message: format!(
+                    "holds a {} model, not {}",
+                    saved.model_kind,
+                    task.model_kind()
+                ),
             });
         }
         model = load_model(model, &dir)?;
@@ -152,8 +156,8 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         window.push(loss, norm, tokens);
 
         let done = state.step == stop;
-        let checkpoint_due = state.step % config.checkpoint_interval == 0 || done;
-        if state.step % config.log_interval == 0 || checkpoint_due {
+        let checkpoint_due = state.step.is_multiple_of(config.checkpoint_interval) || done;
+        if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
             let elapsed = elapsed_before + start.elapsed().as_secs_f64();
             let record = window.flush(state.step, lr, elapsed)?;
             bar.set_position(state.step);
@@ -163,7 +167,7 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
             ));
             metrics.append(&record)?;
         }
-        if state.step % config.eval_interval == 0 || state.step == config.max_steps {
+        if state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps {
             let eval_model = model.valid();
             let train = task.eval_loss(&eval_model, Split::Train, config.eval_batches);
             let val = task.eval_loss(&eval_model, Split::Val, config.eval_batches);
@@ -369,10 +373,12 @@ pub fn load_model<M: Module>(model: M, dir: &Path) -> Result<M> {
             message: "missing model weights".into(),
         });
     }
-    model.try_load_file(&path).map_err(|e| TrainError::Checkpoint {
-        path,
-        message: format!("cannot load model weights: {e}"),
-    })
+    model
+        .try_load_file(&path)
+        .map_err(|e| TrainError::Checkpoint {
+            path,
+            message: format!("cannot load model weights: {e}"),
+        })
 }
 
 /// Fails early, before any training, if the run folder cannot be written.

@@ -16,6 +16,13 @@ fn tiny() -> RunConfig {
     config
 }
 
+/// Weight init and dropout draw from Burn's process-wide RNG: tests that train hold this lock so
+/// a parallel test cannot consume draws between a run's seeding and its use.
+fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn out_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ember-train-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -24,6 +31,7 @@ fn out_dir(name: &str) -> PathBuf {
 
 #[test]
 fn tiny_config_learns() {
+    let _rng = rng_lock();
     let out = out_dir("learns");
     let summary = train_lm(tiny(), out.clone(), false, None, None, false).unwrap();
     assert_eq!(summary.step, 300);
@@ -35,8 +43,13 @@ fn tiny_config_learns() {
     // The checkpoint loads and scores the way training measured it.
     let lm = load_lm(&out, &Device::flex()).unwrap();
     assert_eq!(lm.step, 300);
-    let report = ember_train::eval::evaluate(&lm, &repo().join("data/tinyshakespeare.txt")).unwrap();
-    assert!((report.loss - val).abs() < 0.15, "eval {} vs val {val}", report.loss);
+    let report =
+        ember_train::eval::evaluate(&lm, &repo().join("data/tinyshakespeare.txt")).unwrap();
+    assert!(
+        (report.loss - val).abs() < 0.15,
+        "eval {} vs val {val}",
+        report.loss
+    );
     let _ = std::fs::remove_dir_all(out);
 }
 
@@ -56,6 +69,7 @@ fn params(dir: &Path) -> Vec<f32> {
 
 #[test]
 fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
+    let _rng = rng_lock();
     let mut config = tiny();
     config.training.max_steps = 30;
     config.training.checkpoint_interval = 10;
@@ -76,7 +90,11 @@ fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
 
     let (a, b) = (params(&whole), params(&split));
     assert_eq!(a.len(), b.len());
-    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     assert_eq!(diff, 0.0, "resumed parameters differ by up to {diff}");
     // The metrics of the split run were stitched, not duplicated.
     let steps: Vec<u64> = ember_train::metrics::read(&split.join("metrics.jsonl"))
@@ -91,6 +109,7 @@ fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
 
 #[test]
 fn checkpoint_round_trip_reproduces_logits() {
+    let _rng = rng_lock();
     let out = out_dir("roundtrip");
     let mut config = tiny();
     config.training.max_steps = 5;
@@ -103,20 +122,26 @@ fn checkpoint_round_trip_reproduces_logits() {
     let fresh = lm.config.model.init(&device).unwrap();
     let again = ember_train::trainer::load_model(fresh, &dir).unwrap();
     let x = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &device);
-    let diff = (lm.model.forward(x.clone()) - again.forward(x)).abs().max().into_scalar::<f32>();
+    let diff = (lm.model.forward(x.clone()) - again.forward(x))
+        .abs()
+        .max()
+        .into_scalar::<f32>();
     assert_eq!(diff, 0.0);
     let _ = std::fs::remove_dir_all(out);
 }
 
 #[test]
 fn corpus_shorter_than_a_window_is_a_clear_error() {
+    let _rng = rng_lock();
     let dir = out_dir("short");
     std::fs::create_dir_all(&dir).unwrap();
     let corpus = dir.join("short.txt");
     std::fs::write(&corpus, "To be, or not to be").unwrap();
     let mut config = tiny();
     config.data.path = corpus;
-    let err = train_lm(config, dir.join("run"), false, None, None, false).unwrap_err().to_string();
+    let err = train_lm(config, dir.join("run"), false, None, None, false)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("short.txt") && err.contains("tokens"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
