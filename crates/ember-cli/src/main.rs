@@ -4,10 +4,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bleu;
 mod eval;
 mod generate;
 mod stream;
 mod train;
+mod translate;
 
 /// Train, sample from and score small transformers, on CPU or GPU.
 #[derive(Parser)]
@@ -25,6 +27,10 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Score a trained language model on a text file.
     Eval(eval::EvalArgs),
+    /// Translate sentences (one per line) with a trained translation model.
+    Translate(translate::TranslateArgs),
+    /// Corpus BLEU of translations against references (sacreBLEU's defaults).
+    Bleu(bleu::BleuArgs),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +53,8 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Translate(args) => translate::run(args),
+        Command::Bleu(args) => bleu::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use ember_train::RunConfig;
+use ember_train::{RunConfig, TranslationRunConfig};
 
 /// Arguments of `ember train`.
 #[derive(Args)]
@@ -28,7 +28,6 @@ pub struct TrainArgs {
 }
 
 pub fn run(args: TrainArgs) -> Result<()> {
-    let config = RunConfig::load(&args.config)?;
     let out = args.out.unwrap_or_else(|| {
         let name = args
             .config
@@ -37,14 +36,29 @@ pub fn run(args: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| "run".into());
         PathBuf::from("runs").join(name)
     });
-    let summary = ember_train::train_lm(
-        config,
-        out.clone(),
-        args.resume,
-        args.device.as_deref(),
-        args.stop_after,
-        std::io::stderr().is_terminal(),
-    )?;
+    let progress = std::io::stderr().is_terminal();
+    let device = args.device.as_deref();
+    let summary = if ember_train::config::task_of(&args.config)? == "translation" {
+        let config = TranslationRunConfig::load(&args.config)?;
+        ember_train::train_translation(
+            config,
+            out.clone(),
+            args.resume,
+            device,
+            args.stop_after,
+            progress,
+        )?
+    } else {
+        let config = RunConfig::load(&args.config)?;
+        ember_train::train_lm(
+            config,
+            out.clone(),
+            args.resume,
+            device,
+            args.stop_after,
+            progress,
+        )?
+    };
     eprintln!(
         "done: {} steps in {:.1}s ({:.1} ms/step, {:.0} tokens/s){}",
         summary.step,

@@ -4,10 +4,12 @@
 //! tokenizers, and language-model batches of random windows.
 
 pub mod batches;
+pub mod bleu;
 pub mod bpe;
 pub mod char_tokenizer;
 pub mod corpus;
 pub mod error;
+pub mod parallel;
 pub mod tokenizer;
 
 pub use batches::{LmBatch, WindowSampler, batch_seed};

@@ -8,3 +8,7 @@ pub mod sampling;
 
 pub use generate::{GenerateOptions, generate};
 pub use sampling::{Sampling, argmax, distribution, sample};
+pub mod beam_search;
+pub use beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search, greedy};
+pub mod translate;
+pub use translate::{Seq2SeqScorer, translate_batch};

@@ -10,15 +10,28 @@ use crate::error::{Result, TrainError, value_err};
 use crate::schedule::{Schedule, ScheduleKind};
 
 /// A whole run: what to train, on what, and how.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RunConfig {
+    /// `"lm"` (the default) for language modelling; translation configs say `"translation"`.
+    pub task: String,
     /// The model; see [`DecoderOnlyConfig`]. `vocab_size` is filled in from the tokenizer.
     pub model: DecoderOnlyConfig,
     /// The corpus and tokenizer.
     pub data: DataConfig,
     /// Optimisation, evaluation and checkpointing.
     pub training: TrainingConfig,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            task: "lm".into(),
+            model: DecoderOnlyConfig::default(),
+            data: DataConfig::default(),
+            training: TrainingConfig::default(),
+        }
+    }
 }
 
 /// How text becomes tokens.
@@ -94,6 +107,8 @@ pub struct TrainingConfig {
     pub weight_decay: f64,
     /// Clip the global gradient norm to this; 0 turns clipping off. Default 1.0.
     pub grad_clip: f64,
+    /// Label smoothing of the training loss (the transformer paper uses 0.1). Default 0.
+    pub label_smoothing: f64,
     /// Evaluate every this many steps (and at the end). Default 250.
     pub eval_interval: u64,
     /// Batches averaged for each train/val loss estimate. Default 20.
@@ -124,6 +139,7 @@ impl Default for TrainingConfig {
             eps: 1e-8,
             weight_decay: 0.1,
             grad_clip: 1.0,
+            label_smoothing: 0.0,
             eval_interval: 250,
             eval_batches: 20,
             checkpoint_interval: 500,
@@ -190,6 +206,12 @@ impl TrainingConfig {
         non_negative("min_lr", self.min_lr)?;
         non_negative("weight_decay", self.weight_decay)?;
         non_negative("grad_clip", self.grad_clip)?;
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            return Err(value_err(
+                "training.label_smoothing",
+                format!("must be in [0, 1), got {}", self.label_smoothing),
+            ));
+        }
         for (key, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&v) {
                 return Err(value_err(
@@ -240,17 +262,9 @@ impl RunConfig {
     /// Reads and validates a config file. Errors name the file, and the line and key or the
     /// key and value at fault.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| TrainError::ConfigFile {
-            path: path.to_path_buf(),
-            message: format!("cannot read config: {e}"),
-        })?;
-        Self::parse(&text).map_err(|e| match e {
-            TrainError::ConfigFile { message, .. } => TrainError::ConfigFile {
-                path: path.to_path_buf(),
-                message,
-            },
-            other => other,
-        })
+        let config: Self = parse_toml(path)?;
+        config.validate()?;
+        Ok(config)
     }
 
     /// Parses and validates config text.
@@ -265,6 +279,12 @@ impl RunConfig {
 
     /// Checks all sections. The model's `vocab_size` may still be 0 (it comes from the data).
     pub fn validate(&self) -> Result<()> {
+        if self.task != "lm" {
+            return Err(value_err(
+                "task",
+                format!("must be \"lm\" here, got {:?}", self.task),
+            ));
+        }
         let mut model = self.model.clone();
         if model.vocab_size == 0 {
             model.vocab_size = 1;
@@ -277,6 +297,34 @@ impl RunConfig {
     /// The config as TOML, as saved beside checkpoints.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("the config always serializes")
+    }
+}
+
+/// Reads `path` and deserializes it; errors name the file and the parser's line and key.
+pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::ConfigFile {
+        path: path.to_path_buf(),
+        message: format!("cannot read config: {e}"),
+    })?;
+    toml::from_str(&text).map_err(|e| TrainError::ConfigFile {
+        path: path.to_path_buf(),
+        message: one_line(&e),
+    })
+}
+
+/// The `task` a config file declares (`"lm"` when it has none), read before the whole file is
+/// parsed so the right config type can be chosen.
+pub fn task_of(path: &Path) -> Result<String> {
+    let table: toml::Table = parse_toml(path)?;
+    match table.get("task") {
+        None => Ok("lm".into()),
+        Some(toml::Value::String(task)) if task == "lm" || task == "translation" => {
+            Ok(task.clone())
+        }
+        Some(other) => Err(value_err(
+            "task",
+            format!("must be \"lm\" or \"translation\", got {other}"),
+        )),
     }
 }
 

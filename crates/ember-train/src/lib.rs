@@ -15,8 +15,12 @@ pub mod optimizer;
 pub mod plot;
 pub mod schedule;
 pub mod trainer;
+pub mod translation;
+pub mod translation_config;
 
 pub use config::RunConfig;
 pub use error::{Result, TrainError};
 pub use lm::{LoadedLm, load_lm, train_lm};
 pub use trainer::{RunOptions, RunSummary, Split, Task};
+pub use translation::{LoadedTranslator, load_translator, train_translation};
+pub use translation_config::TranslationRunConfig;

@@ -1,0 +1,77 @@
+//! `ember translate`
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use ember_infer::SearchOptions;
+
+/// Arguments of `ember translate`.
+#[derive(Args)]
+pub struct TranslateArgs {
+    /// Checkpoint folder, or a run folder (its newest checkpoint).
+    #[arg(long, value_name = "DIR", default_value = "runs/multi30k-de-en")]
+    checkpoint: PathBuf,
+    /// Sentences to translate, one per line [default: standard input].
+    #[arg(long, value_name = "FILE")]
+    input: Option<PathBuf>,
+    /// Beam width; 1 is greedy decoding.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    beam: usize,
+    /// GNMT length penalty exponent: higher favours longer translations.
+    #[arg(long, value_name = "A", default_value_t = 0.6)]
+    length_penalty: f32,
+    /// Most tokens per translation [default: the training max_len + 10].
+    #[arg(long, value_name = "N")]
+    max_len: Option<usize>,
+    /// Compute device (flex, ndarray, auto).
+    #[arg(long, value_name = "NAME", default_value = "flex")]
+    device: String,
+}
+
+pub fn run(args: TranslateArgs) -> Result<()> {
+    if args.beam == 0 {
+        bail!("--beam must be at least 1, got 0");
+    }
+    let device = ember_train::device::parse(&args.device)?;
+    let t = ember_train::load_translator(&args.checkpoint, &device)?;
+    let lines: Vec<String> = match &args.input {
+        Some(path) => ember_data::corpus::read_text(path)?
+            .lines()
+            .map(str::to_string)
+            .collect(),
+        None => std::io::stdin()
+            .lock()
+            .lines()
+            .collect::<std::io::Result<_>>()
+            .context("cannot read standard input")?,
+    };
+    let sources = lines
+        .iter()
+        .map(|l| t.tokenizers.encode_source(l.trim()))
+        .collect::<ember_train::Result<Vec<_>>>()?;
+    let mut options: SearchOptions =
+        ember_train::translation::greedy_options(t.config.data.max_len);
+    options.beam = args.beam;
+    options.length_penalty = args.length_penalty;
+    if let Some(max_len) = args.max_len {
+        options.max_len = max_len;
+    }
+    let start = Instant::now();
+    let out = ember_train::translation::translate_all(&t.model, &t.tokenizers, sources, &options);
+    let mut stdout = std::io::stdout().lock();
+    for line in &out {
+        writeln!(stdout, "{line}")?;
+    }
+    eprintln!(
+        "{} sentences in {:.2}s (beam {}, checkpoint {} step {})",
+        out.len(),
+        start.elapsed().as_secs_f64(),
+        args.beam,
+        t.dir.display(),
+        t.step
+    );
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! Translating with an [`EncoderDecoder`]: the encoder runs once per batch of sentences, the
+//! decoder steps with the KV cache, greedily or with beam search.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor};
+use ember_model::{DecoderCache, EncoderDecoder, Memory};
+
+use crate::beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search, greedy};
+
+/// Decoder steps of an encoder-decoder model over a fixed encoder output.
+pub struct Seq2SeqScorer<'a> {
+    model: &'a EncoderDecoder,
+    memory: Memory,
+    cache: DecoderCache,
+    device: Device,
+}
+
+impl<'a> Seq2SeqScorer<'a> {
+    /// Rows of `memory` are the hypotheses to extend.
+    pub fn new(model: &'a EncoderDecoder, memory: Memory) -> Self {
+        let device = memory.states.device();
+        Self {
+            model,
+            memory,
+            cache: model.new_cache(),
+            device,
+        }
+    }
+}
+
+impl StepScorer for Seq2SeqScorer<'_> {
+    fn step(&mut self, last: &[u32]) -> Vec<Vec<f32>> {
+        let n = last.len();
+        let ids: Vec<i32> = last.iter().map(|&t| t as i32).collect();
+        let tokens = Tensor::<1, Int>::from_ints(ids.as_slice(), &self.device).reshape([n, 1]);
+        let logits = self
+            .model
+            .decode(tokens, None, &self.memory, Some(&mut self.cache), false)
+            .logits; // [N, 1, V]
+        let v = logits.dims()[2];
+        let flat = log_softmax(logits.reshape([n, v]), 1)
+            .try_into_vec_as::<f32>()
+            .expect("logits are f32");
+        flat.chunks(v).map(<[f32]>::to_vec).collect()
+    }
+
+    fn reorder(&mut self, rows: &[usize]) {
+        let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let index = Tensor::<1, Int>::from_ints(ids.as_slice(), &self.device);
+        self.cache.select_batch(index.clone());
+        self.memory.states = self.memory.states.clone().select(0, index.clone());
+        self.memory.pad = self.memory.pad.take().map(|p| p.select(0, index));
+    }
+}
+
+/// Source id sequences padded into `[B, S]` with their padding mask.
+fn pad_sources(
+    sources: &[Vec<u32>],
+    pad: u32,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, burn::tensor::Bool>) {
+    let b = sources.len();
+    let s = sources.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let mut flat = Vec::with_capacity(b * s);
+    for src in sources {
+        flat.extend(src.iter().map(|&t| t as i32));
+        flat.extend(std::iter::repeat_n(pad as i32, s - src.len()));
+    }
+    let ids = Tensor::<1, Int>::from_ints(flat.as_slice(), device).reshape([b, s]);
+    let mask = ids.clone().equal_elem(pad as i64);
+    (ids, mask)
+}
+
+/// Translates a batch of tokenized sources (each ending with EOS). Beam 1 decodes all rows
+/// together greedily; a wider beam searches each sentence over the shared encoder output.
+pub fn translate_batch(
+    model: &EncoderDecoder,
+    sources: &[Vec<u32>],
+    pad: u32,
+    options: &SearchOptions,
+) -> Vec<Hypothesis> {
+    if sources.is_empty() {
+        return Vec::new();
+    }
+    let device = model.src_embed.weight.device();
+    // A source longer than the positional table keeps its start and its end token.
+    let limit = model.max_positions;
+    let clipped: Vec<Vec<u32>> = sources
+        .iter()
+        .map(|s| match s.len() > limit {
+            true => s[..limit - 1].iter().chain(s.last()).copied().collect(),
+            false => s.clone(),
+        })
+        .collect();
+    let (src, mask) = pad_sources(&clipped, pad, &device);
+    let memory = model.encode(src, Some(mask));
+    let options = SearchOptions {
+        max_len: options.max_len.min(model.max_positions),
+        ..*options
+    };
+    if options.beam <= 1 {
+        let mut scorer = Seq2SeqScorer::new(model, memory);
+        return greedy(&mut scorer, sources.len(), &options);
+    }
+    (0..sources.len())
+        .map(|i| {
+            let rows =
+                Tensor::<1, Int>::from_ints(vec![i as i32; options.beam].as_slice(), &device);
+            let beam_memory = Memory {
+                states: memory.states.clone().select(0, rows.clone()),
+                pad: memory.pad.clone().map(|p| p.select(0, rows)),
+            };
+            beam_search(&mut Seq2SeqScorer::new(model, beam_memory), &options)
+        })
+        .collect()
+}

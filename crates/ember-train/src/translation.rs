@@ -1,0 +1,378 @@
+//! Translation: a parallel corpus, BPE vocabularies with `<pad> <bos> <eos> <unk>`, batches of
+//! similar-length pairs, and an [`EncoderDecoder`] trained with teacher forcing by the same loop
+//! as the language model.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Bool, Device, Int, Tensor};
+use ember_data::bleu::corpus_bleu;
+use ember_data::bpe::{load_bpe, save_bpe, train_bpe};
+use ember_data::parallel::{Bucketed, PAD, PairBatch, SPECIALS, encode_pairs, read_parallel};
+use ember_data::{DataError, Tokenizer};
+use ember_infer::{SearchOptions, translate_batch};
+use ember_model::EncoderDecoder;
+use ember_model::loss::cross_entropy;
+
+use crate::checkpoint::CONFIG_FILE;
+use crate::error::{Result, TrainError, write_err};
+use crate::trainer::{RunOptions, RunSummary, Split, Task};
+use crate::translation_config::TranslationRunConfig;
+
+/// File of the shared vocabulary inside a checkpoint.
+pub const SHARED_TOKENIZER: &str = "tokenizer.json";
+/// Files of separate vocabularies inside a checkpoint.
+pub const SRC_TOKENIZER: &str = "src.tokenizer.json";
+/// See [`SRC_TOKENIZER`].
+pub const TGT_TOKENIZER: &str = "tgt.tokenizer.json";
+
+/// Source and target tokenizers (the same one when the vocabulary is shared).
+#[derive(Debug, Clone)]
+pub struct Tokenizers {
+    /// Tokenizes sources.
+    pub src: Tokenizer,
+    /// Tokenizes and detokenizes targets.
+    pub tgt: Tokenizer,
+    /// Whether `src` and `tgt` are one vocabulary.
+    pub shared: bool,
+}
+
+impl Tokenizers {
+    /// Trains byte-level BPE vocabularies on the training files.
+    pub fn train(config: &TranslationRunConfig) -> Result<Self> {
+        let d = &config.data;
+        let bpe = |files: &[&Path]| -> Result<Tokenizer> {
+            Ok(Tokenizer::Bpe(Box::new(train_bpe(
+                files,
+                d.vocab_size,
+                &SPECIALS,
+            )?)))
+        };
+        if d.shared_vocab {
+            let tok = bpe(&[d.train_src.as_path(), d.train_tgt.as_path()])?;
+            Ok(Self {
+                src: tok.clone(),
+                tgt: tok,
+                shared: true,
+            })
+        } else {
+            Ok(Self {
+                src: bpe(&[d.train_src.as_path()])?,
+                tgt: bpe(&[d.train_tgt.as_path()])?,
+                shared: false,
+            })
+        }
+    }
+
+    /// Writes the vocabularies into a checkpoint folder.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let save = |tok: &Tokenizer, name: &str| -> Result<()> {
+            match tok {
+                Tokenizer::Bpe(t) => Ok(save_bpe(t, &dir.join(name))?),
+                Tokenizer::Char(_) => unreachable!("translation uses BPE"),
+            }
+        };
+        if self.shared {
+            save(&self.src, SHARED_TOKENIZER)
+        } else {
+            save(&self.src, SRC_TOKENIZER)?;
+            save(&self.tgt, TGT_TOKENIZER)
+        }
+    }
+
+    /// Reads the vocabularies of a checkpoint folder.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let load = |name: &str| -> Result<Tokenizer> {
+            Ok(Tokenizer::Bpe(Box::new(load_bpe(&dir.join(name))?)))
+        };
+        if dir.join(SHARED_TOKENIZER).is_file() {
+            let tok = load(SHARED_TOKENIZER)?;
+            Ok(Self {
+                src: tok.clone(),
+                tgt: tok,
+                shared: true,
+            })
+        } else {
+            Ok(Self {
+                src: load(SRC_TOKENIZER)?,
+                tgt: load(TGT_TOKENIZER)?,
+                shared: false,
+            })
+        }
+    }
+
+    /// Source ids of `text`, ending with EOS.
+    pub fn encode_source(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.src.encode(text)?.ids;
+        ids.push(ember_data::parallel::EOS);
+        Ok(ids)
+    }
+}
+
+/// The translation task for the training loop.
+pub struct TranslationTask {
+    /// The resolved config.
+    pub config: TranslationRunConfig,
+    /// Vocabularies.
+    pub tokenizers: Tokenizers,
+    /// Training batches.
+    pub train: Bucketed,
+    /// Validation batches.
+    pub val: Bucketed,
+    /// Validation sources (tokenized) and references (raw text) for BLEU.
+    pub bleu_set: Vec<(Vec<u32>, String)>,
+    /// Device without autodiff.
+    pub device: Device,
+}
+
+/// Tensors of a batch: source, its padding, decoder input and its padding, decoder output.
+type BatchTensors = (
+    Tensor<2, Int>,
+    Tensor<2, Bool>,
+    Tensor<2, Int>,
+    Tensor<2, Bool>,
+    Tensor<2, Int>,
+);
+
+fn tensors(batch: &PairBatch, device: &Device) -> BatchTensors {
+    let (b, s, t) = (batch.batch_size, batch.src_len, batch.tgt_len);
+    let ints = |v: &[i32], w: usize| Tensor::<1, Int>::from_ints(v, device).reshape([b, w]);
+    let src = ints(&batch.src, s);
+    let tgt_in = ints(&batch.tgt_in, t);
+    let tgt_out = ints(&batch.tgt_out, t);
+    let src_pad = src.clone().equal_elem(PAD as i64);
+    // Decoder inputs are padded where the outputs are (the input is the output shifted right).
+    let tgt_pad = tgt_out.clone().equal_elem(PAD as i64);
+    (src, src_pad, tgt_in, tgt_pad, tgt_out)
+}
+
+impl TranslationTask {
+    fn loss(
+        &self,
+        model: &EncoderDecoder,
+        batch: &PairBatch,
+        device: &Device,
+        smoothing: f64,
+    ) -> Tensor<1> {
+        let (src, src_pad, tgt_in, tgt_pad, tgt_out) = tensors(batch, device);
+        let logits = model.forward(src, Some(src_pad), tgt_in, Some(tgt_pad));
+        cross_entropy(logits, tgt_out, Some(PAD), smoothing)
+    }
+}
+
+impl Task for TranslationTask {
+    type Model = EncoderDecoder;
+
+    fn train_loss(&self, model: &EncoderDecoder, step: u64, micro: u64) -> (Tensor<1>, usize) {
+        let index = step * self.config.training.grad_accum as u64 + micro;
+        let batch = self.train.batch(self.config.training.seed, index);
+        let device = self.device.clone().autodiff();
+        (
+            self.loss(model, &batch, &device, self.config.training.label_smoothing),
+            batch.tokens,
+        )
+    }
+
+    fn eval_loss(&self, model: &EncoderDecoder, split: Split, batches: usize) -> f64 {
+        let data = match split {
+            Split::Train => &self.train,
+            Split::Val => &self.val,
+        };
+        // Evenly spaced batches of the length-sorted order: short and long sentences alike.
+        let n = batches.min(data.len()).max(1);
+        let (mut total, mut tokens) = (0.0, 0usize);
+        for k in 0..n {
+            let batch = data.sorted_batch(k * data.len() / n);
+            let loss = self
+                .loss(model, &batch, &self.device, 0.0)
+                .into_scalar::<f32>() as f64;
+            total += loss * batch.tokens as f64;
+            tokens += batch.tokens;
+        }
+        total / tokens.max(1) as f64
+    }
+
+    fn extra_eval(&self, model: &EncoderDecoder) -> Vec<(String, f64)> {
+        if self.bleu_set.is_empty() {
+            return Vec::new();
+        }
+        let hyps = translate_all(
+            model,
+            &self.tokenizers,
+            self.bleu_set.iter().map(|(s, _)| s.clone()).collect(),
+            &greedy_options(self.config.data.max_len),
+        );
+        let refs: Vec<String> = self.bleu_set.iter().map(|(_, r)| r.clone()).collect();
+        vec![("val BLEU".into(), corpus_bleu(&hyps, &refs, false).bleu)]
+    }
+
+    fn write_files(&self, dir: &Path) -> Result<()> {
+        self.tokenizers.save(dir)?;
+        let path = dir.join(CONFIG_FILE);
+        std::fs::write(&path, self.config.to_toml()).map_err(|e| write_err(&path, e))
+    }
+
+    fn model_kind(&self) -> &'static str {
+        "encoder_decoder"
+    }
+}
+
+/// Greedy search settings for sentences of at most `max_len` tokens.
+pub fn greedy_options(max_len: usize) -> SearchOptions {
+    SearchOptions {
+        beam: 1,
+        length_penalty: 0.6,
+        max_len: max_len + 10,
+        bos: ember_data::parallel::BOS,
+        eos: ember_data::parallel::EOS,
+    }
+}
+
+/// Sentences translated per batch.
+const SENTENCES_PER_BATCH: usize = 64;
+
+/// Translates tokenized sources in batches (sorted by length, returned in input order).
+pub fn translate_all(
+    model: &EncoderDecoder,
+    tokenizers: &Tokenizers,
+    sources: Vec<Vec<u32>>,
+    options: &SearchOptions,
+) -> Vec<String> {
+    let mut order: Vec<usize> = (0..sources.len()).collect();
+    order.sort_by_key(|&i| sources[i].len());
+    let mut out = vec![String::new(); sources.len()];
+    for chunk in order.chunks(SENTENCES_PER_BATCH) {
+        let batch: Vec<Vec<u32>> = chunk.iter().map(|&i| sources[i].clone()).collect();
+        let hyps = translate_batch(model, &batch, PAD, options);
+        for (&i, h) in chunk.iter().zip(hyps) {
+            out[i] = tokenizers.tgt.decode(&h.tokens).trim().to_string();
+        }
+    }
+    out
+}
+
+fn limit<T>(mut v: Vec<T>, n: Option<usize>) -> Vec<T> {
+    if let Some(n) = n {
+        v.truncate(n);
+    }
+    v
+}
+
+/// Everything `ember train` does for a translation config.
+pub fn train_translation(
+    mut config: TranslationRunConfig,
+    out_dir: PathBuf,
+    resume: bool,
+    device_name: Option<&str>,
+    stop_after: Option<u64>,
+    progress: bool,
+) -> Result<RunSummary> {
+    let device = crate::device::parse(device_name.unwrap_or(&config.training.device))?;
+    if let Some(name) = device_name {
+        config.training.device = name.to_string();
+    }
+    let d = config.data.clone();
+    let train_pairs = limit(
+        read_parallel(&d.train_src, &d.train_tgt)?,
+        d.max_train_pairs,
+    );
+    let val_pairs = read_parallel(&d.val_src, &d.val_tgt)?;
+    let tokenizers = if resume {
+        Tokenizers::load(&crate::checkpoint::resolve(&out_dir)?)?
+    } else {
+        Tokenizers::train(&config)?
+    };
+    let (train, dropped) = encode_pairs(&train_pairs, &tokenizers.src, &tokenizers.tgt, d.max_len)?;
+    let (val, _) = encode_pairs(&val_pairs, &tokenizers.src, &tokenizers.tgt, d.max_len)?;
+    let mut bleu_set = Vec::new();
+    for (s, t) in val_pairs.iter().take(d.bleu_sentences) {
+        let ids = tokenizers.encode_source(s)?;
+        if ids.len() <= d.max_len {
+            bleu_set.push((ids, t.clone()));
+        }
+    }
+    config.model.src_vocab_size = tokenizers.src.vocab_size();
+    config.model.tgt_vocab_size = tokenizers.tgt.vocab_size();
+    config.validate()?;
+    eprintln!("resolved config:\n{}", config.to_toml());
+    eprintln!(
+        "data: {} training pairs ({dropped} longer than {} tokens dropped), {} validation pairs; vocabulary {} / {}",
+        train.len(),
+        d.max_len,
+        val.len(),
+        tokenizers.src.describe(),
+        tokenizers.tgt.describe()
+    );
+    let empty = |what: &str| {
+        TrainError::Data(DataError::Invalid(format!(
+            "no {what} pairs left after length filtering (data.max_len = {})",
+            d.max_len
+        )))
+    };
+    let train = Bucketed::new(train, d.batch_tokens).map_err(|_| empty("training"))?;
+    let val = Bucketed::new(val, d.batch_tokens).map_err(|_| empty("validation"))?;
+    std::fs::create_dir_all(&out_dir).map_err(|e| write_err(&out_dir, e))?;
+    let config_path = out_dir.join(CONFIG_FILE);
+    std::fs::write(&config_path, config.to_toml()).map_err(|e| write_err(&config_path, e))?;
+
+    let train_device = device.clone().autodiff();
+    train_device.seed(config.training.seed);
+    let model = config.model.init(&train_device)?;
+    eprintln!("{}", model.summary());
+    let options = RunOptions {
+        out_dir,
+        training: config.training.clone(),
+        resume,
+        stop_after,
+        progress,
+        title: format!("encoder-decoder on {}", d.train_src.display()),
+    };
+    let task = TranslationTask {
+        config,
+        tokenizers,
+        train,
+        val,
+        bleu_set,
+        device,
+    };
+    crate::trainer::train(&task, model, &options)
+}
+
+/// A trained translation model, ready for inference.
+pub struct LoadedTranslator {
+    /// The model, without autodiff.
+    pub model: EncoderDecoder,
+    /// Its vocabularies.
+    pub tokenizers: Tokenizers,
+    /// The config it was trained with.
+    pub config: TranslationRunConfig,
+    /// The checkpoint folder.
+    pub dir: PathBuf,
+    /// The step it was saved at.
+    pub step: u64,
+}
+
+/// Loads a translation checkpoint (or the newest in a run folder).
+pub fn load_translator(path: &Path, device: &Device) -> Result<LoadedTranslator> {
+    let dir = crate::checkpoint::resolve(path)?;
+    let state = crate::checkpoint::read_state(&dir)?;
+    if state.model_kind != "encoder_decoder" {
+        return Err(TrainError::Checkpoint {
+            path: dir,
+            message: format!(
+                "holds a {} model; this command needs a translation model",
+                state.model_kind
+            ),
+        });
+    }
+    let config = TranslationRunConfig::load(&dir.join(CONFIG_FILE))?;
+    let tokenizers = Tokenizers::load(&dir)?;
+    let model = config.model.init(device)?;
+    let model = crate::trainer::load_model(model, &dir)?;
+    Ok(LoadedTranslator {
+        model,
+        tokenizers,
+        config,
+        dir,
+        step: state.step,
+    })
+}
