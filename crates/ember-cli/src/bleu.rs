@@ -1,6 +1,6 @@
 //! `ember bleu`
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 use clap::Args;
@@ -23,7 +23,7 @@ pub struct BleuArgs {
     json: bool,
 }
 
-fn lines(path: &PathBuf) -> Result<Vec<String>> {
+fn lines(path: &Path) -> Result<Vec<String>> {
     Ok(ember_data::corpus::read_text(path)?
         .lines()
         .map(str::to_string)

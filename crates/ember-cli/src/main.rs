@@ -4,6 +4,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+// Tensors of many megabytes are allocated and freed at every step; mimalloc keeps freed
+// memory for reuse where glibc returns it to the OS and pays page faults to get it back.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bleu;
 mod eval;
 mod generate;

@@ -320,3 +320,102 @@ fn interrupted_and_resumed_training_with_dropout_matches_an_uninterrupted_run() 
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn translation_commands_train_translate_and_score() {
+    let dir = temp("mt");
+    let run = dir.join("run");
+    let config = repo().join("configs/multi30k-tiny.toml");
+    let out = ember(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--out",
+        run.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("val BLEU"));
+    let input = dir.join("in.de");
+    std::fs::write(&input, "Ein Hund läuft.\nZwei Männer spielen Fußball.\n").unwrap();
+    for beam in ["1", "3"] {
+        let out = ember(&[
+            "translate",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+            "--beam",
+            beam,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
+    }
+    // A language-model command on a translation checkpoint says what is wrong.
+    assert_clear_error(
+        &ember(&[
+            "generate",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--prompt",
+            "x",
+        ]),
+        &["translation", "language model"],
+    );
+
+    let hyp = dir.join("hyp.txt");
+    let reference = dir.join("ref.txt");
+    std::fs::write(&hyp, "the cat sat on the mat\n").unwrap();
+    std::fs::write(&reference, "the cat is on the mat today\n").unwrap();
+    let out = ember(&[
+        "bleu",
+        "--hyp",
+        hyp.to_str().unwrap(),
+        "--ref",
+        reference.to_str().unwrap(),
+        "--json",
+    ]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let p = [500.0f64 / 6.0, 60.0, 25.0, 100.0 / 6.0];
+    let want = (1.0f64 - 7.0 / 6.0).exp() * (p.iter().map(|x| x.ln()).sum::<f64>() / 4.0).exp();
+    assert!(
+        (json["bleu"].as_f64().unwrap() - want).abs() < 1e-9,
+        "{json}"
+    );
+    assert_eq!(json["hyp_len"], 6);
+    assert_eq!(json["ref_len"], 7);
+
+    std::fs::write(&reference, "one\ntwo\n").unwrap();
+    let out = ember(&[
+        "bleu",
+        "--hyp",
+        hyp.to_str().unwrap(),
+        "--ref",
+        reference.to_str().unwrap(),
+    ]);
+    assert_clear_error(&out, &["hyp.txt has 1 lines", "ref.txt has 2"]);
+
+    let misaligned = dir.join("misaligned.toml");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("data/multi30k/train.en", "data/multi30k/val.en");
+    std::fs::write(&misaligned, text).unwrap();
+    assert_clear_error(
+        &ember(&[
+            "train",
+            "--config",
+            misaligned.to_str().unwrap(),
+            "--out",
+            dir.join("x").to_str().unwrap(),
+        ]),
+        &["train.de has 29000 lines", "val.en has 1014"],
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -47,6 +47,15 @@ pub struct CheckpointState {
     pub val_loss: Option<f64>,
 }
 
+/// What a checkpoint's `model_kind` means to a user.
+pub fn describe_kind(kind: &str) -> String {
+    match kind {
+        "decoder_only" => "language model (decoder_only)".into(),
+        "encoder_decoder" => "translation model (encoder_decoder)".into(),
+        other => format!("`{other}` model"),
+    }
+}
+
 fn step_dir_name(step: u64) -> String {
     format!("step-{step:07}")
 }

@@ -215,8 +215,8 @@ pub fn load_lm(path: &Path, device: &Device) -> Result<LoadedLm> {
         return Err(TrainError::Checkpoint {
             path: dir,
             message: format!(
-                "holds a {} model; this command needs a language model",
-                state.model_kind
+                "holds a {}; this command needs a language model",
+                crate::checkpoint::describe_kind(&state.model_kind)
             ),
         });
     }

@@ -118,9 +118,9 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
             return Err(TrainError::Checkpoint {
                 path: dir,
                 message: format!(
-                    "holds a {} model, not {}",
-                    saved.model_kind,
-                    task.model_kind()
+                    "holds a {}, but this config trains a {}",
+                    checkpoint::describe_kind(&saved.model_kind),
+                    checkpoint::describe_kind(task.model_kind())
                 ),
             });
         }

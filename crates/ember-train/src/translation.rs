@@ -359,8 +359,8 @@ pub fn load_translator(path: &Path, device: &Device) -> Result<LoadedTranslator>
         return Err(TrainError::Checkpoint {
             path: dir,
             message: format!(
-                "holds a {} model; this command needs a translation model",
-                state.model_kind
+                "holds a {}; this command needs a translation model",
+                crate::checkpoint::describe_kind(&state.model_kind)
             ),
         });
     }
