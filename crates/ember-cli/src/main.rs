@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod attention;
 mod bleu;
 mod eval;
 mod generate;
@@ -36,6 +37,8 @@ enum Command {
     Translate(translate::TranslateArgs),
     /// Corpus BLEU of translations against references (sacreBLEU's defaults).
     Bleu(bleu::BleuArgs),
+    /// Draw a model's attention weights on a text as heatmaps (PNG or SVG).
+    Attention(attention::AttentionArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval::run(args),
         Command::Translate(args) => translate::run(args),
         Command::Bleu(args) => bleu::run(args),
+        Command::Attention(args) => attention::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

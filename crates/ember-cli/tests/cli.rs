@@ -358,6 +358,36 @@ fn translation_commands_train_translate_and_score() {
         );
         assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
     }
+    // Cross-attention of the translation, averaged over heads: one panel per decoder layer.
+    let (png, json) = (dir.join("cross.png"), dir.join("cross.json"));
+    let out = ember(&[
+        "attention",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--text",
+        "Ein Hund läuft.",
+        "--out",
+        png.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let maps: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(maps["maps"].as_array().unwrap().len(), 2);
+    for row in maps["maps"][0]["weights"].as_array().unwrap() {
+        let sum: f64 = row
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .sum();
+        assert!((sum - 1.0).abs() < 1e-5);
+    }
+    assert_eq!(maps["columns"].as_array().unwrap().last().unwrap(), "<eos>");
     // A language-model command on a translation checkpoint says what is wrong.
     assert_clear_error(
         &ember(&[
@@ -416,6 +446,144 @@ fn translation_commands_train_translate_and_score() {
             dir.join("x").to_str().unwrap(),
         ]),
         &["train.de has 29000 lines", "val.en has 1014"],
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn attention_pictures_hold_the_weights_the_model_used() {
+    let run = trained();
+    let dir = temp("attention");
+    let (png, json) = (dir.join("a.png"), dir.join("a.json"));
+    let text = "ROMEO: O, she doth teach";
+    let out = ember(&[
+        "attention",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--text",
+        text,
+        "--layer",
+        "1",
+        "--out",
+        png.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(&std::fs::read(&png).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
+
+    // The drawn weights are the model's own for that input, row-stochastic and causal.
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let maps = json["maps"].as_array().unwrap();
+    assert_eq!(maps.len(), 2, "layer 1 of the tiny model has 2 heads");
+    let device = burn::tensor::Device::flex();
+    let lm = ember_train::load_lm(run, &device).unwrap();
+    let ids = lm.tokenizer.encode(text).unwrap().ids;
+    let want = ember_infer::self_attention(&lm.model, &ids);
+    for map in maps {
+        let head = map["head"].as_u64().unwrap() as usize;
+        let reference = want
+            .iter()
+            .find(|m| m.layer == 1 && m.head == Some(head))
+            .unwrap();
+        let rows = map["weights"].as_array().unwrap();
+        assert_eq!(rows.len(), ids.len());
+        for (i, row) in rows.iter().enumerate() {
+            let row: Vec<f64> = row
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            assert!(
+                (row.iter().sum::<f64>() - 1.0).abs() < 1e-5,
+                "row {i} sums to {}",
+                row.iter().sum::<f64>()
+            );
+            for (j, &w) in row.iter().enumerate() {
+                assert!((w - reference.weights[i][j] as f64).abs() < 1e-6);
+                if j > i {
+                    assert_eq!(w, 0.0, "causal model attends to the future at ({i}, {j})");
+                }
+            }
+        }
+    }
+    // Independently of the helper: the model's forward pass with weights returned.
+    let tokens = burn::tensor::Tensor::<1, burn::tensor::Int>::from_ints(
+        ids.iter().map(|&i| i as i32).collect::<Vec<_>>().as_slice(),
+        &device,
+    )
+    .reshape([1, ids.len()]);
+    let forward = lm.model.forward_with(tokens, None, None, true).weights[1]
+        .self_attn
+        .clone()
+        .unwrap();
+    let first = forward
+        .slice([0..1, 0..1, 3..4, 0..ids.len()])
+        .try_into_vec_as::<f32>()
+        .unwrap();
+    let drawn: Vec<f64> = maps[0]["weights"][3]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    for (a, b) in first.iter().zip(&drawn) {
+        assert!((*a as f64 - b).abs() < 1e-6);
+    }
+
+    let svg = dir.join("all.svg");
+    let out = ember(&[
+        "attention",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--text",
+        "To be",
+        "--out",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let text_svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(text_svg.starts_with("<svg") && text_svg.trim_end().ends_with("</svg>"));
+
+    let long = "x".repeat(40);
+    assert_clear_error(
+        &ember(&[
+            "attention",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--text",
+            &long,
+        ]),
+        &["40 tokens", "context of 32"],
+    );
+    assert_clear_error(
+        &ember(&[
+            "attention",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--text",
+            "To be",
+            "--layer",
+            "7",
+        ]),
+        &["--layer 7", "2 layers"],
+    );
+    assert_clear_error(
+        &ember(&[
+            "attention",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--text",
+            "To be",
+            "--head",
+            "5",
+        ]),
+        &["--head 5", "2 heads"],
     );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -12,3 +12,5 @@ pub mod beam_search;
 pub use beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search, greedy};
 pub mod translate;
 pub use translate::{Seq2SeqScorer, translate_batch};
+pub mod attention_maps;
+pub use attention_maps::{AttentionMap, cross_attention, mean_over_heads, self_attention};

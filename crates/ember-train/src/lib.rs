@@ -9,6 +9,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod eval;
+pub mod heatmap;
 pub mod lm;
 pub mod metrics;
 pub mod optimizer;

@@ -13,7 +13,8 @@ use crate::metrics::Record;
 /// A named line of `(step, loss)` points and its colour.
 type Series<'a> = (&'a str, &'a Vec<(f64, f64)>, RGBColor);
 
-fn register_fonts() {
+/// Registers the embedded DejaVu Sans as plotters' "sans-serif" (once).
+pub(crate) fn register_fonts() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let _ = register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
