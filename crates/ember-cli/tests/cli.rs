@@ -67,15 +67,13 @@ fn trained() -> &'static PathBuf {
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in [
-        &["--help"][..],
-        &["train", "--help"],
-        &["generate", "--help"],
-        &["eval", "--help"],
-    ] {
-        let out = ember(sub);
+    let top = ember(&["--help"]);
+    assert!(top.status.success());
+    for sub in ["train", "generate", "eval", "translate", "bleu", "attention"] {
+        assert!(String::from_utf8_lossy(&top.stdout).contains(sub), "{sub} missing from --help");
+        let out = ember(&[sub, "--help"]);
         assert!(out.status.success());
-        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"), "{sub}");
     }
 }
 
