@@ -21,7 +21,7 @@ rm -rf "$OUT"
 stop=()
 if [ -n "${STEPS:-}" ]; then stop=(--stop-after "$STEPS"); fi
 echo "== train: $EMBER train --config $CONFIG --out $OUT ${stop[*]:-}"
-$EMBER train --config "$CONFIG" --out "$OUT" "${stop[@]}" 2>&1 | grep -E "^(step|done|peak|checkpoint)"
+$EMBER train --config "$CONFIG" --out "$OUT" "${stop[@]}" 2>&1 | grep -E "^(step|done|peak|checkpoint:)"
 
 echo "== generate (500 tokens, batch 1)"
 for mode in "" "--no-cache"; do

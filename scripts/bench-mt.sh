@@ -24,7 +24,7 @@ resume=()
 if [ -n "${RESUME:-}" ]; then resume=(--resume); else rm -rf "$OUT"; fi
 echo "== train: $EMBER train --config $CONFIG --out $OUT ${stop[*]:-} ${resume[*]:-}"
 start=$(date +%s)
-$EMBER train --config "$CONFIG" --out "$OUT" "${stop[@]}" "${resume[@]}" 2>&1 | grep -E "^(data|step|done|peak|checkpoint)"
+$EMBER train --config "$CONFIG" --out "$OUT" "${stop[@]}" "${resume[@]}" 2>&1 | grep -E "^(data|step|done|peak|checkpoint:)"
 echo "training wall time: $(( $(date +%s) - start )) s"
 
 for beam in 1 4; do
