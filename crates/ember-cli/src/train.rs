@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use ember_train::{RunConfig, TranslationRunConfig};
+use ember_train::{Launch, RunConfig, TranslationRunConfig};
 
 /// Arguments of `ember train`.
 #[derive(Args)]
@@ -36,28 +36,17 @@ pub fn run(args: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| "run".into());
         PathBuf::from("runs").join(name)
     });
-    let progress = std::io::stderr().is_terminal();
-    let device = args.device.as_deref();
+    let launch = Launch {
+        out_dir: out.clone(),
+        resume: args.resume,
+        device: args.device,
+        stop_after: args.stop_after,
+        progress: std::io::stderr().is_terminal(),
+    };
     let summary = if ember_train::config::task_of(&args.config)? == "translation" {
-        let config = TranslationRunConfig::load(&args.config)?;
-        ember_train::train_translation(
-            config,
-            out.clone(),
-            args.resume,
-            device,
-            args.stop_after,
-            progress,
-        )?
+        ember_train::train_translation(TranslationRunConfig::load(&args.config)?, &launch)?
     } else {
-        let config = RunConfig::load(&args.config)?;
-        ember_train::train_lm(
-            config,
-            out.clone(),
-            args.resume,
-            device,
-            args.stop_after,
-            progress,
-        )?
+        ember_train::train_lm(RunConfig::load(&args.config)?, &launch)?
     };
     eprintln!(
         "done: {} steps in {:.1}s ({:.1} ms/step, {:.0} tokens/s){}",

@@ -69,11 +69,24 @@ fn trained() -> &'static PathBuf {
 fn every_subcommand_has_help() {
     let top = ember(&["--help"]);
     assert!(top.status.success());
-    for sub in ["train", "generate", "eval", "translate", "bleu", "attention"] {
-        assert!(String::from_utf8_lossy(&top.stdout).contains(sub), "{sub} missing from --help");
+    for sub in [
+        "train",
+        "generate",
+        "eval",
+        "translate",
+        "bleu",
+        "attention",
+    ] {
+        assert!(
+            String::from_utf8_lossy(&top.stdout).contains(sub),
+            "{sub} missing from --help"
+        );
         let out = ember(&[sub, "--help"]);
         assert!(out.status.success());
-        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"), "{sub}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("Usage"),
+            "{sub}"
+        );
     }
 }
 

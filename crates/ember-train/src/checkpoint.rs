@@ -199,6 +199,23 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         })
 }
 
+/// Resolves `path` to a checkpoint folder and checks it holds a `kind` model; `needed` says
+/// what the calling command needs, for the error.
+pub fn open(path: &Path, kind: &str, needed: &str) -> Result<(PathBuf, CheckpointState)> {
+    let dir = resolve(path)?;
+    let state = read_state(&dir)?;
+    if state.model_kind != kind {
+        return Err(TrainError::Checkpoint {
+            path: dir,
+            message: format!(
+                "holds a {}; this command needs {needed}",
+                describe_kind(&state.model_kind)
+            ),
+        });
+    }
+    Ok((dir, state))
+}
+
 /// Reads and checks `state.json` of a checkpoint folder.
 pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     let path = dir.join(STATE_FILE);

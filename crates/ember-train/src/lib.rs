@@ -22,6 +22,6 @@ pub mod translation_config;
 pub use config::RunConfig;
 pub use error::{Result, TrainError};
 pub use lm::{LoadedLm, load_lm, train_lm};
-pub use trainer::{RunOptions, RunSummary, Split, Task};
+pub use trainer::{Launch, RunOptions, RunSummary, Split, Task};
 pub use translation::{LoadedTranslator, load_translator, train_translation};
 pub use translation_config::TranslationRunConfig;

@@ -9,7 +9,7 @@ use ember_model::DecoderOnly;
 use crate::checkpoint::CONFIG_FILE;
 use crate::config::{RunConfig, TokenizerKind};
 use crate::error::{Result, TrainError, write_err};
-use crate::trainer::{RunOptions, RunSummary, Split, Task};
+use crate::trainer::{Launch, RunOptions, RunSummary, Split, Task};
 
 /// Seed salt for evaluation batches: fixed, so every evaluation sees the same windows.
 const EVAL_SALT: u64 = 0xE7A1;
@@ -123,20 +123,14 @@ pub fn run_device(config: &RunConfig, device: Option<&str>) -> Result<Device> {
 
 /// Everything `ember train` does for a language model: prepare data, build (or resume) the
 /// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
-pub fn train_lm(
-    mut config: RunConfig,
-    out_dir: PathBuf,
-    resume: bool,
-    device_name: Option<&str>,
-    stop_after: Option<u64>,
-    progress: bool,
-) -> Result<RunSummary> {
-    let device = run_device(&config, device_name)?;
-    if let Some(name) = device_name {
-        config.training.device = name.to_string();
+pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
+    let device = run_device(&config, launch.device.as_deref())?;
+    if let Some(name) = &launch.device {
+        config.training.device = name.clone();
     }
+    let out_dir = launch.out_dir.clone();
     // On resume the checkpoint's tokenizer is reused, so ids mean the same thing.
-    let tokenizer = if resume {
+    let tokenizer = if launch.resume {
         let dir = crate::checkpoint::resolve(&out_dir)?;
         Some(Tokenizer::load(&dir)?)
     } else {
@@ -171,9 +165,9 @@ pub fn train_lm(
     let options = RunOptions {
         out_dir,
         training: config.training.clone(),
-        resume,
-        stop_after,
-        progress,
+        resume: launch.resume,
+        stop_after: launch.stop_after,
+        progress: launch.progress,
         title: format!(
             "{} on {}",
             "decoder-only LM",
@@ -209,17 +203,7 @@ pub struct LoadedLm {
 
 /// Loads a checkpoint (or the newest in a run folder) for inference.
 pub fn load_lm(path: &Path, device: &Device) -> Result<LoadedLm> {
-    let dir = crate::checkpoint::resolve(path)?;
-    let state = crate::checkpoint::read_state(&dir)?;
-    if state.model_kind != "decoder_only" {
-        return Err(TrainError::Checkpoint {
-            path: dir,
-            message: format!(
-                "holds a {}; this command needs a language model",
-                crate::checkpoint::describe_kind(&state.model_kind)
-            ),
-        });
-    }
+    let (dir, state) = crate::checkpoint::open(path, "decoder_only", "a language model")?;
     let config = RunConfig::load(&dir.join(CONFIG_FILE))?;
     let tokenizer = Tokenizer::load(&dir)?;
     if tokenizer.vocab_size() != config.model.vocab_size {

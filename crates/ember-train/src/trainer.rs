@@ -67,6 +67,31 @@ pub struct RunOptions {
     pub title: String,
 }
 
+/// How `ember train` starts a run: where, on what, and whether it continues an earlier one.
+#[derive(Debug, Clone, Default)]
+pub struct Launch {
+    /// The run folder.
+    pub out_dir: PathBuf,
+    /// Continue from the newest checkpoint in `out_dir`.
+    pub resume: bool,
+    /// Device name overriding the config's `training.device`.
+    pub device: Option<String>,
+    /// Stop (with a checkpoint) after this step, as if interrupted.
+    pub stop_after: Option<u64>,
+    /// Draw a progress bar (when stderr is a terminal).
+    pub progress: bool,
+}
+
+impl Launch {
+    /// A fresh run in `out_dir` on the config's device, to the end, without a progress bar.
+    pub fn new(out_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            out_dir: out_dir.into(),
+            ..Self::default()
+        }
+    }
+}
+
 /// What a finished (or stopped) run reports.
 #[derive(Debug, Clone)]
 pub struct RunSummary {

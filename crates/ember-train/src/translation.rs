@@ -15,7 +15,7 @@ use ember_model::loss::cross_entropy;
 
 use crate::checkpoint::CONFIG_FILE;
 use crate::error::{Result, TrainError, write_err};
-use crate::trainer::{RunOptions, RunSummary, Split, Task};
+use crate::trainer::{Launch, RunOptions, RunSummary, Split, Task};
 use crate::translation_config::TranslationRunConfig;
 
 /// File of the shared vocabulary inside a checkpoint.
@@ -258,18 +258,12 @@ fn limit<T>(mut v: Vec<T>, n: Option<usize>) -> Vec<T> {
 }
 
 /// Everything `ember train` does for a translation config.
-pub fn train_translation(
-    mut config: TranslationRunConfig,
-    out_dir: PathBuf,
-    resume: bool,
-    device_name: Option<&str>,
-    stop_after: Option<u64>,
-    progress: bool,
-) -> Result<RunSummary> {
-    let device = crate::device::parse(device_name.unwrap_or(&config.training.device))?;
-    if let Some(name) = device_name {
-        config.training.device = name.to_string();
+pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> Result<RunSummary> {
+    let device = crate::device::parse(launch.device.as_deref().unwrap_or(&config.training.device))?;
+    if let Some(name) = &launch.device {
+        config.training.device = name.clone();
     }
+    let (out_dir, resume) = (launch.out_dir.clone(), launch.resume);
     let d = config.data.clone();
     let train_pairs = limit(
         read_parallel(&d.train_src, &d.train_tgt)?,
@@ -322,8 +316,8 @@ pub fn train_translation(
         out_dir,
         training: config.training.clone(),
         resume,
-        stop_after,
-        progress,
+        stop_after: launch.stop_after,
+        progress: launch.progress,
         title: format!("encoder-decoder on {}", d.train_src.display()),
     };
     let task = TranslationTask {
@@ -353,17 +347,7 @@ pub struct LoadedTranslator {
 
 /// Loads a translation checkpoint (or the newest in a run folder).
 pub fn load_translator(path: &Path, device: &Device) -> Result<LoadedTranslator> {
-    let dir = crate::checkpoint::resolve(path)?;
-    let state = crate::checkpoint::read_state(&dir)?;
-    if state.model_kind != "encoder_decoder" {
-        return Err(TrainError::Checkpoint {
-            path: dir,
-            message: format!(
-                "holds a {}; this command needs a translation model",
-                crate::checkpoint::describe_kind(&state.model_kind)
-            ),
-        });
-    }
+    let (dir, state) = crate::checkpoint::open(path, "encoder_decoder", "a translation model")?;
     let config = TranslationRunConfig::load(&dir.join(CONFIG_FILE))?;
     let tokenizers = Tokenizers::load(&dir)?;
     let model = config.model.init(device)?;

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
-use ember_train::{RunConfig, load_lm, train_lm};
+use ember_train::{Launch, RunConfig, load_lm, train_lm};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -33,7 +33,7 @@ fn out_dir(name: &str) -> PathBuf {
 fn tiny_config_learns() {
     let _rng = rng_lock();
     let out = out_dir("learns");
-    let summary = train_lm(tiny(), out.clone(), false, None, None, false).unwrap();
+    let summary = train_lm(tiny(), &Launch::new(&out)).unwrap();
     assert_eq!(summary.step, 300);
     // A character model starts at ln(66) = 4.19 nats; unigram statistics alone give ~3.3.
     let val = summary.val_loss.unwrap();
@@ -78,14 +78,36 @@ fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
     config.model.dropout = 0.1;
 
     let whole = out_dir("whole");
-    train_lm(config.clone(), whole.clone(), false, None, None, false).unwrap();
+    train_lm(config.clone(), &Launch::new(&whole)).unwrap();
 
     let split = out_dir("split");
-    let first = train_lm(config.clone(), split.clone(), false, None, Some(10), false).unwrap();
+    let first = train_lm(
+        config.clone(),
+        &Launch {
+            stop_after: Some(10),
+            ..Launch::new(&split)
+        },
+    )
+    .unwrap();
     assert_eq!(first.step, 10);
-    let second = train_lm(config.clone(), split.clone(), true, None, Some(20), false).unwrap();
+    let second = train_lm(
+        config.clone(),
+        &Launch {
+            resume: true,
+            stop_after: Some(20),
+            ..Launch::new(&split)
+        },
+    )
+    .unwrap();
     assert_eq!(second.step, 20);
-    let third = train_lm(config, split.clone(), true, None, None, false).unwrap();
+    let third = train_lm(
+        config,
+        &Launch {
+            resume: true,
+            ..Launch::new(&split)
+        },
+    )
+    .unwrap();
     assert_eq!(third.step, 30);
 
     let (a, b) = (params(&whole), params(&split));
@@ -113,7 +135,7 @@ fn checkpoint_round_trip_reproduces_logits() {
     let out = out_dir("roundtrip");
     let mut config = tiny();
     config.training.max_steps = 5;
-    train_lm(config, out.clone(), false, None, None, false).unwrap();
+    train_lm(config, &Launch::new(&out)).unwrap();
     let device = Device::flex();
     let lm = load_lm(&out, &device).unwrap();
     let dir = out.join("copy");
@@ -139,7 +161,7 @@ fn corpus_shorter_than_a_window_is_a_clear_error() {
     std::fs::write(&corpus, "To be, or not to be").unwrap();
     let mut config = tiny();
     config.data.path = corpus;
-    let err = train_lm(config, dir.join("run"), false, None, None, false)
+    let err = train_lm(config, &Launch::new(dir.join("run")))
         .unwrap_err()
         .to_string();
     assert!(err.contains("short.txt") && err.contains("tokens"), "{err}");

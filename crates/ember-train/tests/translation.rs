@@ -7,7 +7,7 @@ use ember_data::parallel::{EOS, PAD};
 use ember_infer::{Seq2SeqScorer, beam_search, greedy, translate_batch};
 use ember_model::Memory;
 use ember_train::translation::{greedy_options, translate_all};
-use ember_train::{TranslationRunConfig, load_translator, train_translation};
+use ember_train::{Launch, TranslationRunConfig, load_translator, train_translation};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -42,7 +42,7 @@ fn tiny_multi30k_run_trains_saves_and_translates() {
         *p = repo().join(&*p);
     }
     let out = temp("tiny").join("run");
-    let summary = train_translation(config, out.clone(), false, None, None, false).unwrap();
+    let summary = train_translation(config, &Launch::new(&out)).unwrap();
     assert_eq!(summary.step, 40);
     let val = summary.val_loss.unwrap();
     assert!(val.is_finite() && val < 7.0, "val loss {val}");
@@ -110,7 +110,7 @@ fn learns_to_copy_and_decodes_consistently() {
     config.training.eval_interval = 500;
     config.training.checkpoint_interval = 500;
     let out = dir.join("run");
-    train_translation(config, out.clone(), false, None, None, false).unwrap();
+    train_translation(config, &Launch::new(&out)).unwrap();
 
     let t = load_translator(&out, &Device::flex()).unwrap();
     let lines: Vec<String> = std::fs::read_to_string(&val_src)
