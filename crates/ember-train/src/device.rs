@@ -21,13 +21,24 @@ pub fn parse(name: &str) -> Result<Device> {
         #[cfg(feature = "ndarray")]
         #[allow(deprecated)]
         "ndarray" => Ok(Device::ndarray()),
-        "ndarray" | "wgpu" | "vulkan" | "cuda" => Err(TrainError::Device(format!(
-            "device `{name}` is not in this build (build with `cargo build --release --features {name}`); available: {}",
-            available().join(", ")
-        ))),
+        "wgpu" | "vulkan" | "cuda" => missing(name),
+        #[cfg(not(feature = "ndarray"))]
+        "ndarray" => missing(name),
         other => Err(TrainError::Device(format!(
             "unknown device `{other}`; available: {}, auto",
             available().join(", ")
         ))),
     }
+}
+
+/// A device this build was compiled without.
+fn missing(name: &str) -> Result<Device> {
+    let hint = match name {
+        "ndarray" => "rebuild with `cargo build --release -p ember-cli --features ndarray`",
+        _ => "ember has no GPU backend yet",
+    };
+    Err(TrainError::Device(format!(
+        "device `{name}` is not in this build ({hint}); available: {}",
+        available().join(", ")
+    )))
 }
