@@ -43,11 +43,11 @@ pub fn generate(
     let ctx = options.context_len.min(model.max_positions).max(1);
     let mut rng = StdRng::seed_from_u64(options.seed);
     let mut tokens: Vec<u32> = prompt.to_vec();
-    let mut cache: Option<DecoderCache> = None;
+    let mut window: Option<Window> = None;
     let mut produced = Vec::with_capacity(options.max_new_tokens);
     for _ in 0..options.max_new_tokens {
         let logits = if options.use_cache {
-            next_logits_cached(model, &tokens, &mut cache, ctx, &device)
+            next_logits_cached(model, &tokens, &mut window, ctx, &device)
         } else {
             let window = &tokens[tokens.len().saturating_sub(ctx)..];
             last_logits(model, window, None, &device)
@@ -62,30 +62,37 @@ pub fn generate(
     produced
 }
 
+/// A cache of the keys and values of `tokens[start..start + cache.len()]`.
+struct Window {
+    cache: DecoderCache,
+    start: usize,
+}
+
 /// Logits for the token after `tokens`, feeding only what the cache has not seen.
 fn next_logits_cached(
     model: &DecoderOnly,
     tokens: &[u32],
-    cache: &mut Option<DecoderCache>,
+    window: &mut Option<Window>,
     ctx: usize,
     device: &Device,
 ) -> Vec<f32> {
-    let seen = cache.as_ref().map_or(0, DecoderCache::len);
-    let fits = cache.is_some() && seen < ctx && tokens.len() == seen + 1;
-    if fits {
-        let last = &tokens[tokens.len() - 1..];
-        return last_logits(model, last, cache.as_mut(), device);
+    if let Some(w) = window.as_mut() {
+        let seen = w.cache.len();
+        if w.start + seen + 1 == tokens.len() && seen < ctx {
+            let last = &tokens[tokens.len() - 1..];
+            return last_logits(model, last, Some(&mut w.cache), device);
+        }
     }
     // First call, or the cache is full: (re)build it from the newest tokens.
-    let keep = if cache.is_none() {
+    let keep = if window.is_none() {
         ctx
     } else {
         (ctx / 2).max(1)
     };
-    let window = &tokens[tokens.len().saturating_sub(keep)..];
-    let mut fresh = model.new_cache();
-    let logits = last_logits(model, window, Some(&mut fresh), device);
-    *cache = Some(fresh);
+    let start = tokens.len().saturating_sub(keep);
+    let mut cache = model.new_cache();
+    let logits = last_logits(model, &tokens[start..], Some(&mut cache), device);
+    *window = Some(Window { cache, start });
     logits
 }
 

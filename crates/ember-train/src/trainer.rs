@@ -133,9 +133,9 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         val_loss: None,
     };
     let mut last_checkpoint = PathBuf::new();
-    // Built from the model it will update: the weight-decay groups are keyed by parameter id,
-    // and loading a checkpoint restores the ids the optimizer state was saved under.
-    let mut optim = adamw(config, &model);
+    // The optimizer is built from the model it will update: its weight-decay groups are keyed
+    // by parameter id, and loading a checkpoint restores the ids its state was saved under.
+    let mut optim;
     if options.resume {
         let dir = checkpoint::resolve(out)?;
         let saved = checkpoint::read_state(&dir)?;
@@ -155,6 +155,8 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         state = saved;
         state.seed = config.seed;
         last_checkpoint = dir;
+    } else {
+        optim = adamw(config, &model);
     }
     let metrics = Metrics::open(out, options.resume.then_some(state.step))?;
     let device = param_device(&model);
