@@ -24,6 +24,17 @@ fn temp(name: &str) -> PathBuf {
     dir
 }
 
+/// Runs `ember` and asserts it succeeded, showing its stderr if not.
+fn ember_ok(args: &[&str]) -> Output {
+    let out = ember(args);
+    assert!(
+        out.status.success(),
+        "ember {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// Asserts a failed run with one `error:` line naming every `needle`, and no panic.
 fn assert_clear_error(out: &Output, needles: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -49,18 +60,13 @@ fn trained() -> &'static PathBuf {
     RUN.get_or_init(|| {
         let dir = temp("trained").join("run");
         let config = repo().join("configs/tiny.toml");
-        let out = ember(&[
+        ember_ok(&[
             "train",
             "--config",
             config.to_str().unwrap(),
             "--out",
             dir.to_str().unwrap(),
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         dir
     })
 }
@@ -81,8 +87,7 @@ fn every_subcommand_has_help() {
             String::from_utf8_lossy(&top.stdout).contains(sub),
             "{sub} missing from --help"
         );
-        let out = ember(&[sub, "--help"]);
-        assert!(out.status.success());
+        let out = ember_ok(&[sub, "--help"]);
         assert!(
             String::from_utf8_lossy(&out.stdout).contains("Usage"),
             "{sub}"
@@ -337,23 +342,18 @@ fn translation_commands_train_translate_and_score() {
     let dir = temp("mt");
     let run = dir.join("run");
     let config = repo().join("configs/multi30k-tiny.toml");
-    let out = ember(&[
+    let out = ember_ok(&[
         "train",
         "--config",
         config.to_str().unwrap(),
         "--out",
         run.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("val BLEU"));
     let input = dir.join("in.de");
     std::fs::write(&input, "Ein Hund läuft.\nZwei Männer spielen Fußball.\n").unwrap();
     for beam in ["1", "3"] {
-        let out = ember(&[
+        let out = ember_ok(&[
             "translate",
             "--checkpoint",
             run.to_str().unwrap(),
@@ -362,16 +362,11 @@ fn translation_commands_train_translate_and_score() {
             "--beam",
             beam,
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
     }
     // Cross-attention of the translation, averaged over heads: one panel per decoder layer.
     let (png, json) = (dir.join("cross.png"), dir.join("cross.json"));
-    let out = ember(&[
+    ember_ok(&[
         "attention",
         "--checkpoint",
         run.to_str().unwrap(),
@@ -382,11 +377,6 @@ fn translation_commands_train_translate_and_score() {
         "--json",
         json.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let maps: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(maps["maps"].as_array().unwrap().len(), 2);
     for row in maps["maps"][0]["weights"].as_array().unwrap() {
@@ -415,7 +405,7 @@ fn translation_commands_train_translate_and_score() {
     let reference = dir.join("ref.txt");
     std::fs::write(&hyp, "the cat sat on the mat\n").unwrap();
     std::fs::write(&reference, "the cat is on the mat today\n").unwrap();
-    let out = ember(&[
+    let out = ember_ok(&[
         "bleu",
         "--hyp",
         hyp.to_str().unwrap(),
@@ -467,7 +457,7 @@ fn attention_pictures_hold_the_weights_the_model_used() {
     let dir = temp("attention");
     let (png, json) = (dir.join("a.png"), dir.join("a.json"));
     let text = "ROMEO: O, she doth teach";
-    let out = ember(&[
+    ember_ok(&[
         "attention",
         "--checkpoint",
         run.to_str().unwrap(),
@@ -480,11 +470,6 @@ fn attention_pictures_hold_the_weights_the_model_used() {
         "--json",
         json.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert_eq!(&std::fs::read(&png).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
 
     // The drawn weights are the model's own for that input, row-stochastic and causal.
