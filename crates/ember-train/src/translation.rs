@@ -37,6 +37,15 @@ pub struct Tokenizers {
 }
 
 impl Tokenizers {
+    /// One vocabulary for both languages.
+    fn shared(tok: Tokenizer) -> Self {
+        Self {
+            src: tok.clone(),
+            tgt: tok,
+            shared: true,
+        }
+    }
+
     /// Trains byte-level BPE vocabularies on the training files.
     pub fn train(config: &TranslationRunConfig) -> Result<Self> {
         let d = &config.data;
@@ -48,12 +57,10 @@ impl Tokenizers {
             )?)))
         };
         if d.shared_vocab {
-            let tok = bpe(&[d.train_src.as_path(), d.train_tgt.as_path()])?;
-            Ok(Self {
-                src: tok.clone(),
-                tgt: tok,
-                shared: true,
-            })
+            Ok(Self::shared(bpe(&[
+                d.train_src.as_path(),
+                d.train_tgt.as_path(),
+            ])?))
         } else {
             Ok(Self {
                 src: bpe(&[d.train_src.as_path()])?,
@@ -85,12 +92,7 @@ impl Tokenizers {
             Ok(Tokenizer::Bpe(Box::new(load_bpe(&dir.join(name))?)))
         };
         if dir.join(SHARED_TOKENIZER).is_file() {
-            let tok = load(SHARED_TOKENIZER)?;
-            Ok(Self {
-                src: tok.clone(),
-                tgt: tok,
-                shared: true,
-            })
+            Ok(Self::shared(load(SHARED_TOKENIZER)?))
         } else {
             Ok(Self {
                 src: load(SRC_TOKENIZER)?,
