@@ -26,6 +26,13 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let device = ember_train::device::parse(&args.device)?;
     let lm = ember_train::load_lm(&args.checkpoint, &device)?;
     let report = ember_train::eval::evaluate(&lm, &args.data)?;
+    if report.unknown > 0 {
+        eprintln!(
+            "note: {} character(s) of {} are not in the model's vocabulary (mapped to unknown)",
+            report.unknown,
+            args.data.display()
+        );
+    }
     if args.json {
         let mut json = serde_json::json!({
             "loss": report.loss,

@@ -65,6 +65,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     {
         bail!("--top-p must be in (0, 1], got {p}");
     }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1, got 0");
+    }
     if args.top_k == Some(0) {
         bail!("--top-k must be at least 1, got 0");
     }

@@ -74,7 +74,17 @@ fn main() -> ExitCode {
     }
 }
 
-/// The error and its causes on a single line.
+/// The error and its causes on a single line; a cause the message already quotes (as in
+/// "cannot read F: No such file") is not repeated.
 fn one_line(e: &anyhow::Error) -> String {
-    format!("{e:#}").replace('\n', " ")
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.contains(&text) {
+            line = format!("{line}: {text}");
+        }
+    }
+    line.replace('\n', " ")
 }

@@ -1,58 +1,12 @@
 //! The `ember` binary as a user meets it: help, the train -> generate -> eval chain, and clear
 //! one-line errors for bad input.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn ember(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ember"))
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .expect("ember runs")
-}
-
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ember-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Runs `ember` and asserts it succeeded, showing its stderr if not.
-fn ember_ok(args: &[&str]) -> Output {
-    let out = ember(args);
-    assert!(
-        out.status.success(),
-        "ember {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// Asserts a failed run with one `error:` line naming every `needle`, and no panic.
-fn assert_clear_error(out: &Output, needles: &[&str]) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, stderr: {stderr}");
-    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(errors.len(), 1, "want one error line, got: {stderr}");
-    for needle in needles {
-        assert!(
-            errors[0].contains(needle),
-            "{needle:?} missing from: {}",
-            errors[0]
-        );
-    }
-    assert!(
-        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
-        "{stderr}"
-    );
-}
+use common::{assert_clear_error, ember, ember_ok, params, repo, temp};
 
 /// A tiny model trained once for all tests that need a checkpoint.
 fn trained() -> &'static PathBuf {
@@ -197,104 +151,6 @@ fn stop_string_ends_the_sample_and_long_prompts_are_cut() {
         String::from_utf8_lossy(&out.stderr)
             .contains("5 character(s) of the prompt are not in the model's vocabulary")
     );
-}
-
-#[test]
-fn bad_input_gives_one_clear_line() {
-    let dir = temp("errors");
-    let write = |name: &str, text: &[u8]| {
-        let path = dir.join(name);
-        std::fs::write(&path, text).unwrap();
-        path.to_str().unwrap().to_string()
-    };
-    let missing = dir.join("nope.toml");
-    assert_clear_error(
-        &ember(&["train", "--config", missing.to_str().unwrap()]),
-        &["nope.toml"],
-    );
-    let unknown = write("unknown.toml", b"[model]\nd_modle = 3\n");
-    assert_clear_error(
-        &ember(&["train", "--config", &unknown]),
-        &["unknown.toml", "d_modle", "line 2"],
-    );
-    let invalid = write("invalid.toml", b"[training]\nlr = -1.0\n");
-    assert_clear_error(
-        &ember(&["train", "--config", &invalid]),
-        &["training.lr", "-1"],
-    );
-    let heads = write("heads.toml", b"[model]\nd_model = 30\nn_heads = 4\n");
-    assert_clear_error(&ember(&["train", "--config", &heads]), &["n_heads", "30"]);
-    let empty_corpus = write("empty.txt", b"");
-    let empty = write(
-        "empty.toml",
-        format!("[data]\npath = \"{empty_corpus}\"\n").as_bytes(),
-    );
-    assert_clear_error(
-        &ember(&["train", "--config", &empty]),
-        &["empty.txt", "empty"],
-    );
-    let binary = write("binary.txt", b"abc\xff\xfe");
-    let not_utf8 = write(
-        "binary.toml",
-        format!("[data]\npath = \"{binary}\"\n").as_bytes(),
-    );
-    assert_clear_error(
-        &ember(&["train", "--config", &not_utf8]),
-        &["binary.txt", "UTF-8", "offset 3"],
-    );
-    let tiny = repo().join("configs/tiny.toml");
-    assert_clear_error(
-        &ember(&[
-            "train",
-            "--config",
-            tiny.to_str().unwrap(),
-            "--device",
-            "tpu",
-        ]),
-        &["tpu", "flex"],
-    );
-
-    let nowhere = dir.join("no-run");
-    let out = ember(&[
-        "generate",
-        "--checkpoint",
-        nowhere.to_str().unwrap(),
-        "--prompt",
-        "x",
-    ]);
-    assert_clear_error(&out, &["no-run"]);
-    let run = trained().to_str().unwrap();
-    assert_clear_error(
-        &ember(&["generate", "--checkpoint", run, "--prompt", ""]),
-        &["--prompt"],
-    );
-    assert_clear_error(
-        &ember(&[
-            "eval",
-            "--checkpoint",
-            run,
-            "--data",
-            missing.to_str().unwrap(),
-        ]),
-        &["nope.toml"],
-    );
-    let _ = std::fs::remove_dir_all(dir);
-}
-
-/// Every parameter of the newest checkpoint in `dir`, flattened.
-fn params(dir: &Path) -> Vec<f32> {
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
-    struct Collect(Vec<f32>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0.extend(p.val().try_into_vec_as::<f32>().unwrap());
-        }
-    }
-    let lm = ember_train::load_lm(dir, &burn::tensor::Device::flex()).unwrap();
-    let mut collect = Collect(Vec::new());
-    lm.model.visit(&mut collect);
-    collect.0
 }
 
 #[test]

@@ -85,16 +85,11 @@ pub fn save(
         fs::remove_dir_all(&tmp).map_err(|e| write_err(&tmp, e))?;
     }
     fs::create_dir(&tmp).map_err(|e| write_err(&tmp, e))?;
-    write_files(&tmp)?;
-    let state_path = tmp.join(STATE_FILE);
-    let json = serde_json::to_string_pretty(state).expect("state always serializes");
-    fs::write(&state_path, json).map_err(|e| write_err(&state_path, e))?;
-    for entry in fs::read_dir(&tmp).map_err(|e| write_err(&tmp, e))? {
-        let path = entry.map_err(|e| write_err(&tmp, e))?.path();
-        let file = fs::File::open(&path).map_err(|e| write_err(&path, e))?;
-        file.sync_all().map_err(|e| write_err(&path, e))?;
+    if let Err(e) = fill(&tmp, state, write_files) {
+        // A full disk, say: free what the partial write took; the previous checkpoint stays.
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    sync_dir(&tmp);
 
     let final_dir = root.join(&name);
     if final_dir.exists() {
@@ -119,6 +114,25 @@ pub fn save(
     Ok(final_dir)
 }
 
+/// Writes the files of a checkpoint into the temporary folder `tmp` and syncs them.
+fn fill(
+    tmp: &Path,
+    state: &CheckpointState,
+    write_files: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    write_files(tmp)?;
+    let state_path = tmp.join(STATE_FILE);
+    let json = serde_json::to_string_pretty(state).expect("state always serializes");
+    fs::write(&state_path, json).map_err(|e| write_err(&state_path, e))?;
+    for entry in fs::read_dir(tmp).map_err(|e| write_err(tmp, e))? {
+        let path = entry.map_err(|e| write_err(tmp, e))?.path();
+        let file = fs::File::open(&path).map_err(|e| write_err(&path, e))?;
+        file.sync_all().map_err(|e| write_err(&path, e))?;
+    }
+    sync_dir(tmp);
+    Ok(())
+}
+
 /// Removes all but the newest `keep` checkpoints, and leftovers of interrupted writes.
 fn prune(root: &Path, keep: usize) {
     let Ok(entries) = fs::read_dir(root) else {
@@ -128,8 +142,9 @@ fn prune(root: &Path, keep: usize) {
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().to_string();
         if name.starts_with(".tmp-") || name.starts_with(".old-") {
-            // Another process's write in progress is not ours to remove; only our own leftovers.
-            if name.ends_with(&format!("-{}", std::process::id())) {
+            // Another process's write in progress is not ours to remove: only our own
+            // leftovers, and those of processes that no longer run (killed mid-write).
+            if left_by_dead_or_self(&name) {
                 let _ = fs::remove_dir_all(entry.path());
             }
         } else if name.starts_with("step-") {
@@ -141,6 +156,16 @@ fn prune(root: &Path, keep: usize) {
     for old in &steps[..excess] {
         let _ = fs::remove_dir_all(old);
     }
+}
+
+/// Was the temporary folder `name` (`.tmp-step-N-PID`) left by this process or by one that is
+/// gone? Where that cannot be told (no `/proc`), only this process's own count.
+fn left_by_dead_or_self(name: &str) -> bool {
+    let Some(pid) = name.rsplit('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+        return false;
+    };
+    let proc = Path::new("/proc");
+    pid == std::process::id() || (proc.is_dir() && !proc.join(pid.to_string()).exists())
 }
 
 /// Is `dir` a complete checkpoint folder (state readable, model present)?
@@ -197,6 +222,26 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
                 "holds no complete checkpoint (expected `latest` or checkpoints/step-*/)".into(),
             )
         })
+}
+
+/// The newest complete checkpoint older than checkpoint folder `dir` in the same run, if any:
+/// where to turn when `dir` is damaged.
+pub fn older_complete(dir: &Path) -> Option<PathBuf> {
+    let name = dir.file_name()?.to_string_lossy().to_string();
+    let root = dir.parent()?;
+    let mut older: Vec<PathBuf> = fs::read_dir(root)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.starts_with("step-") && *n < *name
+            })
+        })
+        .collect();
+    older.sort();
+    older.into_iter().rev().find(|d| is_complete(d))
 }
 
 /// Resolves `path` to a checkpoint folder and checks it holds a `kind` model; `needed` says

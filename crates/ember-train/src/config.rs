@@ -263,7 +263,7 @@ impl RunConfig {
     /// key and value at fault.
     pub fn load(path: &Path) -> Result<Self> {
         let config: Self = parse_toml(path)?;
-        config.validate()?;
+        config.validate().map_err(|e| in_file(path, e))?;
         Ok(config)
     }
 
@@ -312,6 +312,17 @@ pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<
     })
 }
 
+/// A validation error of the config read from `path`, prefixed with the file's name.
+pub(crate) fn in_file(path: &Path, e: TrainError) -> TrainError {
+    match e {
+        TrainError::ConfigValue { .. } | TrainError::Model(_) => TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        },
+        other => other,
+    }
+}
+
 /// The `task` a config file declares (`"lm"` when it has none), read before the whole file is
 /// parsed so the right config type can be chosen.
 pub fn task_of(path: &Path) -> Result<String> {
@@ -321,9 +332,12 @@ pub fn task_of(path: &Path) -> Result<String> {
         Some(toml::Value::String(task)) if task == "lm" || task == "translation" => {
             Ok(task.clone())
         }
-        Some(other) => Err(value_err(
-            "task",
-            format!("must be \"lm\" or \"translation\", got {other}"),
+        Some(other) => Err(in_file(
+            path,
+            value_err(
+                "task",
+                format!("must be \"lm\" or \"translation\", got {other}"),
+            ),
         )),
     }
 }

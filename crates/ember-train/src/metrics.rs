@@ -49,7 +49,10 @@ impl Metrics {
                     .iter()
                     .map(|r| serde_json::to_string(r).expect("record serializes") + "\n")
                     .collect();
-                fs::write(&path, text).map_err(|e| write_err(&path, e))?;
+                // Replaced by rename, so a crash here leaves the old file whole.
+                let tmp = run_dir.join(".metrics.jsonl.tmp");
+                fs::write(&tmp, text).map_err(|e| write_err(&tmp, e))?;
+                fs::rename(&tmp, &path).map_err(|e| write_err(&path, e))?;
             }
             None => fs::write(&path, "").map_err(|e| write_err(&path, e))?,
         }

@@ -400,12 +400,49 @@ pub fn load_model<M: Module>(model: M, dir: &Path) -> Result<M> {
             message: "missing model weights".into(),
         });
     }
-    model
-        .try_load_file(&path)
-        .map_err(|e| TrainError::Checkpoint {
-            path,
-            message: format!("cannot load model weights: {e}"),
-        })
+    model.try_load_file(&path).map_err(|e| {
+        let mut message = format!(
+            "cannot load model weights: {}",
+            summarize_record_error(&e.to_string())
+        );
+        if let Some(older) = crate::checkpoint::older_complete(dir) {
+            message += &format!("; an older checkpoint is {}", older.display());
+        }
+        TrainError::Checkpoint { path, message }
+    })
+}
+
+/// Burn's record errors list every tensor at fault; keep the count and the first one.
+fn summarize_record_error(message: &str) -> String {
+    let kinds = [
+        ("Apply errors: ", "do not match this model"),
+        ("Missing tensors: ", "are missing"),
+        ("Unused tensors: ", "are not part of this model"),
+    ];
+    for (marker, what) in kinds {
+        let Some(at) = message.find(marker) else {
+            continue;
+        };
+        let list = message[at + marker.len()..]
+            .trim()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let items: Vec<&str> = list
+            .split("\", \"")
+            .map(|item| item.trim_matches('"'))
+            .filter(|item| !item.is_empty())
+            .collect();
+        let first = items
+            .first()
+            .unwrap_or(&"")
+            .replace("Shape { dims: ", "")
+            .replace(" }", "");
+        return format!(
+            "{} tensor(s) {what} (weights of another architecture, or a config.toml that does not belong to them?); first: {first}",
+            items.len()
+        );
+    }
+    message.to_string()
 }
 
 /// Fails early, before any training, if the run folder cannot be written.

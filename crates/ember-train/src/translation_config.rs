@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use ember_model::EncoderDecoderConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{TrainingConfig, parse_toml};
+use crate::config::{TrainingConfig, in_file, parse_toml};
 use crate::error::{Result, value_err};
 
 /// A translation run.
@@ -93,7 +93,7 @@ impl TranslationRunConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self> {
         let config: Self = parse_toml(path)?;
-        config.validate()?;
+        config.validate().map_err(|e| in_file(path, e))?;
         Ok(config)
     }
 

@@ -1,0 +1,682 @@
+//! Bad input, case by case: every case runs the `ember` binary and must end in one `error:` line
+//! naming the problem, a non-zero exit, and no panic or backtrace. The cases and the messages
+//! they produce are the table in `docs/errors.md`; this test checks that table is current
+//! (`EMBER_BLESS=1 cargo test --release --test errors` rewrites it).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::{ember_ok, repo, temp};
+
+/// `$TMP` in arguments and messages stands for the fixture folder.
+const TMP: &str = "$TMP";
+
+struct Case {
+    /// Table section.
+    area: &'static str,
+    /// What is wrong, as the table shows it.
+    input: &'static str,
+    /// Arguments after `ember`.
+    args: &'static [&'static str],
+    /// Fed to standard input, if any.
+    stdin: Option<&'static str>,
+    /// What the error line must contain (besides what the table records).
+    needles: &'static [&'static str],
+}
+
+const fn case(
+    area: &'static str,
+    input: &'static str,
+    args: &'static [&'static str],
+    needles: &'static [&'static str],
+) -> Case {
+    Case {
+        area,
+        input,
+        args,
+        stdin: None,
+        needles,
+    }
+}
+
+/// Every bad input the suite covers. Files named here are made by [`fixtures`].
+const CASES: &[Case] = &[
+    // Configs.
+    case(
+        "config",
+        "missing file",
+        &["train", "--config", "$TMP/missing.toml"],
+        &["missing.toml", "No such file"],
+    ),
+    case(
+        "config",
+        "not TOML",
+        &["train", "--config", "$TMP/not-toml.toml"],
+        &["not-toml.toml", "line 1"],
+    ),
+    case(
+        "config",
+        "unknown key `d_modle`",
+        &["train", "--config", "$TMP/unknown-key.toml"],
+        &["unknown-key.toml", "line 2", "d_modle"],
+    ),
+    case(
+        "config",
+        "wrong type: `d_model = \"big\"`",
+        &["train", "--config", "$TMP/wrong-type.toml"],
+        &["wrong-type.toml", "line 2", "big"],
+    ),
+    case(
+        "config",
+        "unknown task",
+        &["train", "--config", "$TMP/task.toml"],
+        &["task.toml", "task", "vision"],
+    ),
+    case(
+        "config",
+        "zero size: `n_layers = 0`",
+        &["train", "--config", "$TMP/zero-layers.toml"],
+        &["zero-layers.toml", "n_layers", "0"],
+    ),
+    case(
+        "config",
+        "zero size: `batch_size = 0`",
+        &["train", "--config", "$TMP/zero-batch.toml"],
+        &["zero-batch.toml", "batch_size", "0"],
+    ),
+    case(
+        "config",
+        "negative size: `d_model = -4`",
+        &["train", "--config", "$TMP/negative.toml"],
+        &["negative.toml", "line 2", "-4"],
+    ),
+    case(
+        "config",
+        "`n_heads` does not divide `d_model`",
+        &["train", "--config", "$TMP/heads.toml"],
+        &["heads.toml", "n_heads", "30"],
+    ),
+    case(
+        "config",
+        "context longer than the positional table",
+        &["train", "--config", "$TMP/context.toml"],
+        &["context.toml", "context_len", "64", "32"],
+    ),
+    case(
+        "config",
+        "NaN learning rate",
+        &["train", "--config", "$TMP/nan-lr.toml"],
+        &["nan-lr.toml", "training.lr", "NaN"],
+    ),
+    case(
+        "config",
+        "negative learning rate",
+        &["train", "--config", "$TMP/negative-lr.toml"],
+        &["negative-lr.toml", "training.lr", "-1"],
+    ),
+    case(
+        "config",
+        "translation config: unknown key",
+        &["train", "--config", "$TMP/mt-unknown.toml"],
+        &["mt-unknown.toml", "vocab"],
+    ),
+    // Data.
+    case(
+        "data",
+        "corpus missing",
+        &["train", "--config", "$TMP/data-missing.toml"],
+        &["nope.txt", "No such file"],
+    ),
+    case(
+        "data",
+        "corpus empty",
+        &["train", "--config", "$TMP/data-empty.toml"],
+        &["empty.txt", "empty"],
+    ),
+    case(
+        "data",
+        "corpus not UTF-8",
+        &["train", "--config", "$TMP/data-binary.toml"],
+        &["binary.txt", "UTF-8", "offset 4", "line 2"],
+    ),
+    case(
+        "data",
+        "corpus shorter than one context window",
+        &["train", "--config", "$TMP/data-short.toml"],
+        &["short.txt", "33"],
+    ),
+    case(
+        "data",
+        "parallel files of different lengths",
+        &["train", "--config", "$TMP/mt-misaligned.toml"],
+        &["three.de", "3", "two.en", "2"],
+    ),
+    case(
+        "data",
+        "`eval --data` missing",
+        &[
+            "eval",
+            "--checkpoint",
+            "$TMP/run",
+            "--data",
+            "$TMP/nope.txt",
+        ],
+        &["nope.txt"],
+    ),
+    case(
+        "data",
+        "`eval --data` not UTF-8",
+        &[
+            "eval",
+            "--checkpoint",
+            "$TMP/run",
+            "--data",
+            "$TMP/binary.txt",
+        ],
+        &["binary.txt", "UTF-8"],
+    ),
+    case(
+        "data",
+        "`bleu` files of different lengths",
+        &["bleu", "--hyp", "$TMP/three.de", "--ref", "$TMP/two.en"],
+        &["3", "2"],
+    ),
+    // Prompts.
+    case(
+        "prompt",
+        "empty prompt",
+        &["generate", "--checkpoint", "$TMP/run", "--prompt", ""],
+        &["--prompt"],
+    ),
+    case(
+        "prompt",
+        "`--max-tokens 0`",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--max-tokens",
+            "0",
+        ],
+        &["--max-tokens"],
+    ),
+    case(
+        "prompt",
+        "`--temperature -1`",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--temperature=-1",
+        ],
+        &["--temperature", "-1"],
+    ),
+    case(
+        "prompt",
+        "`--top-p 1.5`",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--top-p",
+            "1.5",
+        ],
+        &["--top-p", "1.5"],
+    ),
+    // Checkpoints.
+    case(
+        "checkpoint",
+        "missing folder",
+        &["generate", "--checkpoint", "$TMP/no-run", "--prompt", "A"],
+        &["no-run", "no such folder"],
+    ),
+    case(
+        "checkpoint",
+        "a folder with no checkpoint",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/empty-dir",
+            "--prompt",
+            "A",
+        ],
+        &["empty-dir", "no complete checkpoint"],
+    ),
+    case(
+        "checkpoint",
+        "a file, not a folder",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/empty.txt",
+            "--prompt",
+            "A",
+        ],
+        &["empty.txt", "is a file"],
+    ),
+    case(
+        "checkpoint",
+        "truncated weights",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/truncated",
+            "--prompt",
+            "A",
+        ],
+        &["model.bpk", "cannot load"],
+    ),
+    case(
+        "checkpoint",
+        "foreign weights file",
+        &["generate", "--checkpoint", "$TMP/foreign", "--prompt", "A"],
+        &["model.bpk", "cannot load"],
+    ),
+    case(
+        "checkpoint",
+        "foreign state file",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/foreign-state",
+            "--prompt",
+            "A",
+        ],
+        &["state.json", "not an ember checkpoint"],
+    ),
+    case(
+        "checkpoint",
+        "newer format version",
+        &["generate", "--checkpoint", "$TMP/newer", "--prompt", "A"],
+        &["state.json", "format version 99"],
+    ),
+    case(
+        "checkpoint",
+        "weights of another architecture",
+        &[
+            "eval",
+            "--checkpoint",
+            "$TMP/other-arch",
+            "--data",
+            "$TMP/short.txt",
+        ],
+        &["model.bpk", "wte.weight", "[66, 64]", "[66, 32]"],
+    ),
+    case(
+        "checkpoint",
+        "language model given to `translate`",
+        &[
+            "translate",
+            "--checkpoint",
+            "$TMP/run",
+            "--input",
+            "$TMP/short.txt",
+        ],
+        &["language model", "translation model"],
+    ),
+    case(
+        "checkpoint",
+        "`--resume` with nothing to resume",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/empty-dir",
+            "--resume",
+        ],
+        &["empty-dir", "no complete checkpoint"],
+    ),
+    // Devices.
+    case(
+        "device",
+        "unknown device",
+        &["train", "--config", "$TMP/ok.toml", "--device", "tpu"],
+        &["tpu", "available: flex"],
+    ),
+    case(
+        "device",
+        "a GPU device this build lacks",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--device",
+            "cuda",
+        ],
+        &["cuda", "available: flex"],
+    ),
+    case(
+        "device",
+        "a device in the config this build lacks",
+        &["train", "--config", "$TMP/device.toml"],
+        &["wgpu", "available: flex"],
+    ),
+    // Output and training.
+    case(
+        "output",
+        "output folder cannot be created",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/empty.txt/run",
+        ],
+        &["empty.txt/run"],
+    ),
+    case(
+        "training",
+        "loss becomes NaN (resumed with `lr = 1e30`)",
+        &[
+            "train",
+            "--config",
+            "$TMP/diverge.toml",
+            "--out",
+            "$TMP/diverge",
+            "--resume",
+        ],
+        &["step", "diverged", "last good checkpoint"],
+    ),
+];
+
+/// Successful runs that still have something to say: one `note:` line each.
+const NOTES: &[Case] = &[
+    case(
+        "prompt",
+        "characters outside the vocabulary",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "Zebra ☃ ☃",
+            "--max-tokens",
+            "5",
+        ],
+        &["2 character(s)", "unknown"],
+    ),
+    case(
+        "prompt",
+        "prompt longer than the context",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "$LONG",
+            "--max-tokens",
+            "5",
+        ],
+        &["47 tokens", "last 32"],
+    ),
+    case(
+        "data",
+        "`eval` text with unknown characters",
+        &[
+            "eval",
+            "--checkpoint",
+            "$TMP/run",
+            "--data",
+            "$TMP/unknown-chars.txt",
+        ],
+        &["unknown"],
+    ),
+];
+
+fn write(dir: &Path, name: &str, text: impl AsRef<[u8]>) {
+    std::fs::write(dir.join(name), text).unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        let target = to.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_dir(&path, &target);
+        } else {
+            std::fs::copy(&path, &target).unwrap();
+        }
+    }
+}
+
+const MODEL: &str = "[model]\nd_model = 32\nn_heads = 2\nn_layers = 2\ncontext_len = 32\n";
+
+/// Makes every file the cases name, including a small trained run and damaged copies of it.
+fn fixtures(dir: &Path) {
+    let corpus = repo().join("data/tinyshakespeare.txt");
+    let corpus = corpus.to_str().unwrap();
+    let data = |path: &str| format!("{MODEL}[data]\npath = {path:?}\n");
+    write(dir, "not-toml.toml", "this is [not toml\n");
+    write(dir, "unknown-key.toml", "[model]\nd_modle = 3\n");
+    write(dir, "wrong-type.toml", "[model]\nd_model = \"big\"\n");
+    write(dir, "task.toml", "task = \"vision\"\n");
+    write(dir, "zero-layers.toml", "[model]\nn_layers = 0\n");
+    write(dir, "zero-batch.toml", "[training]\nbatch_size = 0\n");
+    write(dir, "negative.toml", "[model]\nd_model = -4\n");
+    write(dir, "heads.toml", "[model]\nd_model = 30\nn_heads = 4\n");
+    write(
+        dir,
+        "context.toml",
+        "[model]\ncontext_len = 64\nmax_positions = 32\n",
+    );
+    write(dir, "nan-lr.toml", "[training]\nlr = nan\n");
+    write(dir, "negative-lr.toml", "[training]\nlr = -1.0\n");
+    write(
+        dir,
+        "mt-unknown.toml",
+        "task = \"translation\"\n[data]\nvocab = 3\n",
+    );
+    write(dir, "device.toml", "[training]\ndevice = \"wgpu\"\n");
+
+    write(dir, "empty.txt", "");
+    write(dir, "binary.txt", b"abc\n\xff\xfe");
+    write(dir, "short.txt", "hello");
+    write(dir, "unknown-chars.txt", "Zebra ☃ ☃ quartz\n".repeat(20));
+    write(dir, "three.de", "a\nb\nc\n");
+    write(dir, "two.en", "a\nb\n");
+    let d = dir.to_str().unwrap();
+    write(dir, "data-missing.toml", data(&format!("{d}/nope.txt")));
+    write(dir, "data-empty.toml", data(&format!("{d}/empty.txt")));
+    write(dir, "data-binary.toml", data(&format!("{d}/binary.txt")));
+    write(dir, "data-short.toml", data(&format!("{d}/short.txt")));
+    write(
+        dir,
+        "mt-misaligned.toml",
+        format!(
+            "task = \"translation\"\n[data]\ntrain_src = \"{d}/three.de\"\ntrain_tgt = \"{d}/two.en\"\nval_src = \"{d}/three.de\"\nval_tgt = \"{d}/two.en\"\n"
+        ),
+    );
+
+    // A small trained run, and damaged copies of its checkpoint.
+    let training = "[training]\nbatch_size = 4\nmax_steps = 20\ncheckpoint_interval = 10\neval_interval = 20\neval_batches = 1\n";
+    write(dir, "ok.toml", format!("{}{training}", data(corpus)));
+    let run = dir.join("run");
+    ember_ok(&[
+        "train",
+        "--config",
+        &format!("{d}/ok.toml"),
+        "--out",
+        run.to_str().unwrap(),
+    ]);
+    let checkpoint = run.join("checkpoints/step-0000020");
+    let damaged = |name: &str, file: &str, change: &dyn Fn(&Path)| {
+        let copy = dir.join(name);
+        copy_dir(&checkpoint, &copy);
+        change(&copy.join(file));
+    };
+    damaged("truncated", "model.bpk", &|f| {
+        let bytes = std::fs::read(f).unwrap();
+        std::fs::write(f, &bytes[..bytes.len() / 2]).unwrap();
+    });
+    damaged("foreign", "model.bpk", &|f| {
+        std::fs::write(f, "not weights at all".repeat(100)).unwrap();
+    });
+    damaged("foreign-state", "state.json", &|f| {
+        std::fs::write(f, "{\"hello\": 1}").unwrap();
+    });
+    damaged("newer", "state.json", &|f| {
+        let text = std::fs::read_to_string(f).unwrap();
+        let text = text.replace("\"format_version\": 1", "\"format_version\": 99");
+        std::fs::write(f, text).unwrap();
+    });
+    damaged("other-arch", "config.toml", &|f| {
+        let text = std::fs::read_to_string(f).unwrap();
+        std::fs::write(f, text.replace("d_model = 32", "d_model = 64")).unwrap();
+    });
+    std::fs::create_dir_all(dir.join("empty-dir")).unwrap();
+
+    // Resuming the run with an absurd learning rate makes the loss NaN.
+    copy_dir(&run, &dir.join("diverge"));
+    let diverge = format!("{}{}", data(corpus), training).replace(
+        "max_steps = 20",
+        "max_steps = 40\nlr = 1e30\nwarmup_steps = 0",
+    );
+    write(dir, "diverge.toml", diverge);
+}
+
+fn run_case(dir: &Path, case: &Case) -> Output {
+    let d = dir.to_str().unwrap();
+    let long = "ROMEO: ".repeat(6) + "ROMEO";
+    let args: Vec<String> = case
+        .args
+        .iter()
+        .map(|a| a.replace(TMP, d).replace("$LONG", &long))
+        .collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(&args)
+        .current_dir(repo())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ember runs");
+    let mut stdin = child.stdin.take().unwrap();
+    if let Some(text) = case.stdin {
+        use std::io::Write;
+        stdin.write_all(text.as_bytes()).unwrap();
+    }
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
+/// The single line of `stderr` starting with `prefix`, with the fixture folder as `$TMP`; or
+/// what is wrong with the output.
+fn the_line(case: &Case, out: &Output, prefix: &str, dir: &Path) -> Result<String, String> {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("panicked") || stderr.contains("RUST_BACKTRACE") {
+        return Err(format!("{}: a panic: {stderr}", case.input));
+    }
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.starts_with(prefix)).collect();
+    if lines.len() != 1 {
+        return Err(format!("{}: want one {prefix} line: {stderr}", case.input));
+    }
+    let line = lines[0].replace(dir.to_str().unwrap(), TMP);
+    match case.needles.iter().find(|n| !line.contains(*n)) {
+        Some(needle) => Err(format!("{}: {needle:?} missing from {line}", case.input)),
+        None => Ok(line),
+    }
+}
+
+fn table(rows: &[(&Case, String)]) -> String {
+    let mut text = String::from("| Area | Input | Command | Message |\n|---|---|---|---|\n");
+    for (case, line) in rows {
+        let command = case
+            .args
+            .iter()
+            .map(|a| {
+                if *a == "$LONG" {
+                    "\"ROMEO: ROMEO: …\" (47 characters)".to_string()
+                } else if a.is_empty() || a.contains(' ') {
+                    format!("{a:?}")
+                } else {
+                    a.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+        let cell = |s: &str| s.replace('|', "\\|");
+        text += &format!(
+            "| {} | {} | `ember {}` | `` {} `` |\n",
+            case.area,
+            cell(case.input),
+            cell(&command),
+            cell(line)
+        );
+    }
+    text
+}
+
+/// Replaces the text between `<!-- NAME:start -->` and `<!-- NAME:end -->`.
+fn splice(doc: &str, name: &str, body: &str) -> String {
+    let (start, end) = (
+        format!("<!-- {name}:start -->\n"),
+        format!("<!-- {name}:end -->"),
+    );
+    let a = doc.find(&start).expect("start marker") + start.len();
+    let b = doc.find(&end).expect("end marker");
+    format!("{}{body}{}", &doc[..a], &doc[b..])
+}
+
+#[test]
+fn every_bad_input_gets_one_clear_line_and_the_docs_table_lists_it() {
+    let dir = temp("errors");
+    fixtures(&dir);
+    let mut failures = Vec::new();
+    let mut check = |cases: &'static [Case], prefix: &str, succeed: bool| {
+        let mut rows = Vec::new();
+        for case in cases {
+            let out = run_case(&dir, case);
+            if out.status.success() != succeed {
+                failures.push(format!(
+                    "{}: exit {:?}: {}",
+                    case.input,
+                    out.status.code(),
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+                continue;
+            }
+            match the_line(case, &out, prefix, &dir) {
+                Ok(line) => rows.push((case, line)),
+                Err(failure) => failures.push(failure),
+            }
+        }
+        rows
+    };
+    let errors = check(CASES, "error:", false);
+    let notes = check(NOTES, "note:", true);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    // The divergence kept the last good checkpoint: the run still resolves to step 20.
+    let kept = ember_train::checkpoint::resolve(&dir.join("diverge")).unwrap();
+    assert!(kept.ends_with("step-0000020"), "{}", kept.display());
+    ember_train::load_lm(&kept, &burn::tensor::Device::flex()).unwrap();
+
+    let doc_path: PathBuf = repo().join("docs/errors.md");
+    let doc = std::fs::read_to_string(&doc_path).unwrap();
+    let fresh = splice(
+        &splice(&doc, "errors", &table(&errors)),
+        "notes",
+        &table(&notes),
+    );
+    if std::env::var_os("EMBER_BLESS").is_some() {
+        std::fs::write(&doc_path, &fresh).unwrap();
+    } else {
+        assert!(
+            doc == fresh,
+            "docs/errors.md is out of date; rerun with EMBER_BLESS=1 and review the diff"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
