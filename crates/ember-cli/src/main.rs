@@ -12,6 +12,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod attention;
 mod bleu;
 mod eval;
+mod export;
 mod generate;
 mod stream;
 mod train;
@@ -39,6 +40,8 @@ enum Command {
     Bleu(bleu::BleuArgs),
     /// Draw a model's attention weights on a text as heatmaps (PNG or SVG).
     Attention(attention::AttentionArgs),
+    /// Write a language model in another format (a Hugging Face GPT-2 folder).
+    Export(export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +67,7 @@ fn main() -> ExitCode {
         Command::Translate(args) => translate::run(args),
         Command::Bleu(args) => bleu::run(args),
         Command::Attention(args) => attention::run(args),
+        Command::Export(args) => export::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,8 +3,9 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
+use ember_train::init_from::InitFrom;
 use ember_train::{Launch, RunConfig, TranslationRunConfig};
 
 /// Arguments of `ember train`.
@@ -22,6 +23,11 @@ pub struct TrainArgs {
     /// Continue from the newest checkpoint in the run folder.
     #[arg(long)]
     resume: bool,
+    /// Start from these weights: an ember checkpoint or run folder, or a Hugging Face GPT-2
+    /// folder (config.json, model.safetensors, tokenizer.json). Architecture and tokenizer come
+    /// from DIR; the config's [model] may only set context_len and dropout.
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
     /// Stop after this step (with a checkpoint), as if interrupted; `--resume` continues.
     #[arg(long, value_name = "STEP", hide = true)]
     stop_after: Option<u64>,
@@ -36,14 +42,23 @@ pub fn run(args: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| "run".into());
         PathBuf::from("runs").join(name)
     });
+    let task = ember_train::config::task_of(&args.config)?;
+    let init_from = match &args.init_from {
+        Some(_) if task == "translation" => {
+            bail!("--init-from starts language models; this config trains a translation model")
+        }
+        Some(dir) => Some(InitFrom::new(dir, &args.config)?),
+        None => None,
+    };
     let launch = Launch {
         out_dir: out.clone(),
         resume: args.resume,
         device: args.device,
         stop_after: args.stop_after,
         progress: std::io::stderr().is_terminal(),
+        init_from,
     };
-    let summary = if ember_train::config::task_of(&args.config)? == "translation" {
+    let summary = if task == "translation" {
         ember_train::train_translation(TranslationRunConfig::load(&args.config)?, &launch)?
     } else {
         ember_train::train_lm(RunConfig::load(&args.config)?, &launch)?

@@ -36,6 +36,7 @@ fn every_subcommand_has_help() {
         "translate",
         "bleu",
         "attention",
+        "export",
     ] {
         assert!(
             String::from_utf8_lossy(&top.stdout).contains(sub),
@@ -437,5 +438,103 @@ fn attention_pictures_hold_the_weights_the_model_used() {
         ]),
         &["--head 5", "2 heads"],
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Stdout of a greedy sample.
+fn greedy_text(checkpoint: &Path) -> String {
+    let out = ember_ok(&[
+        "generate",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--prompt",
+        "ROMEO:",
+        "--greedy",
+        "--max-tokens",
+        "20",
+    ]);
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn exported_models_load_back_and_fine_tune_with_init_from() {
+    let dir = temp("export");
+    let run = trained();
+    let hf = dir.join("hf");
+    ember_ok(&[
+        "export",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--out",
+        hf.to_str().unwrap(),
+        "--format",
+        "hf",
+    ]);
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(hf.join(file).is_file(), "{file} missing");
+    }
+    // The Hugging Face folder is the same model: same greedy text, same loss.
+    assert_eq!(greedy_text(&hf), greedy_text(run));
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "ROMEO:\nWhat light through yonder window breaks?\n").unwrap();
+    let loss = |checkpoint: &Path| -> f64 {
+        let out = ember_ok(&[
+            "eval",
+            "--checkpoint",
+            checkpoint.to_str().unwrap(),
+            "--data",
+            text.to_str().unwrap(),
+            "--json",
+        ]);
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        json["loss"].as_f64().unwrap()
+    };
+    assert!((loss(&hf) - loss(run)).abs() < 1e-6);
+
+    // Fine-tuning from the export: its architecture, this config's context and dropout.
+    let config = dir.join("finetune.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\ncontext_len = 16\ndropout = 0.1\n[data]\npath = {:?}\n\
+             [training]\nmax_steps = 10\nlr = 1e-4\nwarmup_steps = 0\neval_interval = 10\neval_batches = 4\n",
+            repo().join("data/tinyshakespeare.txt").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let tuned = dir.join("tuned");
+    ember_ok(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--init-from",
+        hf.to_str().unwrap(),
+        "--out",
+        tuned.to_str().unwrap(),
+    ]);
+    let saved = std::fs::read_to_string(tuned.join("config.toml")).unwrap();
+    let saved: toml::Table = saved.parse().unwrap();
+    let model = saved["model"].as_table().unwrap();
+    assert_eq!(
+        model["d_model"].as_integer(),
+        Some(32),
+        "architecture of the source"
+    );
+    assert_eq!(
+        model["context_len"].as_integer(),
+        Some(16),
+        "context of the config"
+    );
+    assert_eq!(model["max_positions"].as_integer(), Some(32));
+    // Started from trained weights: far below the ln(66) = 4.19 of a fresh model.
+    let metrics = std::fs::read_to_string(tuned.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let first_loss = first["train_loss"].as_f64().unwrap();
+    assert!(first_loss < 3.0, "first logged loss {first_loss}");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -335,6 +335,47 @@ const CASES: &[Case] = &[
         ],
         &["empty-dir", "no complete checkpoint"],
     ),
+    case(
+        "checkpoint",
+        "Hugging Face folder missing a tensor (config.json says 3 layers, weights have 2)",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/hf-deeper",
+            "--prompt",
+            "A",
+        ],
+        &["model.safetensors", "transformer.h.2.", "missing"],
+    ),
+    case(
+        "checkpoint",
+        "Hugging Face folder with a tensor of the wrong shape",
+        &[
+            "eval",
+            "--checkpoint",
+            "$TMP/hf-wider",
+            "--data",
+            "$TMP/short.txt",
+        ],
+        &[
+            "model.safetensors",
+            "transformer.wte.weight",
+            "[300, 32]",
+            "[300, 64]",
+        ],
+    ),
+    case(
+        "checkpoint",
+        "`--init-from` with an architecture key in `[model]`",
+        &[
+            "train",
+            "--config",
+            "$TMP/init-arch.toml",
+            "--init-from",
+            "$TMP/run",
+        ],
+        &["init-arch.toml", "model.d_model", "--init-from"],
+    ),
     // Devices.
     case(
         "device",
@@ -536,6 +577,20 @@ fn fixtures(dir: &Path) {
         std::fs::write(f, text.replace("d_model = 32", "d_model = 64")).unwrap();
     });
     std::fs::create_dir_all(dir.join("empty-dir")).unwrap();
+    write(dir, "init-arch.toml", "[model]\nd_model = 64\n");
+
+    // Hugging Face folders whose config.json does not fit their weights.
+    let gpt2 = repo().join("crates/ember-train/tests/fixtures/tiny-gpt2");
+    for (name, from, to) in [
+        ("hf-deeper", "\"n_layer\": 2", "\"n_layer\": 3"),
+        ("hf-wider", "\"n_embd\": 32", "\"n_embd\": 64"),
+    ] {
+        copy_dir(&gpt2, &dir.join(name));
+        let config = dir.join(name).join("config.json");
+        let text = std::fs::read_to_string(&config).unwrap();
+        assert!(text.contains(from));
+        std::fs::write(&config, text.replace(from, to)).unwrap();
+    }
 
     // Resuming the run with an absurd learning rate makes the loss NaN.
     copy_dir(&run, &dir.join("diverge"));

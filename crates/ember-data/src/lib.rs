@@ -9,6 +9,7 @@ pub mod bpe;
 pub mod char_tokenizer;
 pub mod corpus;
 pub mod error;
+pub mod hf_tokenizer;
 pub mod parallel;
 pub mod tokenizer;
 

@@ -6,7 +6,7 @@ use burn::tensor::{Int, Tensor};
 use ember_data::corpus;
 
 use crate::error::{Result, TrainError};
-use crate::lm::LoadedLm;
+use crate::lm_source::LoadedLm;
 
 /// The score of a model on a text.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,6 @@
 //! Language modelling: a corpus, a tokenizer, random windows, and a [`DecoderOnly`] model.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::tensor::{Device, Int, Tensor};
 use ember_data::{CharTokenizer, Tokenizer, WindowSampler, batch_seed, corpus};
@@ -8,7 +8,8 @@ use ember_model::DecoderOnly;
 
 use crate::checkpoint::CONFIG_FILE;
 use crate::config::{RunConfig, TokenizerKind};
-use crate::error::{Result, TrainError, write_err};
+use crate::error::{Result, write_err};
+use crate::lm_source::open_lm;
 use crate::trainer::{Launch, RunOptions, RunSummary, Split, Task};
 
 /// Seed salt for evaluation batches: fixed, so every evaluation sees the same windows.
@@ -129,10 +130,29 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         config.training.device = name.clone();
     }
     let out_dir = launch.out_dir.clone();
-    // On resume the checkpoint's tokenizer is reused, so ids mean the same thing.
+    // Resuming continues the checkpoint's model with its tokenizer (so ids mean the same thing);
+    // --init-from takes architecture, weights and tokenizer from another model.
+    let mut source = None;
     let tokenizer = if launch.resume {
         let dir = crate::checkpoint::resolve(&out_dir)?;
+        let saved = RunConfig::load(&dir.join(CONFIG_FILE))?.model;
+        let mut ours = config.model.clone();
+        ours.vocab_size = saved.vocab_size;
+        if ours != saved {
+            eprintln!("note: resuming the model saved in {}", dir.display());
+        }
+        config.model = saved;
         Some(Tokenizer::load(&dir)?)
+    } else if let Some(init) = &launch.init_from {
+        let opened = open_lm(&init.dir)?;
+        config.model = init.model_config(&opened.config.model)?;
+        eprintln!(
+            "starting from {} (its architecture and tokenizer)",
+            opened.dir.display()
+        );
+        let tokenizer = opened.tokenizer.clone();
+        source = Some(opened);
+        Some(tokenizer)
     } else {
         None
     };
@@ -144,7 +164,9 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
             config.data.path.display()
         );
     }
-    config.model.vocab_size = data.tokenizer.vocab_size();
+    if !launch.resume && source.is_none() {
+        config.model.vocab_size = data.tokenizer.vocab_size();
+    }
     config.validate()?;
     eprintln!("resolved config:\n{}", config.to_toml());
     eprintln!(
@@ -160,7 +182,10 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
 
     let train_device = device.clone().autodiff();
     train_device.seed(config.training.seed);
-    let model = config.model.init(&train_device)?;
+    let model = match &source {
+        Some(source) => source.load_model(&config.model, &train_device)?,
+        None => config.model.init(&train_device)?,
+    };
     eprintln!("{}", model.summary());
     let options = RunOptions {
         out_dir,
@@ -185,44 +210,4 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         device,
     };
     crate::trainer::train(&task, model, &options)
-}
-
-/// A trained language model, ready for inference.
-pub struct LoadedLm {
-    /// The model, on the requested device, without autodiff.
-    pub model: DecoderOnly,
-    /// Its tokenizer.
-    pub tokenizer: Tokenizer,
-    /// The config it was trained with.
-    pub config: RunConfig,
-    /// The checkpoint folder it came from.
-    pub dir: PathBuf,
-    /// The step it was saved at.
-    pub step: u64,
-}
-
-/// Loads a checkpoint (or the newest in a run folder) for inference.
-pub fn load_lm(path: &Path, device: &Device) -> Result<LoadedLm> {
-    let (dir, state) = crate::checkpoint::open(path, "decoder_only", "a language model")?;
-    let config = RunConfig::load(&dir.join(CONFIG_FILE))?;
-    let tokenizer = Tokenizer::load(&dir)?;
-    if tokenizer.vocab_size() != config.model.vocab_size {
-        return Err(TrainError::Checkpoint {
-            path: dir,
-            message: format!(
-                "tokenizer has {} tokens but the model expects {}",
-                tokenizer.vocab_size(),
-                config.model.vocab_size
-            ),
-        });
-    }
-    let model = config.model.init(device)?;
-    let model = crate::trainer::load_model(model, &dir)?;
-    Ok(LoadedLm {
-        model,
-        tokenizer,
-        config,
-        dir,
-        step: state.step,
-    })
 }

@@ -80,6 +80,8 @@ pub struct Launch {
     pub stop_after: Option<u64>,
     /// Draw a progress bar (when stderr is a terminal).
     pub progress: bool,
+    /// Start from these weights instead of random ones (language models).
+    pub init_from: Option<crate::init_from::InitFrom>,
 }
 
 impl Launch {

@@ -1,0 +1,48 @@
+//! `ember export`
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, ValueEnum};
+
+/// Arguments of `ember export`.
+#[derive(Args)]
+pub struct ExportArgs {
+    /// Checkpoint folder, or a run folder (its newest checkpoint).
+    #[arg(long, value_name = "DIR", default_value = "runs/small")]
+    checkpoint: PathBuf,
+    /// Folder to write.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "hf")]
+    format: Format,
+}
+
+/// Export formats.
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    /// A Hugging Face GPT-2 folder (config.json, model.safetensors, tokenizer.json) that
+    /// `transformers.GPT2LMHeadModel.from_pretrained` loads.
+    Hf,
+}
+
+pub fn run(args: ExportArgs) -> Result<()> {
+    let lm = ember_train::load_lm(&args.checkpoint, &burn::tensor::Device::flex())?;
+    match args.format {
+        Format::Hf => {
+            ember_train::hf::export_hf(&lm, &args.out)?;
+        }
+    }
+    eprintln!(
+        "exported {} (step {}) to {}",
+        lm.dir.display(),
+        lm.step,
+        args.out.display()
+    );
+    eprintln!(
+        "in Python: transformers.GPT2LMHeadModel.from_pretrained({:?})",
+        args.out.display().to_string()
+    );
+    Ok(())
+}

@@ -1,0 +1,107 @@
+//! Where a language model comes from: an ember checkpoint (or run folder) or a Hugging Face
+//! GPT-2 folder. Opening reads the architecture and tokenizer; loading reads the weights into a
+//! model built on any device (with autodiff, for fine-tuning).
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use ember_data::Tokenizer;
+use ember_model::{DecoderOnly, DecoderOnlyConfig};
+
+use crate::checkpoint::CONFIG_FILE;
+use crate::config::RunConfig;
+use crate::error::{Result, TrainError};
+use crate::hf;
+
+/// A trained language model, ready for inference.
+pub struct LoadedLm {
+    /// The model, on the requested device, without autodiff.
+    pub model: DecoderOnly,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The config it was trained with (defaults but for `model` when imported).
+    pub config: RunConfig,
+    /// The checkpoint folder it came from.
+    pub dir: PathBuf,
+    /// The step it was saved at (0 when imported).
+    pub step: u64,
+}
+
+/// An opened model folder: everything but the weights.
+pub struct LmSource {
+    /// The run config (defaults but for `model` for a Hugging Face folder).
+    pub config: RunConfig,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The checkpoint or Hugging Face folder.
+    pub dir: PathBuf,
+    /// The step it was saved at (0 when imported).
+    pub step: u64,
+    /// A Hugging Face folder (weights in `model.safetensors`)?
+    pub is_hf: bool,
+}
+
+/// Opens a checkpoint, a run folder (its newest checkpoint) or a Hugging Face GPT-2 folder.
+pub fn open_lm(path: &Path) -> Result<LmSource> {
+    let (dir, config, tokenizer, step, is_hf) = if hf::is_hf_folder(path) {
+        let (model, tokenizer) = hf::open_hf(path)?;
+        let config = RunConfig {
+            model,
+            ..RunConfig::default()
+        };
+        (path.to_path_buf(), config, tokenizer, 0, true)
+    } else {
+        let (dir, state) = crate::checkpoint::open(path, "decoder_only", "a language model")?;
+        let config = RunConfig::load(&dir.join(CONFIG_FILE))?;
+        let tokenizer = Tokenizer::load(&dir)?;
+        (dir, config, tokenizer, state.step, false)
+    };
+    if tokenizer.vocab_size() > config.model.vocab_size {
+        return Err(TrainError::Checkpoint {
+            path: dir,
+            message: format!(
+                "the tokenizer has {} tokens but the model only {}",
+                tokenizer.vocab_size(),
+                config.model.vocab_size
+            ),
+        });
+    }
+    Ok(LmSource {
+        config,
+        tokenizer,
+        dir,
+        step,
+        is_hf,
+    })
+}
+
+impl LmSource {
+    /// Builds `config` (this source's architecture, perhaps with another dropout or context) on
+    /// `device` and reads the weights into it.
+    pub fn load_model(&self, config: &DecoderOnlyConfig, device: &Device) -> Result<DecoderOnly> {
+        let model = config.init(device)?;
+        if self.is_hf {
+            hf::load_weights(model, &self.dir.join(hf::HF_WEIGHTS))
+        } else {
+            crate::trainer::load_model(model, &self.dir)
+        }
+    }
+
+    /// Loads the model as it was saved, for inference on `device`.
+    pub fn load(self, device: &Device) -> Result<LoadedLm> {
+        let model = self.load_model(&self.config.model, device)?;
+        Ok(LoadedLm {
+            model,
+            tokenizer: self.tokenizer,
+            config: self.config,
+            dir: self.dir,
+            step: self.step,
+        })
+    }
+}
+
+/// Loads a checkpoint (or the newest in a run folder, or a Hugging Face GPT-2 folder) for
+/// inference.
+pub fn load_lm(path: &Path, device: &Device) -> Result<LoadedLm> {
+    open_lm(path)?.load(device)
+}
