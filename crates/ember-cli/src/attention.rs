@@ -31,7 +31,8 @@ pub struct AttentionArgs {
     /// Also write the drawn weights as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
-    /// Compute device (flex, ndarray, auto).
+    /// Compute device: flex (CPU), ndarray, wgpu, vulkan, cuda[:N] (GPU ones need their cargo
+    /// feature), or auto (a GPU if one answers, else flex).
     #[arg(long, value_name = "NAME", default_value = "flex")]
     device: String,
 }

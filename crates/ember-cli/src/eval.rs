@@ -17,7 +17,8 @@ pub struct EvalArgs {
     /// Print one JSON object: {"loss", "perplexity", "tokens", "unknown", ...}.
     #[arg(long)]
     json: bool,
-    /// Compute device (flex, ndarray, auto).
+    /// Compute device: flex (CPU), ndarray, wgpu, vulkan, cuda[:N] (GPU ones need their cargo
+    /// feature), or auto (a GPU if one answers, else flex).
     #[arg(long, value_name = "NAME", default_value = "flex")]
     device: String,
 }

@@ -42,7 +42,8 @@ pub struct GenerateArgs {
     /// Independent samples to draw.
     #[arg(long, value_name = "N", default_value_t = 1)]
     num_samples: usize,
-    /// Compute device (flex, ndarray, auto).
+    /// Compute device: flex (CPU), ndarray, wgpu, vulkan, cuda[:N] (GPU ones need their cargo
+    /// feature), or auto (a GPU if one answers, else flex).
     #[arg(long, value_name = "NAME", default_value = "flex")]
     device: String,
     /// Recompute the whole window for every token instead of using the KV cache.

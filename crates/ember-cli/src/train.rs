@@ -14,7 +14,8 @@ pub struct TrainArgs {
     /// Run config (TOML with [model], [data] and [training] sections).
     #[arg(long, value_name = "FILE")]
     config: PathBuf,
-    /// Compute device: flex (default CPU), ndarray, auto. Overrides the config.
+    /// Compute device: flex (CPU), ndarray, wgpu, vulkan, cuda[:N] (GPU ones need their cargo
+    /// feature), or auto (a GPU if one answers, else flex). Overrides the config.
     #[arg(long, value_name = "NAME")]
     device: Option<String>,
     /// Run folder for checkpoints, metrics and the loss plot [default: runs/<config name>].

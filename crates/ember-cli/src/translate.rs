@@ -26,7 +26,8 @@ pub struct TranslateArgs {
     /// Most tokens per translation [default: the training max_len + 10].
     #[arg(long, value_name = "N")]
     max_len: Option<usize>,
-    /// Compute device (flex, ndarray, auto).
+    /// Compute device: flex (CPU), ndarray, wgpu, vulkan, cuda[:N] (GPU ones need their cargo
+    /// feature), or auto (a GPU if one answers, else flex).
     #[arg(long, value_name = "NAME", default_value = "flex")]
     device: String,
 }

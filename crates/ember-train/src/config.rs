@@ -226,7 +226,7 @@ impl TrainingConfig {
                 format!("= {} is above training.lr = {}", self.min_lr, self.lr),
             ));
         }
-        crate::device::parse(&self.device).map(|_| ())
+        crate::device::check_name(&self.device)
     }
 }
 

@@ -1,44 +1,182 @@
 //! Choosing the compute device by name at run time.
+//!
+//! `flex` (Burn's CPU backend) is always there; `ndarray`, `wgpu`, `vulkan` and `cuda` are
+//! cargo features of this build. A GPU device is probed when it is asked for, so that a build
+//! with GPU support on a machine without a GPU fails with a message, not a panic.
 
 use burn::tensor::Device;
 
 use crate::error::{Result, TrainError};
 
-/// Device names this build knows, in the order `auto` prefers them.
+/// Device names this build knows, in the order `auto` prefers them (GPUs first).
 pub fn available() -> Vec<&'static str> {
-    let mut names = vec!["flex"];
+    let mut names = Vec::new();
+    if cfg!(feature = "cuda") {
+        names.push("cuda");
+    }
+    if cfg!(feature = "vulkan") {
+        names.push("vulkan");
+    }
+    if cfg!(feature = "wgpu") {
+        names.push("wgpu");
+    }
+    names.push("flex");
     if cfg!(feature = "ndarray") {
         names.push("ndarray");
     }
     names
 }
 
-/// The device called `name` (`flex`, `ndarray`, `auto`). An unknown name, or one this build
-/// was compiled without, is an error listing the names available.
-pub fn parse(name: &str) -> Result<Device> {
+/// The cargo feature that brings device `name` in, for names this build may lack.
+fn feature_of(name: &str) -> Option<&'static str> {
     match name {
-        "flex" | "cpu" | "auto" => Ok(Device::flex()),
-        #[cfg(feature = "ndarray")]
-        #[allow(deprecated)]
-        "ndarray" => Ok(Device::ndarray()),
-        "wgpu" | "vulkan" | "cuda" => missing(name),
-        #[cfg(not(feature = "ndarray"))]
-        "ndarray" => missing(name),
-        other => Err(TrainError::Device(format!(
-            "unknown device `{other}`; available: {}, auto",
+        "ndarray" => Some("ndarray"),
+        "wgpu" => Some("wgpu"),
+        "vulkan" => Some("vulkan"),
+        "cuda" => Some("cuda"),
+        _ => None,
+    }
+}
+
+/// `name` split into the backend and an optional index (`cuda:1`).
+fn split(name: &str) -> (&str, Option<&str>) {
+    match name.split_once(':') {
+        Some((kind, index)) => (kind, Some(index)),
+        None => (name, None),
+    }
+}
+
+/// Checks that `name` names a device this build has, without starting it (for config
+/// validation).
+pub fn check_name(name: &str) -> Result<()> {
+    let (kind, index) = split(name);
+    if let Some(index) = index
+        && index.parse::<usize>().is_err()
+    {
+        return Err(TrainError::Device(format!(
+            "device `{name}`: `{index}` is not a device index (e.g. cuda:0)"
+        )));
+    }
+    match kind {
+        "flex" | "cpu" | "auto" => Ok(()),
+        k if available().contains(&k) => Ok(()),
+        k if feature_of(k).is_some() => Err(missing(k)),
+        _ => Err(TrainError::Device(format!(
+            "unknown device `{name}`; available: {}, auto",
             available().join(", ")
         ))),
     }
 }
 
-/// A device this build was compiled without.
-fn missing(name: &str) -> Result<Device> {
-    let hint = match name {
-        "ndarray" => "rebuild with `cargo build --release -p ember-cli --features ndarray`",
-        _ => "ember has no GPU backend yet",
+/// The device called `name`: `flex` (or `cpu`), `ndarray`, `wgpu`, `vulkan`, `cuda` or
+/// `cuda:N`, or `auto` (the first GPU this build has that answers, else `flex`). A name this
+/// build lacks is an error saying which cargo feature adds it; a GPU that does not answer is an
+/// error saying so.
+pub fn parse(name: &str) -> Result<Device> {
+    check_name(name)?;
+    let (kind, index) = split(name);
+    let index: usize = index.map_or(0, |i| i.parse().unwrap_or(0));
+    match kind {
+        "flex" | "cpu" => Ok(Device::flex()),
+        "auto" => Ok(auto()),
+        gpu => start(gpu, index),
+    }
+}
+
+/// The first GPU that answers, else the CPU.
+fn auto() -> Device {
+    for name in available() {
+        if name == "flex" {
+            break;
+        }
+        if let Ok(device) = start(name, 0) {
+            return device;
+        }
+    }
+    Device::flex()
+}
+
+/// Starts a compiled-in non-default device and checks it computes.
+#[allow(unused_variables, unreachable_code)]
+fn start(name: &str, index: usize) -> Result<Device> {
+    let make: fn(usize) -> Device = match name {
+        #[cfg(feature = "ndarray")]
+        #[allow(deprecated)]
+        "ndarray" => |_| Device::ndarray(),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => |_| Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => |_| Device::vulkan(burn::tensor::DeviceKind::DefaultDevice),
+        #[cfg(feature = "cuda")]
+        "cuda" => Device::cuda,
+        other => return Err(missing(other)),
     };
-    Err(TrainError::Device(format!(
+    probe(name, move || make(index))
+}
+
+/// Creates a device and runs one small computation on it. Backends panic when there is no
+/// adapter or driver; that panic is caught (and kept off stderr) and becomes an error.
+#[allow(dead_code)]
+fn probe(name: &str, make: impl FnOnce() -> Device + std::panic::UnwindSafe) -> Result<Device> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(|| {
+        let device = make();
+        let x = burn::tensor::Tensor::<1>::from_floats([1.0, 2.0], &device);
+        let sum: f32 = x.sum().into_scalar();
+        (sum == 3.0).then_some(device)
+    });
+    std::panic::set_hook(hook);
+    match result {
+        Ok(Some(device)) => Ok(device),
+        Ok(None) => Err(TrainError::Device(format!(
+            "device `{name}` started but computed 1 + 2 wrongly"
+        ))),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "no reason given".into());
+            Err(TrainError::Device(format!(
+                "device `{name}` is in this build but did not start on this machine ({}); available here: flex",
+                why.lines().next().unwrap_or_default()
+            )))
+        }
+    }
+}
+
+/// A device this build was compiled without.
+fn missing(name: &str) -> TrainError {
+    let hint = match feature_of(name) {
+        Some(feature) => {
+            format!("rebuild with `cargo build --release -p ember-cli --features {feature}`")
+        }
+        None => "unknown".into(),
+    };
+    TrainError::Device(format!(
         "device `{name}` is not in this build ({hint}); available: {}",
         available().join(", ")
-    )))
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_this_build_lacks_say_how_to_get_them() {
+        assert!(parse("flex").is_ok() && parse("cpu").is_ok() && parse("auto").is_ok());
+        let err = check_name("tpu").unwrap_err().to_string();
+        assert!(
+            err.contains("unknown device `tpu`") && err.contains("flex"),
+            "{err}"
+        );
+        let err = check_name("cuda:x").unwrap_err().to_string();
+        assert!(err.contains("not a device index"), "{err}");
+        if !cfg!(feature = "cuda") {
+            let err = check_name("cuda:1").unwrap_err().to_string();
+            assert!(err.contains("--features cuda"), "{err}");
+        }
+    }
 }
