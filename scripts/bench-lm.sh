@@ -13,7 +13,7 @@ OUT=${OUT:-runs/bench-lm}
 EMBER=./target/release/ember
 
 echo "== build"
-cargo build --release -p ember-cli --locked 2>&1 | tail -1
+cargo build --release --workspace --locked 2>&1 | tail -1
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 

@@ -15,7 +15,7 @@ TEST_SRC=data/multi30k/test_2016_flickr.de
 TEST_REF=data/multi30k/test_2016_flickr.en
 
 echo "== build"
-cargo build --release -p ember-cli --locked 2>&1 | tail -1
+cargo build --release --workspace --locked 2>&1 | tail -1
 echo "machine: $(nproc) cores, load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 stop=()

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# ember against PyTorch eager on the same machine, in one run, alternating: training steps of
+# nanoGPT's CPU "baby GPT" (configs/shakespeare-char.toml sizes) and batch-1 generation with and
+# without a KV cache. Prints each measurement, the medians and the ratios (ember / PyTorch,
+# higher is better for ember). Not part of CI.
+#
+#   bash scripts/bench-compare.sh                    # 3 rounds of 100 training steps
+#   ROUNDS=5 STEPS=200 THREADS=2 bash scripts/bench-compare.sh
+#
+# Needs PyTorch: python3 -m venv .venv && .venv/bin/pip install torch  (PYTHON=.venv/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=${ROUNDS:-3}
+STEPS=${STEPS:-100}
+TOKENS=${TOKENS:-500}
+THREADS=${THREADS:-2}
+PYTHON=${PYTHON:-python3}
+EMBER=./target/release/ember
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+cargo build --release --workspace --locked 2>&1 | tail -1
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+echo "torch: $($PYTHON -c 'import torch; print(torch.__version__)'), threads $THREADS"
+echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+# The baby config, shortened, evaluating and checkpointing only at the end.
+sed -e "s/^max_steps = .*/max_steps = $STEPS/" -e "s/^decay_steps = .*/decay_steps = $STEPS/" \
+    -e "s/^eval_interval = .*/eval_interval = $STEPS/" -e "s/^eval_batches = .*/eval_batches = 1/" \
+    -e "s/^checkpoint_interval = .*/checkpoint_interval = $STEPS/" \
+    configs/shakespeare-char.toml > "$WORK/baby.toml"
+
+median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
+: > "$WORK/e_train"; : > "$WORK/t_train"
+for mode in cache nocache; do : > "$WORK/e_$mode"; : > "$WORK/t_$mode"; done
+
+for round in $(seq "$ROUNDS"); do
+    echo "== round $round"
+    rm -rf "$WORK/run"
+    cmd="$EMBER train --config $WORK/baby.toml --out $WORK/run"
+    ms=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 | sed -n 's/.*(\([0-9.]*\) ms\/step.*/\1/p')
+    echo "ember   train: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/e_train"
+
+    cmd="$PYTHON scripts/torch_reference.py train --steps $STEPS --threads $THREADS"
+    ms=$($cmd | $PYTHON -c 'import json,sys; print(json.load(sys.stdin)["ms_per_step_median"])')
+    echo "pytorch train: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/t_train"
+
+    for mode in cache nocache; do
+        flag=""; [ "$mode" = nocache ] && flag="--no-cache"
+        cmd="$EMBER generate --checkpoint $WORK/run --prompt ROMEO: --max-tokens $TOKENS --seed 1 $flag"
+        tps=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 >/dev/null | sed -n 's/.*(\([0-9.]*\) tokens\/s.*/\1/p')
+        echo "ember   generate ($mode): $tps tokens/s   ($cmd)"; echo "$tps" >> "$WORK/e_$mode"
+        cmd="$PYTHON scripts/torch_reference.py generate --tokens $TOKENS --threads $THREADS $flag"
+        tps=$($cmd | $PYTHON -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_sec"])')
+        echo "pytorch generate ($mode): $tps tokens/s   ($cmd)"; echo "$tps" >> "$WORK/t_$mode"
+    done
+done
+
+echo "== medians over $ROUNDS rounds"
+tokens=$((12 * 64))
+et=$(median < "$WORK/e_train"); tt=$(median < "$WORK/t_train")
+awk -v e="$et" -v t="$tt" -v n="$tokens" 'BEGIN {
+    printf "train     ember %7.1f ms/step (%6.0f tok/s)  pytorch %7.1f ms/step (%6.0f tok/s)  ember/pytorch speed %.2f\n",
+        e, n / e * 1000, t, n / t * 1000, t / e }'
+for mode in cache nocache; do
+    e=$(median < "$WORK/e_$mode"); t=$(median < "$WORK/t_$mode")
+    awk -v e="$e" -v t="$t" -v m="$mode" 'BEGIN {
+        printf "generate  %-8s ember %7.0f tok/s  pytorch %7.0f tok/s  ember/pytorch speed %.2f\n", m, e, t, e / t }'
+done
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""A short PyTorch eager reference for ember's speed benchmarks: nanoGPT's model (pre-norm,
+learned positions, no biases, tied head, exact GELU) and training step (AdamW with decay on
+matrices only, global-norm clipping 1.0), on tiny Shakespeare characters, with nanoGPT's CPU
+"baby GPT" sizes by default. Prints one JSON line.
+
+    python3 scripts/torch_reference.py train --steps 100 --threads 2
+    python3 scripts/torch_reference.py generate --tokens 500 --threads 2 [--no-cache]
+
+Used by scripts/bench-compare.sh; not part of CI.
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.ln_1 = nn.LayerNorm(d, bias=False)
+        self.c_attn = nn.Linear(d, 3 * d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+        self.ln_2 = nn.LayerNorm(d, bias=False)
+        self.c_fc = nn.Linear(d, 4 * d, bias=False)
+        self.mlp_proj = nn.Linear(4 * d, d, bias=False)
+
+    def attn(self, x, cache):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            if "k" in cache:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        # Causal when the queries are the whole sequence; one new query sees every key.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, d, h, layers, context):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList([Block(d, h) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, idx, caches=None, start=0):
+        t = idx.shape[1]
+        pos = torch.arange(start, start + t)
+        x = self.wte(idx) + self.wpe(pos)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i])
+        return self.ln_f(x) @ self.wte.weight.T
+
+
+def data(context, batch, steps, seed):
+    text = (Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt").read_text()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([index[c] for c in text[: int(0.9 * len(text))]])
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ix = torch.randint(len(ids) - context - 1, (batch,), generator=g)
+        x = torch.stack([ids[i:i + context] for i in ix])
+        y = torch.stack([ids[i + 1:i + 1 + context] for i in ix])
+        yield x, y
+
+
+def train(args):
+    torch.manual_seed(1337)
+    model = GPT(66, args.d_model, args.heads, args.layers, args.context)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.99), foreach=True)
+    times = []
+    for step, (x, y) in enumerate(data(args.context, args.batch, args.steps + args.warmup, 1)):
+        t0 = time.perf_counter()
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss.item()  # one host sync per step, as ember logs
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    ms = 1000 * times[len(times) // 2]
+    tokens = args.batch * args.context
+    print(json.dumps({"what": "train", "ms_per_step_median": ms,
+                      "ms_per_step_mean": 1000 * sum(times) / len(times),
+                      "tokens_per_sec": tokens / (ms / 1000), "steps": len(times),
+                      "threads": torch.get_num_threads(), "torch": torch.__version__}))
+
+
+@torch.no_grad()
+def generate(args):
+    torch.manual_seed(1337)
+    model = GPT(66, args.d_model, args.heads, args.layers, args.context).eval()
+    idx = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    t0 = time.perf_counter()
+    if args.no_cache:
+        for _ in range(args.tokens):
+            window = idx[:, -args.context:]
+            logits = model(window)[:, -1]
+            idx = torch.cat([idx, torch.multinomial(F.softmax(logits / 0.8, -1), 1)], 1)
+    else:
+        # A KV cache; when the context is full, rebuild it from the newest half (as ember does).
+        produced = 0
+        while produced < args.tokens:
+            window = idx[:, -(args.context // 2):] if idx.shape[1] >= args.context else idx
+            caches = [{} for _ in model.blocks]
+            logits = model(window, caches)[:, -1]
+            pos = window.shape[1]
+            while produced < args.tokens and pos < args.context:
+                nxt = torch.multinomial(F.softmax(logits / 0.8, -1), 1)
+                idx = torch.cat([idx, nxt], 1)
+                produced += 1
+                logits = model(nxt, caches, start=pos)[:, -1]
+                pos += 1
+    dt = time.perf_counter() - t0
+    print(json.dumps({"what": "generate", "cache": not args.no_cache, "tokens": args.tokens,
+                      "tokens_per_sec": args.tokens / dt, "threads": torch.get_num_threads(),
+                      "torch": torch.__version__}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["train", "generate"])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=500)
+    p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=12)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    (train if args.mode == "train" else generate)(args)
+
+
+if __name__ == "__main__":
+    main()
