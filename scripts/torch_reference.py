@@ -6,6 +6,7 @@ matrices only, global-norm clipping 1.0), on tiny Shakespeare characters, with n
 
     python3 scripts/torch_reference.py train --steps 100 --threads 2
     python3 scripts/torch_reference.py generate --tokens 500 --threads 2 [--no-cache]
+    python3 scripts/torch_reference.py quality --steps 2000   # nanoGPT's run: val loss
 
 Used by scripts/bench-compare.sh; not part of CI.
 """
@@ -115,6 +116,65 @@ def train(args):
                       "threads": torch.get_num_threads(), "torch": torch.__version__}))
 
 
+def quality(args):
+    """nanoGPT's baby-GPT run: 2000 iterations, warmup 100, cosine 1e-3 -> 1e-4, then the
+    validation loss two ways: nanoGPT's estimate (mean of 20 random batches) and the whole
+    val split in consecutive windows of `context` predictions (what `ember eval` computes)."""
+    torch.manual_seed(1337)
+    text = (Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt").read_text()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([index[c] for c in text])
+    n = int(0.9 * len(ids))
+    train_ids, val_ids = ids[:n], ids[n:]
+    model = GPT(len(chars), args.d_model, args.heads, args.layers, args.context)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.99))
+
+    def batch(split_ids):
+        ix = torch.randint(len(split_ids) - args.context - 1, (args.batch,))
+        x = torch.stack([split_ids[i:i + args.context] for i in ix])
+        y = torch.stack([split_ids[i + 1:i + 1 + args.context] for i in ix])
+        return x, y
+
+    def lr_at(it, warmup=100, decay_iters=2000, lr=1e-3, min_lr=1e-4):
+        if it < warmup:
+            return lr * (it + 1) / (warmup + 1)
+        ratio = (it - warmup) / (decay_iters - warmup)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+    start = time.perf_counter()
+    for it in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(it)
+        x, y = batch(train_ids)
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    seconds = time.perf_counter() - start
+    model.eval()
+    with torch.no_grad():
+        estimate = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                       for x, y in (batch(val_ids) for _ in range(20))) / 20
+        nll, count = 0.0, 0
+        for s in range(0, len(val_ids) - 1, args.context):
+            x = val_ids[s:s + args.context]
+            y = val_ids[s + 1:s + 1 + args.context]
+            x = x[:len(y)]
+            logits = model(x[None])[0]
+            nll += F.cross_entropy(logits, y, reduction="sum").item()
+            count += len(y)
+    print(json.dumps({"what": "quality", "steps": args.steps, "seconds": seconds,
+                      "val_loss_20_batches": estimate, "val_loss_full": nll / count,
+                      "threads": torch.get_num_threads(), "torch": torch.__version__}))
+
+
 @torch.no_grad()
 def generate(args):
     torch.manual_seed(1337)
@@ -148,7 +208,7 @@ def generate(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["train", "generate"])
+    p.add_argument("mode", choices=["train", "generate", "quality"])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--tokens", type=int, default=500)
@@ -161,7 +221,7 @@ def main():
     p.add_argument("--batch", type=int, default=12)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    (train if args.mode == "train" else generate)(args)
+    {"train": train, "generate": generate, "quality": quality}[args.mode](args)
 
 
 if __name__ == "__main__":
