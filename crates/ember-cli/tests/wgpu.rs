@@ -57,25 +57,41 @@ fn greedy(run: &Path, device: &str) -> String {
 #[test]
 fn wgpu_trains_and_generates_like_the_cpu() {
     let dir = temp("wgpu");
-    let config = dir.join("tiny.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[model]\nd_model = 32\nn_heads = 2\nn_layers = 2\ncontext_len = 32\n\
-             [data]\npath = {:?}\n\
-             [training]\nbatch_size = 8\nmax_steps = 20\nlog_interval = 5\neval_interval = 20\n\
-             eval_batches = 2\ncheckpoint_interval = 20\nlr = 3e-3\nwarmup_steps = 5\n",
-            repo().join("data/tinyshakespeare.txt").to_str().unwrap()
-        ),
-    )
-    .unwrap();
-    let config = config.to_str().unwrap();
+    // The start run sets the model; the tuning runs take it from there (--init-from).
+    let config = |name: &str, steps: u32, model: &str| {
+        let path = dir.join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "{model}[data]\npath = {:?}\n\
+                 [training]\nbatch_size = 8\nmax_steps = {steps}\nlog_interval = 5\neval_interval = 20\n\
+                 eval_batches = 2\ncheckpoint_interval = 20\nlr = 3e-3\nwarmup_steps = 5\n",
+                repo().join("data/tinyshakespeare.txt").to_str().unwrap()
+            ),
+        )
+        .unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    // Random initialisation differs between backends (each has its own generator), so both
+    // runs start from the same weights: one step on the CPU, then --init-from.
+    let start = dir.join("start");
+    let model = "[model]\nd_model = 32\nn_heads = 2\nn_layers = 2\ncontext_len = 32\n";
+    ember_ok(&[
+        "train",
+        "--config",
+        &config("start.toml", 1, model),
+        "--out",
+        start.to_str().unwrap(),
+    ]);
+    let tune = config("tune.toml", 20, "");
     let (cpu, gpu) = (dir.join("flex"), dir.join("wgpu"));
     for (run, device) in [(&cpu, "flex"), (&gpu, "wgpu")] {
         ember_ok(&[
             "train",
             "--config",
-            config,
+            &tune,
+            "--init-from",
+            start.to_str().unwrap(),
             "--out",
             run.to_str().unwrap(),
             "--device",
@@ -85,8 +101,14 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     // Tolerance: f32 sums in another order, compounded over 20 AdamW steps.
     let (a, b) = (losses(&cpu), losses(&gpu));
     assert_eq!(a.len(), 4);
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    eprintln!("train losses flex {a:?}, wgpu {b:?}: largest difference {worst:e}");
     for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() < 2e-3, "flex {a:?} vs wgpu {b:?}");
+        assert!((x - y).abs() < 1e-4, "flex {a:?} vs wgpu {b:?}");
     }
     // The CPU-trained checkpoint runs on the GPU backend: same loss, same greedy text.
     let text = dir.join("text.txt");
@@ -95,7 +117,8 @@ fn wgpu_trains_and_generates_like_the_cpu() {
         eval_loss(&cpu, "flex", &text),
         eval_loss(&cpu, "wgpu", &text),
     );
-    assert!((x - y).abs() < 1e-4, "eval loss flex {x} vs wgpu {y}");
+    eprintln!("eval loss flex {x}, wgpu {y}");
+    assert!((x - y).abs() < 1e-5, "eval loss flex {x} vs wgpu {y}");
     assert_eq!(greedy(&cpu, "flex"), greedy(&cpu, "wgpu"));
     let _ = std::fs::remove_dir_all(dir);
 }
