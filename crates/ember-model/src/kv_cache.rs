@@ -6,14 +6,22 @@ use burn::tensor::Tensor;
 /// Cached keys and values of one attention layer.
 ///
 /// For self-attention it grows by the new tokens at every step; for cross-attention it holds
-/// the projected encoder output, computed once per source batch.
+/// the projected encoder output, computed once per source batch. Self-attention keys and values
+/// live in buffers with room to spare (doubled when full), written in place, so a step does
+/// not copy everything cached so far.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
-    /// Keys `[B, H, S, K]` (already rotated when the model uses RoPE).
+    /// Keys `[B, H, capacity, K]` (already rotated when the model uses RoPE); the first `len`
+    /// positions are valid.
     k: Option<Tensor<4>>,
-    /// Values `[B, H, S, K]`.
+    /// Values `[B, H, capacity, K]`.
     v: Option<Tensor<4>>,
+    /// Valid positions.
+    len: usize,
 }
+
+/// Smallest buffer a self-attention cache allocates, in positions.
+const MIN_CAPACITY: usize = 64;
 
 impl KvCache {
     /// An empty cache.
@@ -23,12 +31,12 @@ impl KvCache {
 
     /// Number of cached positions `S`.
     pub fn len(&self) -> usize {
-        self.k.as_ref().map_or(0, |k| k.dims()[2])
+        self.len
     }
 
     /// True when nothing is cached yet.
     pub fn is_empty(&self) -> bool {
-        self.k.is_none()
+        self.len == 0
     }
 
     /// Appends new keys and values along the sequence axis and returns all of them.
@@ -37,27 +45,52 @@ impl KvCache {
     /// - k, v: `[B, H, T, K]`
     /// - output: `[B, H, S + T, K]` each
     pub fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
-        let (k, v) = match (self.k.take(), self.v.take()) {
-            (Some(old_k), Some(old_v)) => (
-                Tensor::cat(vec![old_k, k], 2),
-                Tensor::cat(vec![old_v, v], 2),
-            ),
-            _ => (k, v),
-        };
-        self.k = Some(k.clone());
-        self.v = Some(v.clone());
-        (k, v)
+        let [b, h, t, d] = k.dims();
+        let end = self.len + t;
+        let capacity = self.k.as_ref().map_or(0, |k| k.dims()[2]);
+        if end > capacity {
+            let new_capacity = end.max(2 * capacity).max(MIN_CAPACITY);
+            let device = k.device();
+            let grow = |old: Option<Tensor<4>>| {
+                let buffer = Tensor::<4>::zeros([b, h, new_capacity, d], &device);
+                match old {
+                    Some(old) if self.len > 0 => {
+                        let kept = old.slice([0..b, 0..h, 0..self.len, 0..d]);
+                        buffer.slice_assign([0..b, 0..h, 0..self.len, 0..d], kept)
+                    }
+                    _ => buffer,
+                }
+            };
+            self.k = Some(grow(self.k.take()));
+            self.v = Some(grow(self.v.take()));
+        }
+        let range = [0..b, 0..h, self.len..end, 0..d];
+        let keys = self
+            .k
+            .take()
+            .expect("allocated")
+            .slice_assign(range.clone(), k);
+        let values = self.v.take().expect("allocated").slice_assign(range, v);
+        self.len = end;
+        self.k = Some(keys.clone());
+        self.v = Some(values.clone());
+        let valid = [0..b, 0..h, 0..end, 0..d];
+        (keys.slice(valid.clone()), values.slice(valid))
     }
 
     /// Replaces the contents (cross-attention: the projected encoder output).
     pub fn set(&mut self, k: Tensor<4>, v: Tensor<4>) {
+        self.len = k.dims()[2];
         self.k = Some(k);
         self.v = Some(v);
     }
 
     /// The cached keys and values, if any.
     pub fn get(&self) -> Option<(Tensor<4>, Tensor<4>)> {
-        Some((self.k.clone()?, self.v.clone()?))
+        let (k, v) = (self.k.clone()?, self.v.clone()?);
+        let [b, h, _, d] = k.dims();
+        let valid = [0..b, 0..h, 0..self.len, 0..d];
+        Some((k.slice(valid.clone()), v.slice(valid)))
     }
 
     /// Keeps only the batch rows `indices` (beam search reorders hypotheses).
