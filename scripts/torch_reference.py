@@ -87,14 +87,19 @@ def data(context, batch, steps, seed):
         yield x, y
 
 
+def adamw(model):
+    """nanoGPT's optimizer: weight decay 0.1 on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-3, betas=(0.9, 0.99), foreach=True)
+
+
 def train(args):
     torch.manual_seed(1337)
     model = GPT(66, args.d_model, args.heads, args.layers, args.context)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.99), foreach=True)
+    opt = adamw(model)
     times = []
     for step, (x, y) in enumerate(data(args.context, args.batch, args.steps + args.warmup, 1)):
         t0 = time.perf_counter()
@@ -128,11 +133,7 @@ def quality(args):
     n = int(0.9 * len(ids))
     train_ids, val_ids = ids[:n], ids[n:]
     model = GPT(len(chars), args.d_model, args.heads, args.layers, args.context)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.99))
+    opt = adamw(model)
 
     def batch(split_ids):
         ix = torch.randint(len(split_ids) - args.context - 1, (args.batch,))
