@@ -125,7 +125,7 @@ def quality(args):
     """nanoGPT's baby-GPT run: 2000 iterations, warmup 100, cosine 1e-3 -> 1e-4, then the
     validation loss two ways: nanoGPT's estimate (mean of 20 random batches) and the whole
     val split in consecutive windows of `context` predictions (what `ember eval` computes)."""
-    torch.manual_seed(1337)
+    torch.manual_seed(args.seed)
     text = (Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt").read_text()
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
@@ -220,6 +220,7 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     {"train": train, "generate": generate, "quality": quality}[args.mode](args)
