@@ -74,17 +74,33 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.wte.weight.T
 
 
-def data(context, batch, steps, seed):
+def corpus():
+    """Vocabulary size and the train / val ids of tiny Shakespeare (first 90% / last 10%)."""
     text = (Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt").read_text()
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
-    ids = torch.tensor([index[c] for c in text[: int(0.9 * len(text))]])
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ix = torch.randint(len(ids) - context - 1, (batch,), generator=g)
-        x = torch.stack([ids[i:i + context] for i in ix])
-        y = torch.stack([ids[i + 1:i + 1 + context] for i in ix])
-        yield x, y
+    ids = torch.tensor([index[c] for c in text])
+    n = int(0.9 * len(ids))
+    return len(chars), ids[:n], ids[n:]
+
+
+def batch(ids, context, size, generator=None):
+    """`size` random windows of `context` tokens and their next tokens."""
+    ix = torch.randint(len(ids) - context - 1, (size,), generator=generator)
+    x = torch.stack([ids[i:i + context] for i in ix])
+    y = torch.stack([ids[i + 1:i + 1 + context] for i in ix])
+    return x, y
+
+
+def step(model, opt, x, y):
+    """One optimizer step (global-norm clipping 1.0); returns the loss tensor."""
+    logits = model(x)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
 
 
 def adamw(model):
@@ -100,17 +116,14 @@ def train(args):
     torch.manual_seed(1337)
     model = GPT(66, args.d_model, args.heads, args.layers, args.context)
     opt = adamw(model)
+    _, train_ids, _ = corpus()
+    g = torch.Generator().manual_seed(1)
     times = []
-    for step, (x, y) in enumerate(data(args.context, args.batch, args.steps + args.warmup, 1)):
+    for i in range(args.steps + args.warmup):
+        x, y = batch(train_ids, args.context, args.batch, g)
         t0 = time.perf_counter()
-        logits = model(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss.item()  # one host sync per step, as ember logs
-        if step >= args.warmup:
+        step(model, opt, x, y).item()  # one host sync per step, as ember logs
+        if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     times.sort()
     ms = 1000 * times[len(times) // 2]
@@ -126,20 +139,9 @@ def quality(args):
     validation loss two ways: nanoGPT's estimate (mean of 20 random batches) and the whole
     val split in consecutive windows of `context` predictions (what `ember eval` computes)."""
     torch.manual_seed(args.seed)
-    text = (Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt").read_text()
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    ids = torch.tensor([index[c] for c in text])
-    n = int(0.9 * len(ids))
-    train_ids, val_ids = ids[:n], ids[n:]
-    model = GPT(len(chars), args.d_model, args.heads, args.layers, args.context)
+    vocab, train_ids, val_ids = corpus()
+    model = GPT(vocab, args.d_model, args.heads, args.layers, args.context)
     opt = adamw(model)
-
-    def batch(split_ids):
-        ix = torch.randint(len(split_ids) - args.context - 1, (args.batch,))
-        x = torch.stack([split_ids[i:i + args.context] for i in ix])
-        y = torch.stack([split_ids[i + 1:i + 1 + args.context] for i in ix])
-        return x, y
 
     def lr_at(it, warmup=100, decay_iters=2000, lr=1e-3, min_lr=1e-4):
         if it < warmup:
@@ -151,18 +153,12 @@ def quality(args):
     for it in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(it)
-        x, y = batch(train_ids)
-        logits = model(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        step(model, opt, *batch(train_ids, args.context, args.batch))
     seconds = time.perf_counter() - start
     model.eval()
     with torch.no_grad():
         estimate = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-                       for x, y in (batch(val_ids) for _ in range(20))) / 20
+                       for x, y in (batch(val_ids, args.context, args.batch) for _ in range(20))) / 20
         nll, count = 0.0, 0
         for s in range(0, len(val_ids) - 1, args.context):
             x = val_ids[s:s + args.context]
