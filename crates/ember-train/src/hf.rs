@@ -315,14 +315,14 @@ pub fn export_hf(lm: &LoadedLm, out: &Path) -> Result<PathBuf> {
 
     let model = with_biases(lm.model.clone());
     let weights = out.join(HF_WEIGHTS);
-    let _ = std::fs::remove_file(&weights);
     let mut store = EMBER_TO_HF
         .iter()
         .fold(
             SafetensorsStore::from_file(&weights),
             |store, (from, to)| store.with_key_remapping(*from, *to),
         )
-        .metadata("format", "pt");
+        .metadata("format", "pt")
+        .overwrite(true);
     model
         .save_into(&mut store)
         .map_err(|e| write_err(&weights, e))?;
