@@ -132,17 +132,15 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     let out_dir = launch.out_dir.clone();
     // Resuming continues the checkpoint's model with its tokenizer (so ids mean the same thing);
     // --init-from takes architecture, weights and tokenizer from another model.
-    let mut source = None;
-    let tokenizer = if launch.resume {
-        let dir = crate::checkpoint::resolve(&out_dir)?;
-        let saved = RunConfig::load(&dir.join(CONFIG_FILE))?.model;
+    let (tokenizer, source) = if launch.resume {
+        let saved = open_lm(&out_dir)?;
         let mut ours = config.model.clone();
-        ours.vocab_size = saved.vocab_size;
-        if ours != saved {
-            eprintln!("note: resuming the model saved in {}", dir.display());
+        ours.vocab_size = saved.config.model.vocab_size;
+        if ours != saved.config.model {
+            eprintln!("note: resuming the model saved in {}", saved.dir.display());
         }
-        config.model = saved;
-        Some(Tokenizer::load(&dir)?)
+        config.model = saved.config.model;
+        (Some(saved.tokenizer), None)
     } else if let Some(init) = &launch.init_from {
         let opened = open_lm(&init.dir)?;
         config.model = init.model_config(&opened.config.model)?;
@@ -150,11 +148,9 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
             "starting from {} (its architecture and tokenizer)",
             opened.dir.display()
         );
-        let tokenizer = opened.tokenizer.clone();
-        source = Some(opened);
-        Some(tokenizer)
+        (Some(opened.tokenizer.clone()), Some(opened))
     } else {
-        None
+        (None, None)
     };
     let data = prepare(&config, tokenizer)?;
     if data.unknown > 0 {
