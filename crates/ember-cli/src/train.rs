@@ -15,8 +15,10 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     config: PathBuf,
     /// Compute device: flex (CPU), ndarray, wgpu, vulkan, cuda[:N] (GPU ones need their cargo
-    /// feature), or auto (a GPU if one answers, else flex). Overrides the config.
-    #[arg(long, value_name = "NAME")]
+    /// feature), or auto (a GPU if one answers, else flex); or several, comma-separated
+    /// (`--devices cuda:0,cuda:1`), for data-parallel training: each step's grad_accum
+    /// micro-batches are spread over them. Overrides the config.
+    #[arg(long, visible_alias = "devices", value_name = "NAME[,NAME...]")]
     device: Option<String>,
     /// Run folder for checkpoints, metrics and the loss plot [default: runs/<config name>].
     #[arg(long, value_name = "DIR")]

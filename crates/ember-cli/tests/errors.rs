@@ -403,6 +403,32 @@ const CASES: &[Case] = &[
         &["train", "--config", "$TMP/device.toml"],
         &["wgpu", "available: flex"],
     ),
+    case(
+        "device",
+        "an unknown device in a list of devices",
+        &["train", "--config", "$TMP/ok.toml", "--devices", "flex,tpu"],
+        &["tpu", "available: flex"],
+    ),
+    case(
+        "device",
+        "grad_accum not a multiple of the number of devices",
+        &["train", "--config", "$TMP/ok.toml", "--devices", "flex,flex"],
+        &["training.grad_accum", "multiple of the 2 devices"],
+    ),
+    case(
+        "device",
+        "a list of devices given to a one-device command",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--device",
+            "flex,flex",
+        ],
+        &["flex,flex", "one device"],
+    ),
     // Output and training.
     case(
         "output",

@@ -77,7 +77,10 @@ impl Default for DataConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainingConfig {
-    /// Compute device: `flex` (default), `ndarray`, or `auto`.
+    /// Compute device: `flex` (default), `ndarray`, `wgpu`, `vulkan`, `cuda[:N]` or `auto`; or
+    /// several, comma-separated (`cuda:0,cuda:1`), for data-parallel training: the step's
+    /// `grad_accum` micro-batches are spread over them, so `grad_accum` must be a multiple of
+    /// their number.
     pub device: String,
     /// Seed of weights, batches and dropout. Default 1337.
     pub seed: u64,
@@ -226,7 +229,19 @@ impl TrainingConfig {
                 format!("= {} is above training.lr = {}", self.min_lr, self.lr),
             ));
         }
-        crate::device::check_name(&self.device)
+        crate::device::check_list(&self.device)?;
+        let devices = self.device.split(',').count();
+        if !self.grad_accum.is_multiple_of(devices) {
+            return Err(value_err(
+                "training.grad_accum",
+                format!(
+                    "= {} is not a multiple of the {devices} devices in training.device = \"{}\" \
+                     (each device takes whole micro-batches)",
+                    self.grad_accum, self.device
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

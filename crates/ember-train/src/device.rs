@@ -68,11 +68,49 @@ pub fn check_name(name: &str) -> Result<()> {
     }
 }
 
+/// Checks a training device list, `NAME` or `NAME,NAME,...` (e.g. `cuda:0,cuda:1`), without
+/// starting the devices. `auto` stands alone.
+pub fn check_list(names: &str) -> Result<()> {
+    let names = split_list(names)?;
+    for name in &names {
+        check_name(name)?;
+    }
+    Ok(())
+}
+
+/// The names of a comma-separated device list, trimmed; an empty entry or `auto` in a list of
+/// several is an error.
+fn split_list(names: &str) -> Result<Vec<&str>> {
+    let list: Vec<&str> = names.split(',').map(str::trim).collect();
+    if list.iter().any(|n| n.is_empty()) {
+        return Err(TrainError::Device(format!(
+            "device list `{names}` has an empty entry (write e.g. cuda:0,cuda:1)"
+        )));
+    }
+    if list.len() > 1 && list.contains(&"auto") {
+        return Err(TrainError::Device(format!(
+            "device list `{names}`: `auto` picks one device and cannot be part of a list"
+        )));
+    }
+    Ok(list)
+}
+
+/// The devices of a training run: one name, or several separated by commas for data-parallel
+/// training (`cuda:0,cuda:1`). The first device holds the model and the optimizer.
+pub fn parse_list(names: &str) -> Result<Vec<Device>> {
+    split_list(names)?.into_iter().map(parse).collect()
+}
+
 /// The device called `name`: `flex` (or `cpu`), `ndarray`, `wgpu`, `vulkan`, `cuda` or
 /// `cuda:N`, or `auto` (the first GPU this build has that answers, else `flex`). A name this
 /// build lacks is an error saying which cargo feature adds it; a GPU that does not answer is an
 /// error saying so.
 pub fn parse(name: &str) -> Result<Device> {
+    if name.contains(',') {
+        return Err(TrainError::Device(format!(
+            "`{name}`: this command runs on one device; lists of devices are for `ember train`"
+        )));
+    }
     check_name(name)?;
     let (kind, index) = split(name);
     let index: usize = index.map_or(0, |i| i.parse().unwrap_or(0));
@@ -174,6 +212,15 @@ mod tests {
         );
         let err = check_name("cuda:x").unwrap_err().to_string();
         assert!(err.contains("not a device index"), "{err}");
+        assert_eq!(parse_list("flex, cpu").unwrap().len(), 2);
+        let err = check_list("flex,,flex").unwrap_err().to_string();
+        assert!(err.contains("empty entry"), "{err}");
+        let err = check_list("auto,flex").unwrap_err().to_string();
+        assert!(err.contains("cannot be part of a list"), "{err}");
+        let err = check_list("flex,tpu").unwrap_err().to_string();
+        assert!(err.contains("unknown device `tpu`"), "{err}");
+        let err = parse("flex,flex").unwrap_err().to_string();
+        assert!(err.contains("one device"), "{err}");
         if !cfg!(feature = "cuda") {
             let err = check_name("cuda:1").unwrap_err().to_string();
             assert!(err.contains("--features cuda"), "{err}");

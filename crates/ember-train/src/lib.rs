@@ -16,6 +16,7 @@ pub mod lm;
 pub mod lm_source;
 pub mod metrics;
 pub mod optimizer;
+pub mod parallel;
 pub mod plot;
 pub mod schedule;
 pub mod trainer;

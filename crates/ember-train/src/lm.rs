@@ -88,9 +88,15 @@ impl LmTask {
 impl Task for LmTask {
     type Model = DecoderOnly;
 
-    fn train_loss(&self, model: &DecoderOnly, step: u64, micro: u64) -> (Tensor<1>, usize) {
+    fn train_loss(
+        &self,
+        model: &DecoderOnly,
+        step: u64,
+        micro: u64,
+        device: &Device,
+    ) -> (Tensor<1>, usize) {
         let seed = batch_seed(self.config.training.seed, step, micro);
-        let (x, y) = self.batch(Split::Train, seed, &self.device.clone().autodiff());
+        let (x, y) = self.batch(Split::Train, seed, device);
         let tokens = x.dims()[0] * x.dims()[1];
         (model.loss(x, y), tokens)
     }
@@ -117,15 +123,16 @@ impl Task for LmTask {
     }
 }
 
-/// The device a run uses: `--device` if given, else the config's.
-pub fn run_device(config: &RunConfig, device: Option<&str>) -> Result<Device> {
-    crate::device::parse(device.unwrap_or(&config.training.device))
+/// The devices a run uses: `--device` if given, else the config's; the first holds the model.
+pub fn run_devices(config: &RunConfig, device: Option<&str>) -> Result<Vec<Device>> {
+    crate::device::parse_list(device.unwrap_or(&config.training.device))
 }
 
 /// Everything `ember train` does for a language model: prepare data, build (or resume) the
 /// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
 pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
-    let device = run_device(&config, launch.device.as_deref())?;
+    let devices = run_devices(&config, launch.device.as_deref())?;
+    let device = devices[0].clone();
     if let Some(name) = &launch.device {
         config.training.device = name.clone();
     }
@@ -186,6 +193,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     let options = RunOptions {
         out_dir,
         training: config.training.clone(),
+        devices,
         resume: launch.resume,
         stop_after: launch.stop_after,
         progress: launch.progress,

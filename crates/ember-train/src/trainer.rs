@@ -26,13 +26,20 @@ pub enum Split {
 }
 
 /// What the loop needs from a task: losses, evaluations and the files of a checkpoint.
-pub trait Task {
+pub trait Task: Sync {
     /// The model being trained.
-    type Model: Module + Clone;
+    type Model: Module + Clone + Send;
 
-    /// Loss of micro-batch `micro` of optimizer step `step` (on the autodiff device), and the
-    /// number of tokens it covers. The batch must depend only on `(seed, step, micro)`.
-    fn train_loss(&self, model: &Self::Model, step: u64, micro: u64) -> (Tensor<1>, usize);
+    /// Loss of micro-batch `micro` of optimizer step `step`, with the batch built on `device`
+    /// (the autodiff device `model` lives on), and the number of tokens it covers. The batch must
+    /// depend only on `(seed, step, micro)`.
+    fn train_loss(
+        &self,
+        model: &Self::Model,
+        step: u64,
+        micro: u64,
+        device: &Device,
+    ) -> (Tensor<1>, usize);
 
     /// Mean loss over `batches` batches of `split`, on a model without autodiff. The same
     /// batches every time, so evaluations are comparable.
@@ -57,6 +64,9 @@ pub struct RunOptions {
     pub out_dir: PathBuf,
     /// Optimisation settings.
     pub training: TrainingConfig,
+    /// The devices that share each step's micro-batches (data parallel), the model's own first;
+    /// empty or one device: everything runs where the model is.
+    pub devices: Vec<Device>,
     /// Continue from the newest checkpoint in `out_dir`.
     pub resume: bool,
     /// Stop (with a checkpoint) after this step, as if interrupted; for tests and benchmarks.
@@ -114,7 +124,7 @@ pub struct RunSummary {
 }
 
 /// Salt that separates dropout seeds from batch seeds.
-const DROPOUT_SALT: u64 = 0x0D20_0F00;
+pub(crate) const DROPOUT_SALT: u64 = 0x0D20_0F00;
 
 /// Trains `model` (built on `device.autodiff()`) on `task`. On resume, weights, optimizer state
 /// and the step are read from the newest checkpoint in `options.out_dir`; batches, dropout and
@@ -175,7 +185,11 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
     while state.step < stop {
         let step = state.step;
         device.seed(ember_data::batch_seed(config.seed, step, DROPOUT_SALT));
-        let (loss, tokens, mut grads) = accumulate(task, &model, step, config.grad_accum);
+        let (loss, tokens, mut grads) = if options.devices.len() > 1 {
+            crate::parallel::accumulate(task, &model, step, config, &options.devices)
+        } else {
+            accumulate(task, &model, step, config.grad_accum)
+        };
         let norm = clip_global_norm(&model, &mut grads, config.grad_clip);
         let lr = schedule.at(step);
         model = optim.step(lr, model, grads);
@@ -260,8 +274,9 @@ fn accumulate<T: Task>(
     step: u64,
     n: usize,
 ) -> (Tensor<1>, usize, GradientsParams) {
+    let device = param_device(model);
     if n == 1 {
-        let (loss, tokens) = task.train_loss(model, step, 0);
+        let (loss, tokens) = task.train_loss(model, step, 0, &device);
         let grads = GradientsParams::from_grads(loss.backward(), model);
         return (loss.detach(), tokens, grads);
     }
@@ -269,7 +284,7 @@ fn accumulate<T: Task>(
     let mut total: Option<Tensor<1>> = None;
     let mut tokens = 0;
     for micro in 0..n as u64 {
-        let (loss, t) = task.train_loss(model, step, micro);
+        let (loss, t) = task.train_loss(model, step, micro, &device);
         let loss = loss.div_scalar(n as f64);
         acc.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
         let loss = loss.detach();

@@ -164,12 +164,17 @@ impl TranslationTask {
 impl Task for TranslationTask {
     type Model = EncoderDecoder;
 
-    fn train_loss(&self, model: &EncoderDecoder, step: u64, micro: u64) -> (Tensor<1>, usize) {
+    fn train_loss(
+        &self,
+        model: &EncoderDecoder,
+        step: u64,
+        micro: u64,
+        device: &Device,
+    ) -> (Tensor<1>, usize) {
         let index = step * self.config.training.grad_accum as u64 + micro;
         let batch = self.train.batch(self.config.training.seed, index);
-        let device = self.device.clone().autodiff();
         (
-            self.loss(model, &batch, &device, self.config.training.label_smoothing),
+            self.loss(model, &batch, device, self.config.training.label_smoothing),
             batch.tokens,
         )
     }
@@ -261,7 +266,9 @@ fn limit<T>(mut v: Vec<T>, n: Option<usize>) -> Vec<T> {
 
 /// Everything `ember train` does for a translation config.
 pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> Result<RunSummary> {
-    let device = crate::device::parse(launch.device.as_deref().unwrap_or(&config.training.device))?;
+    let devices =
+        crate::device::parse_list(launch.device.as_deref().unwrap_or(&config.training.device))?;
+    let device = devices[0].clone();
     if let Some(name) = &launch.device {
         config.training.device = name.clone();
     }
@@ -317,6 +324,7 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     let options = RunOptions {
         out_dir,
         training: config.training.clone(),
+        devices,
         resume,
         stop_after: launch.stop_after,
         progress: launch.progress,

@@ -167,3 +167,70 @@ fn corpus_shorter_than_a_window_is_a_clear_error() {
     assert!(err.contains("short.txt") && err.contains("tokens"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Data-parallel training over two CPU workers (`flex,flex`: two threads, each with its own
+/// fork of the model) ends with exactly the parameters of the same run on one device: the
+/// micro-batches are the same and their gradients are summed in the same order.
+#[test]
+fn two_devices_train_like_one() {
+    let _rng = rng_lock();
+    let mut config = tiny();
+    config.training.max_steps = 12;
+    config.training.checkpoint_interval = 12;
+    config.training.eval_interval = 12;
+    config.training.grad_accum = 4;
+    config.model.dropout = 0.0;
+
+    let one = out_dir("one-device");
+    train_lm(config.clone(), &Launch::new(&one)).unwrap();
+    let two = out_dir("two-devices");
+    let summary = train_lm(
+        config.clone(),
+        &Launch {
+            device: Some("flex,flex".into()),
+            ..Launch::new(&two)
+        },
+    )
+    .unwrap();
+    assert_eq!(summary.step, 12);
+    let (a, b) = (params(&one), params(&two));
+    assert_eq!(a.len(), b.len());
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert_eq!(diff, 0.0, "two-device parameters differ by up to {diff}");
+    // The training moved the weights (a two-device run that skipped its updates would not).
+    let start = out_dir("start");
+    let mut frozen = config.clone();
+    frozen.training.max_steps = 1;
+    frozen.training.lr = 1e-12;
+    frozen.training.min_lr = 0.0;
+    train_lm(frozen, &Launch::new(&start)).unwrap();
+    let moved = params(&start)
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(moved > 1e-3, "parameters moved by only {moved}");
+
+    // Micro-batches are whole: grad_accum must be a multiple of the device count.
+    config.training.grad_accum = 3;
+    let err = train_lm(
+        config,
+        &Launch {
+            device: Some("flex,flex".into()),
+            ..Launch::new(out_dir("uneven"))
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("training.grad_accum") && err.contains("multiple of the 2 devices"),
+        "{err}"
+    );
+    for dir in [one, two, start] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

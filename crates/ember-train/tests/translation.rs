@@ -185,3 +185,39 @@ fn learns_to_copy_and_decodes_consistently() {
     let _ = EOS;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The translation task over two CPU workers (`flex,flex`) trains exactly as on one device.
+#[test]
+fn two_devices_translate_like_one() {
+    let _rng = rng_lock();
+    let mut config =
+        TranslationRunConfig::load(&repo().join("configs/multi30k-tiny.toml")).unwrap();
+    for p in [
+        &mut config.data.train_src,
+        &mut config.data.train_tgt,
+        &mut config.data.val_src,
+        &mut config.data.val_tgt,
+    ] {
+        *p = repo().join(&*p);
+    }
+    config.model.dropout = 0.0;
+    config.training.max_steps = 6;
+    config.training.eval_interval = 6;
+    config.training.checkpoint_interval = 6;
+    config.training.grad_accum = 2;
+    let dir = temp("two-devices");
+    let one = train_translation(config.clone(), &Launch::new(dir.join("one"))).unwrap();
+    let two = train_translation(
+        config,
+        &Launch {
+            device: Some("flex,flex".into()),
+            ..Launch::new(dir.join("two"))
+        },
+    )
+    .unwrap();
+    let (a, b) = (one.val_loss.unwrap(), two.val_loss.unwrap());
+    assert!(a.is_finite());
+    assert_eq!(a, b, "val loss on one device {a}, on two {b}");
+    assert_eq!(one.train_loss, two.train_loss);
+    let _ = std::fs::remove_dir_all(dir);
+}

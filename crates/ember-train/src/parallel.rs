@@ -1,0 +1,96 @@
+//! Data-parallel training steps over several devices (`device = "cuda:0,cuda:1"`).
+//!
+//! The scheme of Burn's own multi-device learner (`MultiDeviceOptim::OptimMainDevice` in
+//! `burn-train`), built from the same Burn pieces so that it fits ember's step-based loop: each
+//! device gets a fork of the model (`Module::fork`, its own autodiff graph) and runs its share of
+//! the step's micro-batches in its own thread; the gradients are moved to the first device
+//! (`GradientsParams::to_device`) and summed there (`GradientsAccumulator`), in micro-batch
+//! order, and the optimizer steps once on the first device. The result equals the same step on
+//! one device with the same `grad_accum`, up to the order of floating-point sums inside each
+//! device's kernels (on CPU `flex,flex` it is bit for bit the same without dropout).
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{Device, Tensor};
+
+use crate::config::TrainingConfig;
+use crate::trainer::{DROPOUT_SALT, Task};
+
+/// One micro-batch's share of a step: its index, loss (already divided by the number of
+/// micro-batches, detached, on the main device), tokens and gradients (on the main device).
+type Micro = (u64, Tensor<1>, usize, GradientsParams);
+
+/// Forward and backward over the step's `config.grad_accum` micro-batches, micro-batch `i` on
+/// `devices[i % devices.len()]`, all devices at once. Returns the mean loss, the tokens and the
+/// summed gradients, on the device of `model` (which must be `devices[0]`).
+pub fn accumulate<T: Task>(
+    task: &T,
+    model: &T::Model,
+    step: u64,
+    config: &TrainingConfig,
+    devices: &[Device],
+) -> (Tensor<1>, usize, GradientsParams) {
+    let n = config.grad_accum as u64;
+    let k = devices.len() as u64;
+    let main = devices[0].clone();
+    // Burn initialises parameters lazily, on first use, from the process-wide RNG. Do it here,
+    // in order, before the workers start: otherwise the first step's workers would race to
+    // initialise the shared parameters while seeding and drawing from the same RNG.
+    model.visit(&mut Materialize);
+    let mut micros: Vec<Micro> = std::thread::scope(|scope| {
+        let workers: Vec<_> = devices
+            .iter()
+            .enumerate()
+            .map(|(j, device)| {
+                let (model, main) = (model.clone(), main.clone());
+                scope.spawn(move || {
+                    let device = device.clone().autodiff();
+                    if j > 0 {
+                        let salt = DROPOUT_SALT ^ ((j as u64) << 32);
+                        device.seed(ember_data::batch_seed(config.seed, step, salt));
+                    }
+                    let model = model.fork(&device);
+                    (j as u64..n)
+                        .step_by(k as usize)
+                        .map(|micro| {
+                            let (loss, tokens) = task.train_loss(&model, step, micro, &device);
+                            let loss = loss.div_scalar(n as f64);
+                            let grads = GradientsParams::from_grads(loss.backward(), &model)
+                                .to_device(&main, &model);
+                            (micro, loss.detach().to_device(&main), tokens, grads)
+                        })
+                        .collect::<Vec<Micro>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| match w.join() {
+                Ok(micros) => micros,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    });
+    micros.sort_by_key(|m| m.0);
+    let mut acc = GradientsAccumulator::<T::Model>::new();
+    let mut total: Option<Tensor<1>> = None;
+    let mut tokens = 0;
+    for (_, loss, t, grads) in micros {
+        acc.accumulate(model, grads);
+        total = Some(match total {
+            Some(sum) => sum + loss,
+            None => loss,
+        });
+        tokens += t;
+    }
+    (total.expect("grad_accum >= 1"), tokens, acc.grads())
+}
+
+/// Reads every float parameter, which initialises the ones not initialised yet.
+struct Materialize;
+
+impl ModuleVisitor for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let _ = param.val();
+    }
+}
