@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # ember against PyTorch eager on the same machine, in one run, alternating: training steps of
 # nanoGPT's CPU "baby GPT" (configs/shakespeare-char.toml sizes) and batch-1 generation with and
-# without a KV cache. Prints each measurement, the medians and the ratios (ember / PyTorch,
-# higher is better for ember). Not part of CI.
+# without a KV cache. ember trains twice: on one device, and data-parallel over two CPU workers
+# (`device = "flex,flex"`, batch 6 x grad_accum 2: the same 12 sequences per step). Prints each
+# measurement, the medians and the ratios (ember / PyTorch, higher is better for ember).
+# Not part of CI.
 #
 #   bash scripts/bench-compare.sh                    # 3 rounds of 100 training steps
 #   ROUNDS=5 STEPS=200 THREADS=2 bash scripts/bench-compare.sh
@@ -30,9 +32,12 @@ sed -e "s/^max_steps = .*/max_steps = $STEPS/" -e "s/^decay_steps = .*/decay_ste
     -e "s/^eval_interval = .*/eval_interval = $STEPS/" -e "s/^eval_batches = .*/eval_batches = 1/" \
     -e "s/^checkpoint_interval = .*/checkpoint_interval = $STEPS/" \
     configs/shakespeare-char.toml > "$WORK/baby.toml"
+sed -e 's/^batch_size = 12$/batch_size = 6\ngrad_accum = 2\ndevice = "flex,flex"/' \
+    "$WORK/baby.toml" > "$WORK/baby-dp.toml"
+grep -q 'flex,flex' "$WORK/baby-dp.toml" || { echo "could not make the data-parallel config"; exit 1; }
 
 median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
-: > "$WORK/e_train"; : > "$WORK/t_train"
+: > "$WORK/e_train"; : > "$WORK/e_train_dp"; : > "$WORK/t_train"
 for mode in cache nocache; do : > "$WORK/e_$mode"; : > "$WORK/t_$mode"; done
 
 for round in $(seq "$ROUNDS"); do
@@ -41,6 +46,10 @@ for round in $(seq "$ROUNDS"); do
     cmd="$EMBER train --config $WORK/baby.toml --out $WORK/run"
     ms=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 | sed -n 's/.*(\([0-9.]*\) ms\/step.*/\1/p')
     echo "ember   train: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/e_train"
+    rm -rf "$WORK/run-dp"
+    cmd="$EMBER train --config $WORK/baby-dp.toml --out $WORK/run-dp"
+    ms=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 | sed -n 's/.*(\([0-9.]*\) ms\/step.*/\1/p')
+    echo "ember   train, flex,flex: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/e_train_dp"
 
     cmd="$PYTHON scripts/torch_reference.py train --steps $STEPS --threads $THREADS"
     ms=$($cmd | $PYTHON -c 'import json,sys; print(json.load(sys.stdin)["ms_per_step_median"])')
@@ -63,6 +72,10 @@ et=$(median < "$WORK/e_train"); tt=$(median < "$WORK/t_train")
 awk -v e="$et" -v t="$tt" -v n="$tokens" 'BEGIN {
     printf "train     ember %7.1f ms/step (%6.0f tok/s)  pytorch %7.1f ms/step (%6.0f tok/s)  ember/pytorch speed %.2f\n",
         e, n / e * 1000, t, n / t * 1000, t / e }'
+ed=$(median < "$WORK/e_train_dp")
+awk -v e="$ed" -v t="$tt" -v n="$tokens" 'BEGIN {
+    printf "train, ember on flex,flex %7.1f ms/step (%6.0f tok/s)  ember/pytorch speed %.2f\n",
+        e, n / e * 1000, t / e }'
 for mode in cache nocache; do
     e=$(median < "$WORK/e_$mode"); t=$(median < "$WORK/t_$mode")
     awk -v e="$e" -v t="$t" -v m="$mode" 'BEGIN {
