@@ -5,6 +5,7 @@
 #
 #   bash scripts/bench-mt.sh                 # the full run (hours on 2 CPU cores)
 #   STEPS=1000 bash scripts/bench-mt.sh      # stop after 1000 steps
+#   CONFIG=configs/multi30k-de-en-2h.toml LENGTH_PENALTY=1.5 bash scripts/bench-mt.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +14,7 @@ OUT=${OUT:-runs/bench-mt}
 EMBER=./target/release/ember
 TEST_SRC=data/multi30k/test_2016_flickr.de
 TEST_REF=data/multi30k/test_2016_flickr.en
+LENGTH_PENALTY=${LENGTH_PENALTY:-0.6}
 
 echo "== build"
 cargo build --release --workspace --locked 2>&1 | tail -1
@@ -29,9 +31,10 @@ echo "training wall time: $(( $(date +%s) - start )) s"
 
 for beam in 1 4; do
     hyp="$OUT/test2016.beam$beam.en"
-    echo "== translate test2016, beam $beam: $EMBER translate --checkpoint $OUT --input $TEST_SRC --beam $beam"
+    cmd=($EMBER translate --checkpoint "$OUT" --input "$TEST_SRC" --beam "$beam" --length-penalty "$LENGTH_PENALTY")
+    echo "== translate test2016, beam $beam: ${cmd[*]}"
     t0=$(date +%s)
-    $EMBER translate --checkpoint "$OUT" --input "$TEST_SRC" --beam "$beam" > "$hyp"
+    "${cmd[@]}" > "$hyp"
     echo "   $(( $(date +%s) - t0 )) s"
     echo "   cased:      $($EMBER bleu --hyp "$hyp" --ref "$TEST_REF")"
     echo "   lowercased: $($EMBER bleu --hyp "$hyp" --ref "$TEST_REF" --lowercase)"
