@@ -412,7 +412,13 @@ const CASES: &[Case] = &[
     case(
         "device",
         "grad_accum not a multiple of the number of devices",
-        &["train", "--config", "$TMP/ok.toml", "--devices", "flex,flex"],
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--devices",
+            "flex,flex",
+        ],
         &["training.grad_accum", "multiple of the 2 devices"],
     ),
     case(

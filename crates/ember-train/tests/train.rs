@@ -67,6 +67,15 @@ fn params(dir: &Path) -> Vec<f32> {
     out
 }
 
+/// The largest absolute difference between two parameter lists of the same model.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
 #[test]
 fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
     let _rng = rng_lock();
@@ -111,12 +120,7 @@ fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
     assert_eq!(third.step, 30);
 
     let (a, b) = (params(&whole), params(&split));
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max);
+    let diff = max_diff(&a, &b);
     assert_eq!(diff, 0.0, "resumed parameters differ by up to {diff}");
     // The metrics of the split run were stitched, not duplicated.
     let steps: Vec<u64> = ember_train::metrics::read(&split.join("metrics.jsonl"))
@@ -194,12 +198,7 @@ fn two_devices_train_like_one() {
     .unwrap();
     assert_eq!(summary.step, 12);
     let (a, b) = (params(&one), params(&two));
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max);
+    let diff = max_diff(&a, &b);
     assert_eq!(diff, 0.0, "two-device parameters differ by up to {diff}");
     // The training moved the weights (a two-device run that skipped its updates would not).
     let start = out_dir("start");
@@ -208,11 +207,7 @@ fn two_devices_train_like_one() {
     frozen.training.lr = 1e-12;
     frozen.training.min_lr = 0.0;
     train_lm(frozen, &Launch::new(&start)).unwrap();
-    let moved = params(&start)
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max);
+    let moved = max_diff(&params(&start), &b);
     assert!(moved > 1e-3, "parameters moved by only {moved}");
 
     // Micro-batches are whole: grad_accum must be a multiple of the device count.

@@ -28,9 +28,8 @@ fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-#[test]
-fn tiny_multi30k_run_trains_saves_and_translates() {
-    let _rng = rng_lock();
+/// `configs/multi30k-tiny.toml` with its data paths made absolute.
+fn tiny_multi30k() -> TranslationRunConfig {
     let mut config =
         TranslationRunConfig::load(&repo().join("configs/multi30k-tiny.toml")).unwrap();
     for p in [
@@ -41,6 +40,13 @@ fn tiny_multi30k_run_trains_saves_and_translates() {
     ] {
         *p = repo().join(&*p);
     }
+    config
+}
+
+#[test]
+fn tiny_multi30k_run_trains_saves_and_translates() {
+    let _rng = rng_lock();
+    let mut config = tiny_multi30k();
     let out = temp("tiny").join("run");
     let summary = train_translation(config, &Launch::new(&out)).unwrap();
     assert_eq!(summary.step, 40);
@@ -190,16 +196,7 @@ fn learns_to_copy_and_decodes_consistently() {
 #[test]
 fn two_devices_translate_like_one() {
     let _rng = rng_lock();
-    let mut config =
-        TranslationRunConfig::load(&repo().join("configs/multi30k-tiny.toml")).unwrap();
-    for p in [
-        &mut config.data.train_src,
-        &mut config.data.train_tgt,
-        &mut config.data.val_src,
-        &mut config.data.val_tgt,
-    ] {
-        *p = repo().join(&*p);
-    }
+    let mut config = tiny_multi30k();
     config.model.dropout = 0.0;
     config.training.max_steps = 6;
     config.training.eval_interval = 6;
