@@ -46,7 +46,7 @@ fn tiny_multi30k() -> TranslationRunConfig {
 #[test]
 fn tiny_multi30k_run_trains_saves_and_translates() {
     let _rng = rng_lock();
-    let mut config = tiny_multi30k();
+    let config = tiny_multi30k();
     let out = temp("tiny").join("run");
     let summary = train_translation(config, &Launch::new(&out)).unwrap();
     assert_eq!(summary.step, 40);
