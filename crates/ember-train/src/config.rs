@@ -229,8 +229,7 @@ impl TrainingConfig {
                 format!("= {} is above training.lr = {}", self.min_lr, self.lr),
             ));
         }
-        crate::device::check_list(&self.device)?;
-        let devices = self.device.split(',').count();
+        let devices = crate::device::check_list(&self.device)?;
         if !self.grad_accum.is_multiple_of(devices) {
             return Err(value_err(
                 "training.grad_accum",

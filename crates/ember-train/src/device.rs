@@ -69,13 +69,13 @@ pub fn check_name(name: &str) -> Result<()> {
 }
 
 /// Checks a training device list, `NAME` or `NAME,NAME,...` (e.g. `cuda:0,cuda:1`), without
-/// starting the devices. `auto` stands alone.
-pub fn check_list(names: &str) -> Result<()> {
+/// starting the devices, and returns how many it names. `auto` stands alone.
+pub fn check_list(names: &str) -> Result<usize> {
     let names = split_list(names)?;
     for name in &names {
         check_name(name)?;
     }
-    Ok(())
+    Ok(names.len())
 }
 
 /// The names of a comma-separated device list, trimmed; an empty entry or `auto` in a list of
@@ -99,6 +99,15 @@ fn split_list(names: &str) -> Result<Vec<&str>> {
 /// training (`cuda:0,cuda:1`). The first device holds the model and the optimizer.
 pub fn parse_list(names: &str) -> Result<Vec<Device>> {
     split_list(names)?.into_iter().map(parse).collect()
+}
+
+/// The devices a training run uses: `--device` (`override_name`) if given, else the config's;
+/// the first holds the model.
+pub fn run_devices(
+    training: &crate::config::TrainingConfig,
+    override_name: Option<&str>,
+) -> Result<Vec<Device>> {
+    parse_list(override_name.unwrap_or(&training.device))
 }
 
 /// The device called `name`: `flex` (or `cpu`), `ndarray`, `wgpu`, `vulkan`, `cuda` or

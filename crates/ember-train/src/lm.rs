@@ -123,15 +123,10 @@ impl Task for LmTask {
     }
 }
 
-/// The devices a run uses: `--device` if given, else the config's; the first holds the model.
-pub fn run_devices(config: &RunConfig, device: Option<&str>) -> Result<Vec<Device>> {
-    crate::device::parse_list(device.unwrap_or(&config.training.device))
-}
-
 /// Everything `ember train` does for a language model: prepare data, build (or resume) the
 /// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
 pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
-    let devices = run_devices(&config, launch.device.as_deref())?;
+    let devices = crate::device::run_devices(&config.training, launch.device.as_deref())?;
     let device = devices[0].clone();
     if let Some(name) = &launch.device {
         config.training.device = name.clone();

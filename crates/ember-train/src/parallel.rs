@@ -10,11 +10,11 @@
 //! device's kernels (on CPU `flex,flex` it is bit for bit the same without dropout).
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 
 use crate::config::TrainingConfig;
-use crate::trainer::{DROPOUT_SALT, Task};
+use crate::trainer::{DROPOUT_SALT, Task, combine};
 
 /// One micro-batch's share of a step: its index, loss (already divided by the number of
 /// micro-batches, detached, on the main device), tokens and gradients (on the main device).
@@ -72,18 +72,12 @@ pub fn accumulate<T: Task>(
             .collect()
     });
     micros.sort_by_key(|m| m.0);
-    let mut acc = GradientsAccumulator::<T::Model>::new();
-    let mut total: Option<Tensor<1>> = None;
-    let mut tokens = 0;
-    for (_, loss, t, grads) in micros {
-        acc.accumulate(model, grads);
-        total = Some(match total {
-            Some(sum) => sum + loss,
-            None => loss,
-        });
-        tokens += t;
-    }
-    (total.expect("grad_accum >= 1"), tokens, acc.grads())
+    combine(
+        model,
+        micros
+            .into_iter()
+            .map(|(_, loss, tokens, grads)| (loss, tokens, grads)),
+    )
 }
 
 /// Reads every float parameter, which initialises the ones not initialised yet.

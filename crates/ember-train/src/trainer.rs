@@ -280,21 +280,39 @@ fn accumulate<T: Task>(
         let grads = GradientsParams::from_grads(loss.backward(), model);
         return (loss.detach(), tokens, grads);
     }
-    let mut acc = GradientsAccumulator::<T::Model>::new();
+    combine(
+        model,
+        (0..n as u64).map(|micro| {
+            let (loss, tokens) = task.train_loss(model, step, micro, &device);
+            let loss = loss.div_scalar(n as f64);
+            let grads = GradientsParams::from_grads(loss.backward(), model);
+            (loss.detach(), tokens, grads)
+        }),
+    )
+}
+
+/// Sums micro-batches' (loss, tokens, gradients), in the order given: the step's loss (each
+/// micro-batch loss already divided by their number), tokens and gradients.
+pub(crate) fn combine<M: Module>(
+    model: &M,
+    micros: impl IntoIterator<Item = (Tensor<1>, usize, GradientsParams)>,
+) -> (Tensor<1>, usize, GradientsParams) {
+    let mut acc = GradientsAccumulator::<M>::new();
     let mut total: Option<Tensor<1>> = None;
     let mut tokens = 0;
-    for micro in 0..n as u64 {
-        let (loss, t) = task.train_loss(model, step, micro, &device);
-        let loss = loss.div_scalar(n as f64);
-        acc.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
-        let loss = loss.detach();
+    for (loss, t, grads) in micros {
+        acc.accumulate(model, grads);
         total = Some(match total {
             Some(sum) => sum + loss,
             None => loss,
         });
         tokens += t;
     }
-    (total.expect("n >= 1"), tokens, acc.grads())
+    (
+        total.expect("at least one micro-batch"),
+        tokens,
+        acc.grads(),
+    )
 }
 
 /// Losses and norms since the last log line, kept on the device until the log reads them all

@@ -266,8 +266,7 @@ fn limit<T>(mut v: Vec<T>, n: Option<usize>) -> Vec<T> {
 
 /// Everything `ember train` does for a translation config.
 pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> Result<RunSummary> {
-    let devices =
-        crate::device::parse_list(launch.device.as_deref().unwrap_or(&config.training.device))?;
+    let devices = crate::device::run_devices(&config.training, launch.device.as_deref())?;
     let device = devices[0].clone();
     if let Some(name) = &launch.device {
         config.training.device = name.clone();
