@@ -26,6 +26,7 @@ fn keep_freed_memory() {
 }
 
 mod attention;
+mod average;
 mod bleu;
 mod eval;
 mod export;
@@ -58,6 +59,8 @@ enum Command {
     Attention(attention::AttentionArgs),
     /// Write a language model in another format (a Hugging Face GPT-2 folder).
     Export(export::ExportArgs),
+    /// Average the weights of a run's last checkpoints into a new run folder.
+    Average(average::AverageArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         Command::Bleu(args) => bleu::run(args),
         Command::Attention(args) => attention::run(args),
         Command::Export(args) => export::run(args),
+        Command::Average(args) => average::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -37,6 +37,7 @@ fn every_subcommand_has_help() {
         "bleu",
         "attention",
         "export",
+        "average",
     ] {
         assert!(
             String::from_utf8_lossy(&top.stdout).contains(sub),
@@ -221,6 +222,27 @@ fn translation_commands_train_translate_and_score() {
         ]);
         assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
     }
+    // The mean of the run's two checkpoints (steps 20 and 40) translates like any checkpoint.
+    let averaged = dir.join("avg");
+    let out = ember_ok(&[
+        "average",
+        run.to_str().unwrap(),
+        "--out",
+        averaged.to_str().unwrap(),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("averaged 2 checkpoints (steps 20, 40)"),
+        "{said}"
+    );
+    let out = ember_ok(&[
+        "translate",
+        "--checkpoint",
+        averaged.to_str().unwrap(),
+        "--input",
+        input.to_str().unwrap(),
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
     // Cross-attention of the translation, averaged over heads: one panel per decoder layer.
     let (png, json) = (dir.join("cross.png"), dir.join("cross.json"));
     ember_ok(&[

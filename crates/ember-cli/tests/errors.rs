@@ -376,6 +376,30 @@ const CASES: &[Case] = &[
         ],
         &["init-arch.toml", "model.d_model", "--init-from"],
     ),
+    case(
+        "checkpoint",
+        "`average --last` beyond the checkpoints kept",
+        &["average", "$TMP/run", "--last", "3", "--out", "$TMP/avg"],
+        &["--last 3", "(2)"],
+    ),
+    case(
+        "checkpoint",
+        "`average` of two architectures",
+        &[
+            "average",
+            "$TMP/run/checkpoints/step-0000020",
+            "$TMP/other-arch",
+            "--out",
+            "$TMP/avg",
+        ],
+        &["other-arch", "[model] config differs"],
+    ),
+    case(
+        "checkpoint",
+        "`average --out` an existing run",
+        &["average", "$TMP/run", "--out", "$TMP/run"],
+        &["run", "already exists"],
+    ),
     // Devices.
     case(
         "device",
