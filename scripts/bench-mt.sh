@@ -6,6 +6,8 @@
 #   bash scripts/bench-mt.sh                 # the full run (hours on 2 CPU cores)
 #   STEPS=1000 bash scripts/bench-mt.sh      # stop after 1000 steps
 #   CONFIG=configs/multi30k-de-en-2h.toml LENGTH_PENALTY=1.5 bash scripts/bench-mt.sh
+#   CONFIG=configs/multi30k-de-en-2h-flex2.toml LENGTH_PENALTY=1.5 AVERAGE=5 bash scripts/bench-mt.sh
+#       (AVERAGE=N also scores the mean of the run's newest N checkpoints: `ember average`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,14 +31,23 @@ start=$(date +%s)
 $EMBER train --config "$CONFIG" --out "$OUT" "${stop[@]}" "${resume[@]}" 2>&1 | grep -E "^(data|step|done|peak|checkpoint:)"
 echo "training wall time: $(( $(date +%s) - start )) s"
 
-for beam in 1 4; do
-    hyp="$OUT/test2016.beam$beam.en"
-    cmd=($EMBER translate --checkpoint "$OUT" --input "$TEST_SRC" --beam "$beam" --length-penalty "$LENGTH_PENALTY")
-    echo "== translate test2016, beam $beam: ${cmd[*]}"
-    t0=$(date +%s)
-    "${cmd[@]}" > "$hyp"
-    echo "   $(( $(date +%s) - t0 )) s"
-    echo "   cased:      $($EMBER bleu --hyp "$hyp" --ref "$TEST_REF")"
-    echo "   lowercased: $($EMBER bleu --hyp "$hyp" --ref "$TEST_REF" --lowercase)"
+checkpoints=("$OUT")
+if [ -n "${AVERAGE:-}" ]; then
+    rm -rf "$OUT-avg$AVERAGE"
+    echo "== average: $EMBER average $OUT --last $AVERAGE --out $OUT-avg$AVERAGE"
+    $EMBER average "$OUT" --last "$AVERAGE" --out "$OUT-avg$AVERAGE"
+    checkpoints+=("$OUT-avg$AVERAGE")
+fi
+for checkpoint in "${checkpoints[@]}"; do
+    for beam in 1 4; do
+        hyp="$checkpoint/test2016.beam$beam.en"
+        cmd=($EMBER translate --checkpoint "$checkpoint" --input "$TEST_SRC" --beam "$beam" --length-penalty "$LENGTH_PENALTY")
+        echo "== translate test2016, beam $beam: ${cmd[*]}"
+        t0=$(date +%s)
+        "${cmd[@]}" > "$hyp"
+        echo "   $(( $(date +%s) - t0 )) s"
+        echo "   cased:      $($EMBER bleu --hyp "$hyp" --ref "$TEST_REF")"
+        echo "   lowercased: $($EMBER bleu --hyp "$hyp" --ref "$TEST_REF" --lowercase)"
+    done
 done
 echo "loss curves: $OUT/loss.png, metrics: $OUT/metrics.jsonl"

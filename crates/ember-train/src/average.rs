@@ -131,34 +131,35 @@ pub fn average_checkpoints(
     let dir = checkpoint::save(out, &state, 1, |tmp| {
         copy_side_files(&newest_dir, tmp)?;
         let path = tmp.join(MODEL_FILE);
-        let saved = match newest.model_kind.as_str() {
-            "decoder_only" => {
-                let models = dirs
-                    .iter()
-                    .map(|d| Ok(crate::lm_source::load_lm(d, device)?.model))
-                    .collect::<Result<Vec<_>>>()?;
-                average_modules(models).save_file(&path)
-            }
-            "encoder_decoder" => {
-                let models = dirs
-                    .iter()
-                    .map(|d| Ok(crate::translation::load_translator(d, device)?.model))
-                    .collect::<Result<Vec<_>>>()?;
-                average_modules(models).save_file(&path)
-            }
-            other => {
-                return Err(TrainError::Checkpoint {
-                    path: newest_dir.clone(),
-                    message: format!("cannot average a {}", checkpoint::describe_kind(other)),
-                });
-            }
-        };
-        saved.map_err(|e| write_err(&path, e))
+        match newest.model_kind.as_str() {
+            "decoder_only" => save_mean(&dirs, &path, |d| {
+                Ok(crate::lm_source::load_lm(d, device)?.model)
+            }),
+            "encoder_decoder" => save_mean(&dirs, &path, |d| {
+                Ok(crate::translation::load_translator(d, device)?.model)
+            }),
+            other => Err(TrainError::Checkpoint {
+                path: newest_dir.clone(),
+                message: format!("cannot average a {}", checkpoint::describe_kind(other)),
+            }),
+        }
     })?;
     Ok(Averaged {
         dir,
         sources: chosen.into_iter().map(|((s, d), _)| (d, s)).collect(),
     })
+}
+
+/// Loads the model of each checkpoint in `dirs` and writes their mean to the weights file `path`.
+fn save_mean<M: Module>(
+    dirs: &[PathBuf],
+    path: &Path,
+    load: impl Fn(&Path) -> Result<M>,
+) -> Result<()> {
+    let models = dirs.iter().map(|d| load(d)).collect::<Result<Vec<M>>>()?;
+    average_modules(models)
+        .save_file(path)
+        .map_err(|e| write_err(path, e))
 }
 
 /// The checkpoint folders `input` stands for: itself, or every complete one of a run folder.
