@@ -6,7 +6,7 @@
 #   bash scripts/bench-mt.sh                 # the full run (hours on 2 CPU cores)
 #   STEPS=1000 bash scripts/bench-mt.sh      # stop after 1000 steps
 #   CONFIG=configs/multi30k-de-en-2h.toml LENGTH_PENALTY=1.5 bash scripts/bench-mt.sh
-#   CONFIG=configs/multi30k-de-en-2h-flex2.toml LENGTH_PENALTY=1.5 AVERAGE=5 bash scripts/bench-mt.sh
+#   CONFIG=configs/multi30k-de-en-2h-flex2.toml LENGTH_PENALTY=1.0 AVERAGE=5 bash scripts/bench-mt.sh
 #       (AVERAGE=N also scores the mean of the run's newest N checkpoints: `ember average`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
