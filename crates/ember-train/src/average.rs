@@ -169,21 +169,12 @@ fn expand(input: &Path) -> Result<Vec<PathBuf>> {
         // A checkpoint folder, or not a run folder: resolve() gives the clear error.
         return Ok(vec![checkpoint::resolve(input)?]);
     }
-    let mut dirs: Vec<PathBuf> = fs::read_dir(&root)
-        .map_err(|e| TrainError::Checkpoint {
-            path: root.clone(),
-            message: format!("cannot list: {e}"),
-        })?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
-                && p.join(MODEL_FILE).is_file()
-                && checkpoint::read_state(p).is_ok()
-        })
-        .collect();
-    dirs.sort();
+    let dirs = list(&root, |p| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+            && p.join(MODEL_FILE).is_file()
+            && checkpoint::read_state(p).is_ok()
+    })?;
     if dirs.is_empty() {
         return Err(TrainError::Checkpoint {
             path: input.to_path_buf(),
@@ -210,17 +201,24 @@ fn check_out(out: &Path) -> Result<()> {
 /// the tokenizer(s).
 fn side_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let skip = [MODEL_FILE, OPTIM_FILE, STATE_FILE];
-    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+    list(dir, |p| {
+        p.is_file() && p.file_name().is_some_and(|n| !skip.iter().any(|s| n == *s))
+    })
+}
+
+/// The entries of folder `dir` that `keep` accepts, sorted.
+fn list(dir: &Path, keep: impl Fn(&Path) -> bool) -> Result<Vec<PathBuf>> {
+    let mut paths: Vec<PathBuf> = fs::read_dir(dir)
         .map_err(|e| TrainError::Checkpoint {
             path: dir.to_path_buf(),
             message: format!("cannot list: {e}"),
         })?
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.is_file() && p.file_name().is_some_and(|n| !skip.iter().any(|s| n == *s)))
+        .filter(|p| keep(p))
         .collect();
-    files.sort();
-    Ok(files)
+    paths.sort();
+    Ok(paths)
 }
 
 fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
