@@ -120,7 +120,7 @@ pub fn average_checkpoints(
         let ((_, dir), state) = chosen.last().expect("two or more");
         (dir.clone(), state.clone())
     };
-    for ((_, dir), state) in &chosen {
+    for ((_, dir), state) in &chosen[..chosen.len() - 1] {
         same_model(&newest_dir, &newest, dir, state)?;
     }
     let dirs: Vec<PathBuf> = chosen.iter().map(|((_, d), _)| d.clone()).collect();
@@ -164,17 +164,11 @@ fn save_mean<M: Module>(
 
 /// The checkpoint folders `input` stands for: itself, or every complete one of a run folder.
 fn expand(input: &Path) -> Result<Vec<PathBuf>> {
-    let root = input.join(CHECKPOINTS);
-    if input.join(STATE_FILE).exists() || !root.is_dir() {
+    if input.join(STATE_FILE).exists() || !input.join(CHECKPOINTS).is_dir() {
         // A checkpoint folder, or not a run folder: resolve() gives the clear error.
         return Ok(vec![checkpoint::resolve(input)?]);
     }
-    let dirs = list(&root, |p| {
-        p.file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
-            && p.join(MODEL_FILE).is_file()
-            && checkpoint::read_state(p).is_ok()
-    })?;
+    let dirs = checkpoint::complete(input);
     if dirs.is_empty() {
         return Err(TrainError::Checkpoint {
             path: input.to_path_buf(),
@@ -197,34 +191,28 @@ fn check_out(out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Files of a checkpoint other than weights, optimizer state and run state: the config and
-/// the tokenizer(s).
-fn side_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// Names of a checkpoint's files other than weights, optimizer state and run state (the config
+/// and the tokenizer files), sorted.
+fn side_files(dir: &Path) -> Result<Vec<String>> {
     let skip = [MODEL_FILE, OPTIM_FILE, STATE_FILE];
-    list(dir, |p| {
-        p.is_file() && p.file_name().is_some_and(|n| !skip.iter().any(|s| n == *s))
-    })
-}
-
-/// The entries of folder `dir` that `keep` accepts, sorted.
-fn list(dir: &Path, keep: impl Fn(&Path) -> bool) -> Result<Vec<PathBuf>> {
-    let mut paths: Vec<PathBuf> = fs::read_dir(dir)
+    let mut names: Vec<String> = fs::read_dir(dir)
         .map_err(|e| TrainError::Checkpoint {
             path: dir.to_path_buf(),
             message: format!("cannot list: {e}"),
         })?
         .flatten()
-        .map(|e| e.path())
-        .filter(|p| keep(p))
+        .filter(|e| e.path().is_file())
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| !skip.contains(&n.as_str()))
         .collect();
-    paths.sort();
-    Ok(paths)
+    names.sort();
+    Ok(names)
 }
 
 fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
-    for file in side_files(from)? {
-        let target = to.join(file.file_name().expect("a file name"));
-        fs::copy(&file, &target).map_err(|e| write_err(&target, e))?;
+    for name in side_files(from)? {
+        let target = to.join(&name);
+        fs::copy(from.join(&name), &target).map_err(|e| write_err(&target, e))?;
     }
     Ok(())
 }
@@ -253,20 +241,12 @@ fn same_model(
     if model_section(dir)? != model_section(reference)? {
         return Err(differs("its [model] config".into()));
     }
-    let ours = side_files(dir)?;
-    let theirs = side_files(reference)?;
-    let names = |files: &[PathBuf]| -> Vec<String> {
-        files
-            .iter()
-            .filter_map(|f| f.file_name().map(|n| n.to_string_lossy().to_string()))
-            .filter(|n| n != CONFIG_FILE)
-            .collect()
-    };
-    if names(&ours) != names(&theirs) {
+    let names = side_files(dir)?;
+    if names != side_files(reference)? {
         return Err(differs("its set of tokenizer files".into()));
     }
-    for name in names(&ours) {
-        let read = |d: &Path| fs::read(d.join(&name)).ok();
+    for name in names.iter().filter(|n| *n != CONFIG_FILE) {
+        let read = |d: &Path| fs::read(d.join(name)).ok();
         if read(dir) != read(reference) {
             return Err(differs(format!("its {name}")));
         }

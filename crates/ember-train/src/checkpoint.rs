@@ -200,7 +200,20 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         }
     }
     // `latest` missing or broken: fall back to the newest complete checkpoint.
-    let mut steps: Vec<PathBuf> = fs::read_dir(path.join(CHECKPOINTS))
+    step_dirs(&path.join(CHECKPOINTS))
+        .into_iter()
+        .rev()
+        .find(|dir| is_complete(dir))
+        .ok_or_else(|| {
+            missing(
+                "holds no complete checkpoint (expected `latest` or checkpoints/step-*/)".into(),
+            )
+        })
+}
+
+/// The `step-*` folders of a run's checkpoints folder `root`, oldest first, complete or not.
+fn step_dirs(root: &Path) -> Vec<PathBuf> {
+    let mut steps: Vec<PathBuf> = fs::read_dir(root)
         .map(|entries| {
             entries
                 .flatten()
@@ -214,34 +227,23 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         .unwrap_or_default();
     steps.sort();
     steps
-        .into_iter()
-        .rev()
-        .find(|dir| is_complete(dir))
-        .ok_or_else(|| {
-            missing(
-                "holds no complete checkpoint (expected `latest` or checkpoints/step-*/)".into(),
-            )
-        })
+}
+
+/// The complete checkpoint folders of the run folder `run_dir`, oldest first.
+pub fn complete(run_dir: &Path) -> Vec<PathBuf> {
+    let mut steps = step_dirs(&run_dir.join(CHECKPOINTS));
+    steps.retain(|dir| is_complete(dir));
+    steps
 }
 
 /// The newest complete checkpoint older than checkpoint folder `dir` in the same run, if any:
 /// where to turn when `dir` is damaged.
 pub fn older_complete(dir: &Path) -> Option<PathBuf> {
-    let name = dir.file_name()?.to_string_lossy().to_string();
-    let root = dir.parent()?;
-    let mut older: Vec<PathBuf> = fs::read_dir(root)
-        .ok()?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name().is_some_and(|n| {
-                let n = n.to_string_lossy();
-                n.starts_with("step-") && *n < *name
-            })
-        })
-        .collect();
-    older.sort();
-    older.into_iter().rev().find(|d| is_complete(d))
+    let name = dir.file_name()?;
+    step_dirs(dir.parent()?)
+        .into_iter()
+        .rev()
+        .find(|d| d.file_name().is_some_and(|n| n < name) && is_complete(d))
 }
 
 /// Resolves `path` to a checkpoint folder and checks it holds a `kind` model; `needed` says
