@@ -7,6 +7,8 @@ matrices only, global-norm clipping 1.0), on tiny Shakespeare characters, with n
     python3 scripts/torch_reference.py train --steps 100 --threads 2
     python3 scripts/torch_reference.py generate --tokens 500 --threads 2 [--no-cache]
     python3 scripts/torch_reference.py quality --steps 2000   # nanoGPT's run: val loss
+    python3 scripts/torch_reference.py train --device cuda --d-model 384 --heads 6 --layers 6 \
+        --context 256 --batch 64 --dropout 0.2                 # nanoGPT's GPU config
 
 Used by scripts/bench-compare.sh; not part of CI.
 """
@@ -23,9 +25,11 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, d, h):
+    def __init__(self, d, h, dropout):
         super().__init__()
         self.h = h
+        self.p = dropout
+        self.drop = nn.Dropout(dropout)
         self.ln_1 = nn.LayerNorm(d, bias=False)
         self.c_attn = nn.Linear(d, 3 * d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
@@ -43,20 +47,22 @@ class Block(nn.Module):
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         # Causal when the queries are the whole sequence; one new query sees every key.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+        p = self.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, dropout_p=p)
+        return self.drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d)))
 
     def forward(self, x, cache=None):
         x = x + self.attn(self.ln_1(x), cache)
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+        return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)))))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, d, h, layers, context):
+    def __init__(self, vocab, d, h, layers, context, dropout=0.0):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(context, d)
-        self.blocks = nn.ModuleList([Block(d, h) for _ in range(layers)])
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList([Block(d, h, dropout) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d, bias=False)
         self.apply(self._init)
 
@@ -67,8 +73,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, caches=None, start=0):
         t = idx.shape[1]
-        pos = torch.arange(start, start + t)
-        x = self.wte(idx) + self.wpe(pos)
+        pos = torch.arange(start, start + t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])
         return self.ln_f(x) @ self.wte.weight.T
@@ -114,13 +120,15 @@ def adamw(model):
 
 def train(args):
     torch.manual_seed(1337)
-    model = GPT(66, args.d_model, args.heads, args.layers, args.context)
+    model = GPT(66, args.d_model, args.heads, args.layers, args.context, args.dropout)
+    model = model.to(args.device)
     opt = adamw(model)
     _, train_ids, _ = corpus()
     g = torch.Generator().manual_seed(1)
     times = []
     for i in range(args.steps + args.warmup):
         x, y = batch(train_ids, args.context, args.batch, g)
+        x, y = x.to(args.device), y.to(args.device)
         t0 = time.perf_counter()
         step(model, opt, x, y).item()  # one host sync per step, as ember logs
         if i >= args.warmup:
@@ -131,7 +139,8 @@ def train(args):
     print(json.dumps({"what": "train", "ms_per_step_median": ms,
                       "ms_per_step_mean": 1000 * sum(times) / len(times),
                       "tokens_per_sec": tokens / (ms / 1000), "steps": len(times),
-                      "threads": torch.get_num_threads(), "torch": torch.__version__}))
+                      "threads": torch.get_num_threads(), "device": args.device,
+                      "torch": torch.__version__}))
 
 
 def quality(args):
@@ -217,6 +226,8 @@ def main():
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (train mode)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     {"train": train, "generate": generate, "quality": quality}[args.mode](args)

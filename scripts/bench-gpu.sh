@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# GPU benchmark (not CI; needs a GPU machine with PyTorch for the reference): ember on a GPU
+# device against PyTorch eager on CUDA, with nanoGPT's GPU config
+# (configs/shakespeare-char-gpu.toml: 6 layers, 6 heads, width 384, context 256, batch 64).
+#
+#   DEVICE=vulkan bash scripts/bench-gpu.sh check   # tiny run on flex and on DEVICE, compared
+#   DEVICE=vulkan bash scripts/bench-gpu.sh speed   # ms/step of ember and PyTorch, generation
+#   DEVICE=vulkan bash scripts/bench-gpu.sh full    # nanoGPT's 5000 iterations: time, val loss
+#
+# EMBER is the binary (default ./target/release/ember, built with
+# `cargo build --release -p ember-cli --features wgpu,vulkan`); RUNS the folder for runs;
+# CONFIG the ember config (the PyTorch reference is always the GPU config); STEPS the steps
+# the speed stage times (default 60); PYTHON the PyTorch interpreter and
+# TORCH_DEVICE its device (default cuda). Backends draw initial weights from their own random
+# generators, so the two tiny runs of `check` end near each other, not equal; the greedy text
+# of one checkpoint must agree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EMBER=${EMBER:-./target/release/ember}
+DEVICE=${DEVICE:-vulkan}
+RUNS=${RUNS:-runs/bench-gpu}
+# wgpu's Vulkan backend complains on every start without it (headless machines often lack it).
+export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
+STEPS=${STEPS:-60}
+PYTHON=${PYTHON:-python3}
+TORCH_DEVICE=${TORCH_DEVICE:-cuda}
+CONFIG=${CONFIG:-configs/shakespeare-char-gpu.toml}
+mkdir -p "$RUNS"
+
+# Runs a command with its output in log file $1; on failure says so with the log's end.
+logged() {
+    local log=$1
+    shift
+    echo "\$ $*"
+    if ! "$@" >"$log" 2>&1; then
+        echo "FAILED (exit status $?); the end of $log:"
+        tail -5 "$log"
+        return 1
+    fi
+}
+
+# Median ms/step over the logged intervals of a run's metrics.jsonl after the first (warm-up).
+ms_per_step() {
+    "$PYTHON" - "$1" <<'EOF'
+import json, sys
+logs = [json.loads(l) for l in open(sys.argv[1]) if '"kind":"log"' in l]
+ms = sorted(1000 * (b["elapsed_secs"] - a["elapsed_secs"]) / (b["step"] - a["step"])
+            for a, b in zip(logs[1:], logs[2:]))
+print(f"{ms[len(ms) // 2]:.1f}" if ms else "n/a")
+EOF
+}
+
+check() {
+    for dev in flex "$DEVICE"; do
+        rm -rf "$RUNS/tiny-$dev"
+        logged "$RUNS/tiny-$dev.log" \
+            "$EMBER" train --config configs/tiny.toml --device "$dev" --out "$RUNS/tiny-$dev"
+        grep -E "^(step .*val|done)" "$RUNS/tiny-$dev.log"
+    done
+    for dev in flex "$DEVICE"; do
+        "$EMBER" generate --checkpoint "$RUNS/tiny-flex" --device "$dev" --prompt ROMEO: \
+            --greedy --max-tokens 200 >"$RUNS/greedy-$dev.txt" 2>"$RUNS/greedy-$dev.log" || {
+            echo "FAILED: generate on $dev"
+            tail -5 "$RUNS/greedy-$dev.log"
+            return 1
+        }
+    done
+    if cmp -s "$RUNS/greedy-flex.txt" "$RUNS/greedy-$DEVICE.txt"; then
+        echo "greedy text from the flex checkpoint: identical on flex and $DEVICE (200 tokens)"
+    else
+        echo "greedy text from the flex checkpoint DIFFERS between flex and $DEVICE:"
+        diff "$RUNS/greedy-flex.txt" "$RUNS/greedy-$DEVICE.txt" || true
+    fi
+}
+
+speed() {
+    rm -rf "$RUNS/speed"
+    logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
+        --out "$RUNS/speed" --stop-after "$STEPS"
+    grep -E "^(peak|checkpoint:)" "$RUNS/speed.log"
+    echo "ember $DEVICE: $(ms_per_step "$RUNS/speed/metrics.jsonl") ms/step (median of 10-step intervals)"
+    torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384 --heads 6
+        --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "$STEPS")
+    echo "\$ ${torch[*]}"
+    "${torch[@]}"
+    for mode in "" "--no-cache"; do
+        # shellcheck disable=SC2086 # $mode is empty or one flag
+        logged "$RUNS/generate.log" "$EMBER" generate --checkpoint "$RUNS/speed" \
+            --device "$DEVICE" --prompt ROMEO: --max-tokens 500 --seed 1 $mode
+        grep "tokens/s" "$RUNS/generate.log"
+    done
+}
+
+full() {
+    rm -rf "$RUNS/full"
+    start=$(date +%s)
+    logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full"
+    echo "wall: $(($(date +%s) - start)) s"
+    grep -E "^(step .*val|done|peak|checkpoint:)" "$RUNS/full.log"
+    echo "ember $DEVICE: $(ms_per_step "$RUNS/full/metrics.jsonl") ms/step (median of 10-step intervals)"
+    "$EMBER" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
+}
+
+command -v nvidia-smi >/dev/null &&
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+"${1:?usage: bench-gpu.sh check|speed|full}"
