@@ -197,7 +197,14 @@ fn probe(name: &str, make: impl FnOnce() -> Device + std::panic::UnwindSafe) -> 
 fn missing(name: &str) -> TrainError {
     let hint = match feature_of(name) {
         Some(feature) => {
-            format!("rebuild with `cargo build --release -p ember-cli --features {feature}`")
+            let build =
+                format!("rebuild with `cargo build --release -p ember-cli --features {feature}`");
+            if feature == "cuda" {
+                // Burn's CUDA backend fetches a prebuilt LLVM from GitHub in a build script.
+                format!("{build}, which needs github.com the first time; see README, Devices")
+            } else {
+                build
+            }
         }
         None => "unknown".into(),
     };
