@@ -33,8 +33,10 @@ logged() {
     local log=$1
     shift
     echo "\$ $*"
-    if ! "$@" >"$log" 2>&1; then
-        echo "FAILED (exit status $?); the end of $log:"
+    local status=0
+    "$@" >"$log" 2>&1 || status=$?
+    if [ "$status" -ne 0 ]; then
+        echo "FAILED (exit status $status); the end of $log:"
         tail -5 "$log"
         return 1
     fi
