@@ -42,14 +42,15 @@ logged() {
     fi
 }
 
-# Median ms/step over the logged intervals of a run's metrics.jsonl after the first (warm-up).
+# Prints the median ms/step over the logged intervals of run folder $1 after the first (warm-up).
 ms_per_step() {
-    "$PYTHON" - "$1" <<'EOF'
+    "$PYTHON" - "$1/metrics.jsonl" "$DEVICE" <<'EOF'
 import json, sys
 logs = [json.loads(l) for l in open(sys.argv[1]) if '"kind":"log"' in l]
 ms = sorted(1000 * (b["elapsed_secs"] - a["elapsed_secs"]) / (b["step"] - a["step"])
             for a, b in zip(logs[1:], logs[2:]))
-print(f"{ms[len(ms) // 2]:.1f}" if ms else "n/a")
+median = f"{ms[len(ms) // 2]:.1f}" if ms else "n/a"
+print(f"ember {sys.argv[2]}: {median} ms/step (median of the logged intervals)")
 EOF
 }
 
@@ -81,7 +82,7 @@ speed() {
     logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
         --out "$RUNS/speed" --stop-after "$STEPS"
     grep -E "^(peak|checkpoint:)" "$RUNS/speed.log"
-    echo "ember $DEVICE: $(ms_per_step "$RUNS/speed/metrics.jsonl") ms/step (median of 10-step intervals)"
+    ms_per_step "$RUNS/speed"
     torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384 --heads 6
         --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "$STEPS")
     echo "\$ ${torch[*]}"
@@ -100,7 +101,7 @@ full() {
     logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full"
     echo "wall: $(($(date +%s) - start)) s"
     grep -E "^(step .*val|done|peak|checkpoint:)" "$RUNS/full.log"
-    echo "ember $DEVICE: $(ms_per_step "$RUNS/full/metrics.jsonl") ms/step (median of 10-step intervals)"
+    ms_per_step "$RUNS/full"
     "$EMBER" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
 }
 

@@ -197,14 +197,14 @@ fn probe(name: &str, make: impl FnOnce() -> Device + std::panic::UnwindSafe) -> 
 fn missing(name: &str) -> TrainError {
     let hint = match feature_of(name) {
         Some(feature) => {
-            let build =
-                format!("rebuild with `cargo build --release -p ember-cli --features {feature}`");
-            if feature == "cuda" {
-                // Burn's CUDA backend fetches a prebuilt LLVM from GitHub in a build script.
-                format!("{build}, which needs github.com the first time; see README, Devices")
-            } else {
-                build
-            }
+            // Burn's CUDA backend fetches a prebuilt LLVM from GitHub in a build script.
+            let first_build = match feature {
+                "cuda" => ", which needs github.com the first time; see README, Devices",
+                _ => "",
+            };
+            format!(
+                "rebuild with `cargo build --release -p ember-cli --features {feature}`{first_build}"
+            )
         }
         None => "unknown".into(),
     };
