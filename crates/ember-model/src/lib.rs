@@ -21,6 +21,7 @@
 //! assert_eq!(logits.dims(), [1, 3, 65]);
 //! ```
 
+pub mod activation;
 pub mod attention;
 mod block_config;
 pub mod decoder_block;
@@ -30,6 +31,7 @@ pub mod encoder_block;
 pub mod encoder_decoder;
 pub mod encoder_decoder_config;
 pub mod error;
+pub mod gelu_kernel;
 pub mod kv_cache;
 pub mod loss;
 pub mod mlp;

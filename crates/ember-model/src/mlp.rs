@@ -3,7 +3,7 @@
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::serde::{Deserialize, Serialize};
-use burn::tensor::activation::{gelu, gelu_approximate, relu};
+use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 /// The MLP's non-linearity.
@@ -23,8 +23,8 @@ impl Activation {
     /// Applies the non-linearity element-wise.
     pub fn forward<const N: usize>(&self, x: Tensor<N>) -> Tensor<N> {
         match self {
-            Activation::Gelu => gelu(x),
-            Activation::GeluTanh => gelu_approximate(x),
+            Activation::Gelu => crate::activation::gelu(x),
+            Activation::GeluTanh => crate::activation::gelu_tanh(x),
             Activation::Relu => relu(x),
         }
     }

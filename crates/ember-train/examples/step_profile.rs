@@ -1,5 +1,6 @@
 //! Times the parts of one training step of the baby GPT on flex, to see where time goes.
-//! `cargo run --release -p ember-train --example step_profile`
+//! `cargo run --release -p ember-train --example step_profile` (`ACT=relu` or `ACT=tanh` for
+//! that MLP activation instead of exact GELU).
 
 use std::time::Instant;
 
@@ -24,6 +25,11 @@ fn main() {
     let config = DecoderOnlyConfig {
         vocab_size: 66,
         bias: false,
+        activation: match std::env::var("ACT").as_deref() {
+            Ok("relu") => ember_model::Activation::Relu,
+            Ok("tanh") => ember_model::Activation::GeluTanh,
+            _ => ember_model::Activation::Gelu,
+        },
         ..Default::default()
     };
     let model = config.init(&device).unwrap();
@@ -117,6 +123,11 @@ fn main() {
     let big = Tensor::<3>::random([12, 64, 512], Distribution::Normal(0.0, 1.0), &inner);
     time("  gelu [12,64,512]", n, || {
         let _ = burn::tensor::activation::gelu(big.clone())
+            .sum()
+            .into_scalar::<f32>();
+    });
+    time("  ember gelu [12,64,512]", n, || {
+        let _ = ember_model::activation::gelu(big.clone())
             .sum()
             .into_scalar::<f32>();
     });

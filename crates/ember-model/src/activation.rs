@@ -1,0 +1,259 @@
+//! GELUs that are fast on Burn's flex CPU backend.
+//!
+//! Burn 0.22.1's flex backend computes GELU one element at a time through `libm::erff`, which
+//! made it a quarter of a training step and 40% of a forward pass of the baby GPT; its tanh
+//! GELU is five separate tensor ops. On flex tensors (with or without autodiff) [`gelu`] and
+//! [`gelu_tanh`] run [`crate::gelu_kernel`]'s vectorised loops instead, with their own backward
+//! pass; on every other backend they are Burn's `gelu` and `gelu_approximate`.
+
+use burn::tensor::Tensor;
+
+#[cfg(feature = "flex")]
+use crate::gelu_kernel::{Exact, Tanh};
+
+/// Exact GELU, `x * Phi(x)`, element-wise.
+///
+/// # Shapes
+/// - x: any
+/// - output: same as x
+pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "flex")]
+    {
+        flex::gelu::<Exact, D>(x, burn::tensor::activation::gelu)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        burn::tensor::activation::gelu(x)
+    }
+}
+
+/// GELU with the tanh approximation (GPT-2's `gelu_new`),
+/// `x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, element-wise.
+///
+/// # Shapes
+/// - x: any
+/// - output: same as x
+pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "flex")]
+    {
+        flex::gelu::<Tanh, D>(x, burn::tensor::activation::gelu_approximate)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        burn::tensor::activation::gelu_approximate(x)
+    }
+}
+
+/// Whether [`gelu`] and [`gelu_tanh`] run ember's own kernels on `x` (flex `f32`, tracked or not) rather than
+/// Burn's GELUs. For tests and benchmarks.
+pub fn gelu_is_fast<const D: usize>(x: &Tensor<D>) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        !matches!(flex::route(&x.clone().into_dispatch()), flex::Route::Other)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = x;
+        false
+    }
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    use burn::backend::autodiff::NodeId;
+    use burn::backend::autodiff::checkpoint::base::Checkpointer;
+    use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+    use burn::backend::autodiff::checkpoint::state::BackwardStates;
+    use burn::backend::autodiff::checkpoint::strategy::{
+        BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+    };
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{
+        Autodiff, BackendTensor, DispatchAutodiffContext, DispatchKindConversion, DispatchTensor,
+        DispatchTensorKind, Flex, GradientCheckpointingStrategy, TensorMetadata,
+    };
+    use burn::tensor::{Bytes, DType, Tensor};
+    use core::marker::PhantomData;
+
+    use crate::gelu_kernel::{self, GeluKind};
+
+    /// Where a tensor goes.
+    pub(super) enum Route {
+        /// A plain flex `f32` tensor.
+        Flex,
+        /// A flex `f32` tensor tracked by autodiff with this checkpointing strategy.
+        Autodiff(GradientCheckpointingStrategy),
+        /// Anything else: Burn's own GELUs.
+        Other,
+    }
+
+    pub(super) fn route(tensor: &DispatchTensor) -> Route {
+        match (&tensor.kind, tensor.autodiff) {
+            (
+                DispatchTensorKind::Flex(BackendTensor::Float(t)),
+                DispatchAutodiffContext::Disabled,
+            ) if t.dtype() == DType::F32 => Route::Flex,
+            (DispatchTensorKind::Autodiff(inner), DispatchAutodiffContext::Enabled(strategy)) => {
+                match inner.as_ref() {
+                    DispatchTensorKind::Flex(BackendTensor::Autodiff(t))
+                        if t.primitive().dtype() == DType::F32 =>
+                    {
+                        Route::Autodiff(strategy)
+                    }
+                    _ => Route::Other,
+                }
+            }
+            _ => Route::Other,
+        }
+    }
+
+    /// GELU of kind `K` through ember's kernels where they apply, else `fallback`.
+    pub(super) fn gelu<K: GeluKind, const D: usize>(
+        x: Tensor<D>,
+        fallback: fn(Tensor<D>) -> Tensor<D>,
+    ) -> Tensor<D> {
+        let tensor = x.into_dispatch();
+        let output = match route(&tensor) {
+            Route::Flex => {
+                let t = <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(tensor)
+                    .expect("routed as flex")
+                    .float();
+                <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(
+                    BackendTensor::Float(forward::<K>(t)),
+                )
+            }
+            Route::Autodiff(GradientCheckpointingStrategy::Disabled) => {
+                tracked::<K, NoCheckpointing>(tensor)
+            }
+            Route::Autodiff(GradientCheckpointingStrategy::Balanced) => {
+                tracked::<K, BalancedCheckpointing>(tensor)
+            }
+            Route::Other => return fallback(Tensor::from_dispatch(tensor)),
+        };
+        Tensor::from_dispatch(output)
+    }
+
+    /// The autodiff op: forward on the inner flex tensor, backward through
+    /// [`gelu_kernel::backward_in_place`].
+    fn tracked<K, C>(tensor: DispatchTensor) -> DispatchTensor
+    where
+        K: GeluKind,
+        C: CheckpointStrategy,
+        DispatchTensor: DispatchKindConversion<Autodiff<Flex, C>>,
+    {
+        let t: FloatTensor<Autodiff<Flex, C>> =
+            <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::try_into_backend(tensor)
+                .expect("routed as autodiff flex")
+                .float();
+        let prepared = FlexGelu::<K>(PhantomData)
+            .prepare::<C>([t.node()])
+            .memory_bound()
+            .retro_forward(RetroFlexGelu::<K> {
+                input: t.id(),
+                kind: PhantomData,
+            })
+            .parents([&t])
+            .stateful();
+        let output = match prepared {
+            OpsKind::Tracked(mut prep) => {
+                let state = prep.checkpoint(&t);
+                prep.finish(state, forward::<K>(t.primitive().clone()))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(forward::<K>(t.into_primitive())),
+        };
+        <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::from_backend(
+            BackendTensor::Float(output),
+        )
+    }
+
+    #[derive(Debug)]
+    struct FlexGelu<K>(PhantomData<K>);
+
+    impl<K: GeluKind> Backward<Flex, 1> for FlexGelu<K> {
+        /// The input's node, whose output the checkpointer keeps (or recomputes).
+        type State = NodeId;
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, 1>,
+            grads: &mut Gradients,
+            checkpointer: &mut Checkpointer,
+        ) {
+            let input: FlexTensor = checkpointer.retrieve_node_output(ops.state);
+            unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+                backward::<K>(input, grad)
+            });
+        }
+    }
+
+    /// Recomputes the output from the input when checkpointing dropped it.
+    #[derive(Debug)]
+    struct RetroFlexGelu<K> {
+        input: NodeId,
+        kind: PhantomData<K>,
+    }
+
+    impl<K: GeluKind> RetroForward for RetroFlexGelu<K> {
+        fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+            let input: FlexTensor = states.get_state(&self.input);
+            states.save(out_node, forward::<K>(input))
+        }
+    }
+
+    /// A contiguous copy of `t` unless it already is contiguous.
+    fn contiguous(t: FlexTensor) -> FlexTensor {
+        if t.is_contiguous() {
+            t
+        } else {
+            t.to_contiguous()
+        }
+    }
+
+    /// A new contiguous `f32` tensor of `shape` holding `values`.
+    fn from_values(values: Vec<f32>, shape: burn::tensor::Shape) -> FlexTensor {
+        FlexTensor::new(
+            Bytes::from_elems(values),
+            Layout::contiguous(shape),
+            DType::F32,
+        )
+    }
+
+    /// `K`'s GELU of an `f32` flex tensor: in place when no one else holds its buffer.
+    fn forward<K: GeluKind>(t: FlexTensor) -> FlexTensor {
+        let mut t = contiguous(t);
+        let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
+        if let Some(storage) = t.try_storage_mut::<f32>() {
+            gelu_kernel::forward_in_place::<K>(&mut storage[start..end]);
+            return t;
+        }
+        let xs = &t.storage::<f32>()[start..end];
+        let mut out = vec![0.0; xs.len()];
+        gelu_kernel::forward_into::<K>(xs, &mut out);
+        from_values(out, t.shape())
+    }
+
+    /// `grad * K'(x)`: in place on the gradient when no one else holds it.
+    fn backward<K: GeluKind>(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
+        let x = contiguous(x);
+        let mut grad = contiguous(grad);
+        let (xs_start, xs_end) = x.layout().contiguous_offsets().expect("contiguous");
+        let xs = &x.storage::<f32>()[xs_start..xs_end];
+        let (start, end) = grad.layout().contiguous_offsets().expect("contiguous");
+        assert_eq!(
+            xs.len(),
+            end - start,
+            "GELU backward: input and gradient sizes differ"
+        );
+        if let Some(storage) = grad.try_storage_mut::<f32>() {
+            gelu_kernel::backward_in_place::<K>(xs, &mut storage[start..end]);
+            return grad;
+        }
+        let gs = &grad.storage::<f32>()[start..end];
+        let mut out = vec![0.0; gs.len()];
+        gelu_kernel::backward_into::<K>(xs, gs, &mut out);
+        from_values(out, grad.shape())
+    }
+}
