@@ -69,15 +69,16 @@ mod flex {
     };
     use burn::backend::autodiff::grads::Gradients;
     use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
-    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::backend::flex::FlexTensor;
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{
         Autodiff, BackendTensor, DispatchAutodiffContext, DispatchKindConversion, DispatchTensor,
         DispatchTensorKind, Flex, GradientCheckpointingStrategy, TensorMetadata,
     };
-    use burn::tensor::{Bytes, DType, Tensor};
+    use burn::tensor::{DType, Tensor};
     use core::marker::PhantomData;
 
+    use crate::flex_tensor::{contiguous, from_values};
     use crate::gelu_kernel::{self, GeluKind};
 
     /// Where a tensor goes.
@@ -201,24 +202,6 @@ mod flex {
             let input: FlexTensor = states.get_state(&self.input);
             states.save(out_node, forward::<K>(input))
         }
-    }
-
-    /// A contiguous copy of `t` unless it already is contiguous.
-    fn contiguous(t: FlexTensor) -> FlexTensor {
-        if t.is_contiguous() {
-            t
-        } else {
-            t.to_contiguous()
-        }
-    }
-
-    /// A new contiguous `f32` tensor of `shape` holding `values`.
-    fn from_values(values: Vec<f32>, shape: burn::tensor::Shape) -> FlexTensor {
-        FlexTensor::new(
-            Bytes::from_elems(values),
-            Layout::contiguous(shape),
-            DType::F32,
-        )
     }
 
     /// `K`'s GELU of an `f32` flex tensor: in place when no one else holds its buffer.

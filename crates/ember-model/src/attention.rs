@@ -30,6 +30,10 @@ pub struct AttentionOutput {
 /// a causal mask can be `[1, 1, T, S]`, a padding mask `[B, 1, 1, S]`.
 /// `dropout` (if any) applies to the weights before they multiply `V`, as in the paper.
 ///
+/// On flex, one query position with no mask and no weights asked for (the decoding step with a
+/// KV cache) runs [`crate::attention_kernel`]'s loops over the keys where they lie instead of
+/// two one-row matrix multiplies.
+///
 /// # Shapes
 /// - q: `[B, H, T, K]`
 /// - k: `[B, H, S, K]`
@@ -44,6 +48,17 @@ pub fn scaled_dot_product_attention(
     dropout: Option<&Dropout>,
     return_weights: bool,
 ) -> AttentionOutput {
+    // Decoding with a KV cache on flex: one query, loops over the cache in place.
+    #[cfg(feature = "flex")]
+    if mask.is_none()
+        && !return_weights
+        && let Some(context) = crate::decode_attention::single_query(&q, &k, &v)
+    {
+        return AttentionOutput {
+            context,
+            weights: None,
+        };
+    }
     let [_, _, _, head_size] = q.dims();
     let scale = 1.0 / (head_size as f64).sqrt();
     let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, T, S]
@@ -183,6 +198,35 @@ mod tests {
     #[test]
     fn matches_hand_computed_values() {
         check(None, |_, _| false);
+    }
+
+    /// One query over a cache-like view (the first 37 of 50 positions, as `KvCache` returns
+    /// them): the decoding path (on flex, ember's loops) against the general one.
+    #[test]
+    fn single_query_equals_the_general_path() {
+        use burn::tensor::Distribution;
+        let device = Device::flex();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let buffer = |seed| {
+            device.seed(seed);
+            Tensor::<4>::random([2, 3, 50, 32], normal, &device)
+        };
+        let (k, v) = (buffer(1), buffer(2));
+        let (k, v) = (
+            k.slice([0..2, 0..3, 0..37, 0..32]),
+            v.slice([0..2, 0..3, 0..37, 0..32]),
+        );
+        let q = Tensor::<4>::random([2, 3, 1, 32], normal, &device) * 3.0;
+        #[cfg(feature = "flex")]
+        assert!(crate::decode_attention::single_query(&q, &k, &v).is_some());
+        let fast = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), None, None, false);
+        // Asking for the weights takes the general path.
+        let general = scaled_dot_product_attention(q, k, v, None, None, true);
+        let diff = (fast.context - general.context)
+            .abs()
+            .max()
+            .into_scalar::<f32>();
+        assert!(diff < 1e-5, "differs by {diff}");
     }
 
     #[test]

@@ -8,43 +8,14 @@
 //! - [`Tanh`]: `x/2 * (1 + tanh(u))`, `u = sqrt(2/pi) (x + 0.044715 x^3)` (GPT-2's `gelu_new`),
 //!   computed as the equal `x * sigmoid(2u)`.
 //!
-//! `exp` is Cephes' `expf` polynomial. The tests bound the error against `f64` references.
+//! The tests bound the error against `f64` references.
 
-use core::f32::consts::{FRAC_1_SQRT_2, LOG2_E};
+use core::f32::consts::FRAC_1_SQRT_2;
+
+use crate::vector_math::{exp, madd, multiversion};
 
 /// `1 / sqrt(2 pi)`.
 const INV_SQRT_2PI: f32 = 0.398_942_3;
-
-/// `a * b + c`, fused where the CPU has FMA (`F`) and as two operations otherwise (where
-/// `mul_add` would be a slow library call).
-#[inline(always)]
-fn madd<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if F { a.mul_add(b, c) } else { a * b + c }
-}
-
-/// `e^x` without branches; 0 below -87.
-#[inline(always)]
-#[allow(clippy::excessive_precision)] // the published coefficients, as published
-fn exp<const F: bool>(x: f32) -> f32 {
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    const LN2_HI: f32 = 0.693_359_4; // ln 2 = LN2_HI + LN2_LO, split for an exact n * LN2_HI
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let c = x.clamp(-87.0, 88.0);
-    // m's low mantissa bits hold n = round(c / ln 2) in two's complement.
-    let m = madd::<F>(c, LOG2_E, ROUND);
-    let n = m - ROUND;
-    let r = madd::<F>(-n, LN2_LO, madd::<F>(-n, LN2_HI, c));
-    let mut p = 1.987_569_1e-4_f32;
-    p = madd::<F>(p, r, 1.398_199_9e-3);
-    p = madd::<F>(p, r, 8.333_452e-3);
-    p = madd::<F>(p, r, 4.166_579_6e-2);
-    p = madd::<F>(p, r, 1.666_666_5e-1);
-    p = madd::<F>(p, r, 5.000_000_1e-1);
-    let y = madd::<F>(p, r * r, r) + 1.0;
-    // 2^n from the bits of m (an `as i32` cast would not vectorise: it saturates).
-    let scale = f32::from_bits(m.to_bits().wrapping_add(127) << 23);
-    if x < -87.0 { 0.0 } else { y * scale }
-}
 
 /// `(t, P(t))` for `z = |x| / sqrt 2`: `erfc z = t e^(P(t) - z^2)` (Numerical Recipes' `erfcc`).
 #[inline(always)]
@@ -141,40 +112,9 @@ impl GeluKind for Tanh {
     }
 }
 
-/// Defines `$name`, which runs `$body` compiled for the best vector extension this CPU has.
-macro_rules! multiversion {
-    ($(#[$doc:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) $body:block) => {
-        $(#[$doc])*
-        pub fn $name<K: GeluKind>($($arg: $ty),*) {
-            #[inline(always)]
-            fn generic<K: GeluKind, const F: bool>($($arg: $ty),*) $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-                fn avx512<K: GeluKind>($($arg: $ty),*) { generic::<K, true>($($arg),*) }
-                #[target_feature(enable = "avx2,fma")]
-                fn avx2<K: GeluKind>($($arg: $ty),*) { generic::<K, true>($($arg),*) }
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                {
-                    // SAFETY: the CPU has the features the function is compiled for.
-                    return unsafe { avx512::<K>($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: as above.
-                    return unsafe { avx2::<K>($($arg),*) };
-                }
-            }
-            generic::<K, false>($($arg),*)
-        }
-    };
-}
-
 multiversion! {
     /// `xs[i] = GELU(xs[i])`.
-    pub fn forward_in_place(xs: &mut [f32]) {
+    pub fn forward_in_place<K: GeluKind>(xs: &mut [f32]) {
         for x in xs.iter_mut() {
             *x = K::value::<F>(*x);
         }
@@ -183,7 +123,7 @@ multiversion! {
 
 multiversion! {
     /// `out[i] = GELU(xs[i])`; the slices have the same length.
-    pub fn forward_into(xs: &[f32], out: &mut [f32]) {
+    pub fn forward_into<K: GeluKind>(xs: &[f32], out: &mut [f32]) {
         for (o, &x) in out.iter_mut().zip(xs) {
             *o = K::value::<F>(x);
         }
@@ -192,7 +132,7 @@ multiversion! {
 
 multiversion! {
     /// `grads[i] *= GELU'(xs[i])`: the backward pass, in place on the incoming gradient.
-    pub fn backward_in_place(xs: &[f32], grads: &mut [f32]) {
+    pub fn backward_in_place<K: GeluKind>(xs: &[f32], grads: &mut [f32]) {
         for (g, &x) in grads.iter_mut().zip(xs) {
             *g *= K::derivative::<F>(x);
         }
@@ -201,7 +141,7 @@ multiversion! {
 
 multiversion! {
     /// `out[i] = grads[i] * GELU'(xs[i])`.
-    pub fn backward_into(xs: &[f32], grads: &[f32], out: &mut [f32]) {
+    pub fn backward_into<K: GeluKind>(xs: &[f32], grads: &[f32], out: &mut [f32]) {
         for ((o, &g), &x) in out.iter_mut().zip(grads).zip(xs) {
             *o = g * K::derivative::<F>(x);
         }
@@ -323,19 +263,6 @@ mod tests {
                 .map(|x| (f(x) as f64 - want(x as f64)).abs())
                 .fold(0.0, f64::max);
             assert!(worst < 3e-7, "case {i}: largest absolute error {worst:e}");
-        }
-    }
-
-    #[test]
-    fn exp_matches_std() {
-        for f in [exp::<false>, exp::<true>] {
-            let mut worst = 0.0f32;
-            for i in -8_700..=8_800 {
-                let x = i as f32 * 0.01;
-                worst = worst.max((f(x) - x.exp()).abs() / x.exp());
-            }
-            assert!(worst < 3e-7, "largest relative error {worst:e}");
-            assert_eq!(f(-100.0), 0.0);
         }
     }
 

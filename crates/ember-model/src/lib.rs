@@ -23,7 +23,10 @@
 
 pub mod activation;
 pub mod attention;
+pub mod attention_kernel;
 mod block_config;
+#[cfg(feature = "flex")]
+mod decode_attention;
 pub mod decoder_block;
 pub mod decoder_only;
 pub mod decoder_only_config;
@@ -31,6 +34,8 @@ pub mod encoder_block;
 pub mod encoder_decoder;
 pub mod encoder_decoder_config;
 pub mod error;
+#[cfg(feature = "flex")]
+mod flex_tensor;
 pub mod gelu_kernel;
 pub mod kv_cache;
 pub mod loss;
@@ -39,6 +44,7 @@ pub mod multi_head_attention;
 pub mod positional;
 pub mod residual;
 pub mod summary;
+mod vector_math;
 
 pub use attention::{AttentionOutput, scaled_dot_product_attention};
 pub use block_config::BlockConfig;
