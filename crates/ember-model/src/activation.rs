@@ -49,7 +49,8 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 pub fn gelu_is_fast<const D: usize>(x: &Tensor<D>) -> bool {
     #[cfg(feature = "flex")]
     {
-        !matches!(flex::route(&x.clone().into_dispatch()), flex::Route::Other)
+        use crate::flex_tensor::{Route, route};
+        !matches!(route(&x.clone().into_dispatch()), Route::Other)
     }
     #[cfg(not(feature = "flex"))]
     {
@@ -70,46 +71,14 @@ mod flex {
     use burn::backend::autodiff::grads::Gradients;
     use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
     use burn::backend::flex::FlexTensor;
-    use burn::backend::tensor::FloatTensor;
-    use burn::backend::{
-        Autodiff, BackendTensor, DispatchAutodiffContext, DispatchKindConversion, DispatchTensor,
-        DispatchTensorKind, Flex, GradientCheckpointingStrategy, TensorMetadata,
-    };
-    use burn::tensor::{DType, Tensor};
+    use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
+    use burn::tensor::Tensor;
     use core::marker::PhantomData;
 
-    use crate::flex_tensor::{contiguous, from_values};
+    use crate::flex_tensor::{
+        Route, Tracked, contiguous, from_values, map_plain, map_tracked, route,
+    };
     use crate::gelu_kernel::{self, GeluKind};
-
-    /// Where a tensor goes.
-    pub(super) enum Route {
-        /// A plain flex `f32` tensor.
-        Flex,
-        /// A flex `f32` tensor tracked by autodiff with this checkpointing strategy.
-        Autodiff(GradientCheckpointingStrategy),
-        /// Anything else: Burn's own GELUs.
-        Other,
-    }
-
-    pub(super) fn route(tensor: &DispatchTensor) -> Route {
-        match (&tensor.kind, tensor.autodiff) {
-            (
-                DispatchTensorKind::Flex(BackendTensor::Float(t)),
-                DispatchAutodiffContext::Disabled,
-            ) if t.dtype() == DType::F32 => Route::Flex,
-            (DispatchTensorKind::Autodiff(inner), DispatchAutodiffContext::Enabled(strategy)) => {
-                match inner.as_ref() {
-                    DispatchTensorKind::Flex(BackendTensor::Autodiff(t))
-                        if t.primitive().dtype() == DType::F32 =>
-                    {
-                        Route::Autodiff(strategy)
-                    }
-                    _ => Route::Other,
-                }
-            }
-            _ => Route::Other,
-        }
-    }
 
     /// GELU of kind `K` through ember's kernels where they apply, else `fallback`.
     pub(super) fn gelu<K: GeluKind, const D: usize>(
@@ -118,19 +87,12 @@ mod flex {
     ) -> Tensor<D> {
         let tensor = x.into_dispatch();
         let output = match route(&tensor) {
-            Route::Flex => {
-                let t = <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(tensor)
-                    .expect("routed as flex")
-                    .float();
-                <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(
-                    BackendTensor::Float(forward::<K>(t)),
-                )
-            }
+            Route::Flex => map_plain(tensor, forward::<K>),
             Route::Autodiff(GradientCheckpointingStrategy::Disabled) => {
-                tracked::<K, NoCheckpointing>(tensor)
+                map_tracked::<NoCheckpointing>(tensor, tracked::<K, NoCheckpointing>)
             }
             Route::Autodiff(GradientCheckpointingStrategy::Balanced) => {
-                tracked::<K, BalancedCheckpointing>(tensor)
+                map_tracked::<BalancedCheckpointing>(tensor, tracked::<K, BalancedCheckpointing>)
             }
             Route::Other => return fallback(Tensor::from_dispatch(tensor)),
         };
@@ -139,16 +101,7 @@ mod flex {
 
     /// The autodiff op: forward on the inner flex tensor, backward through
     /// [`gelu_kernel::backward_in_place`].
-    fn tracked<K, C>(tensor: DispatchTensor) -> DispatchTensor
-    where
-        K: GeluKind,
-        C: CheckpointStrategy,
-        DispatchTensor: DispatchKindConversion<Autodiff<Flex, C>>,
-    {
-        let t: FloatTensor<Autodiff<Flex, C>> =
-            <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::try_into_backend(tensor)
-                .expect("routed as autodiff flex")
-                .float();
+    fn tracked<K: GeluKind, C: CheckpointStrategy>(t: Tracked) -> Tracked {
         let prepared = FlexGelu::<K>(PhantomData)
             .prepare::<C>([t.node()])
             .memory_bound()
@@ -158,16 +111,13 @@ mod flex {
             })
             .parents([&t])
             .stateful();
-        let output = match prepared {
+        match prepared {
             OpsKind::Tracked(mut prep) => {
                 let state = prep.checkpoint(&t);
                 prep.finish(state, forward::<K>(t.primitive().clone()))
             }
             OpsKind::UnTracked(prep) => prep.finish(forward::<K>(t.into_primitive())),
-        };
-        <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::from_backend(
-            BackendTensor::Float(output),
-        )
+        }
     }
 
     #[derive(Debug)]

@@ -66,7 +66,52 @@ pub fn scaled_dot_product_attention(
         Some(mask) => scores.mask_fill(mask, MASKED_SCORE),
         None => scores,
     };
-    let weights = softmax(scores, 3);
+    weigh_values(softmax(scores, 3), v, dropout, return_weights)
+}
+
+/// [`scaled_dot_product_attention`] with the causal mask and no other: query `t` sees keys
+/// `..= S - T + t` (the `S - T` cached ones and those up to itself).
+///
+/// On flex the scaling, the mask and the softmax are one pass ([`crate::softmax_kernel`],
+/// with its own backward) and the masked scores are never exponentiated.
+///
+/// # Shapes
+/// - q: `[B, H, T, K]`
+/// - k, v: `[B, H, S, K]`, `S >= T`
+/// - output: context `[B, H, T, K]`, weights `[B, H, T, S]`
+pub fn causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    dropout: Option<&Dropout>,
+    return_weights: bool,
+) -> AttentionOutput {
+    let [_, _, t, _] = q.dims();
+    let s = k.dims()[2];
+    if t == 1 {
+        // One query sees every key: nothing to mask.
+        return scaled_dot_product_attention(q, k, v, None, dropout, return_weights);
+    }
+    let mask = causal_mask(t, s, &q.device());
+    #[cfg(feature = "flex")]
+    if crate::flex_softmax::applies(&q) {
+        let scale = 1.0 / (q.dims()[3] as f64).sqrt();
+        let scores = q.matmul(k.swap_dims(2, 3)); // [B, H, T, S]
+        let weights = crate::flex_softmax::causal_softmax(scores, scale as f32, |scores| {
+            softmax(scores.mul_scalar(scale).mask_fill(mask, MASKED_SCORE), 3)
+        });
+        return weigh_values(weights, v, dropout, return_weights);
+    }
+    scaled_dot_product_attention(q, k, v, Some(mask), dropout, return_weights)
+}
+
+/// `dropout(weights) @ v`, keeping the weights if asked.
+fn weigh_values(
+    weights: Tensor<4>,
+    v: Tensor<4>,
+    dropout: Option<&Dropout>,
+    return_weights: bool,
+) -> AttentionOutput {
     let attended = match dropout {
         Some(dropout) => dropout.forward(weights.clone()),
         None => weights.clone(),
@@ -198,6 +243,64 @@ mod tests {
     #[test]
     fn matches_hand_computed_values() {
         check(None, |_, _| false);
+    }
+
+    /// `causal_attention` (on flex, the fused softmax) against the general path with
+    /// `causal_mask`: forward, weights, and gradients of q, k, v with and without gradient
+    /// checkpointing; without a cache (T = S) and with 6 cached positions (T < S).
+    #[test]
+    fn causal_attention_equals_the_masked_general_path() {
+        use burn::tensor::{Distribution, TensorData};
+        let draw = |dims: [usize; 4]| {
+            Tensor::<4>::random(dims, Distribution::Normal(0.0, 2.0), &Device::flex()).into_data()
+        };
+        for (t, s) in [(7, 7), (5, 11)] {
+            let (q, k, v) = (
+                draw([2, 3, t, 16]),
+                draw([2, 3, s, 16]),
+                draw([2, 3, s, 16]),
+            );
+            let g = draw([2, 3, t, 16]);
+            for device in [
+                Device::flex(),
+                Device::flex().autodiff(),
+                Device::flex().autodiff().gradient_checkpointing(),
+            ] {
+                let tracked = device.is_autodiff();
+                let run = |fused: bool| {
+                    let load = |d: &TensorData| {
+                        let x = Tensor::<4>::from_data(d.clone(), &device);
+                        if tracked { x.require_grad() } else { x }
+                    };
+                    let (q, k, v) = (load(&q), load(&k), load(&v));
+                    #[cfg(feature = "flex")]
+                    assert!(crate::flex_softmax::applies(&q));
+                    let out = if fused {
+                        causal_attention(q.clone(), k.clone(), v.clone(), None, true)
+                    } else {
+                        let mask = causal_mask(t, s, &device);
+                        let (a, b, c) = (q.clone(), k.clone(), v.clone());
+                        scaled_dot_product_attention(a, b, c, Some(mask), None, true)
+                    };
+                    let weights = out.weights.unwrap();
+                    let mut result = vec![out.context.clone().inner(), weights.clone().inner()];
+                    if tracked {
+                        let w = Tensor::<4>::from_data(g.clone(), &device);
+                        let grads = (out.context * w).sum().backward();
+                        for x in [q, k, v] {
+                            result.push(x.grad(&grads).expect("a gradient"));
+                        }
+                    }
+                    result
+                };
+                let (fused, general) = (run(true), run(false));
+                assert_eq!(fused.len(), general.len());
+                for (i, (a, b)) in fused.into_iter().zip(general).enumerate() {
+                    let d = (a - b).abs().max().into_scalar::<f32>();
+                    assert!(d < 2e-5, "T = {t}, S = {s}, output {i}: differs by {d}");
+                }
+            }
+        }
     }
 
     /// One query over a cache-like view (the first 37 of 50 positions, as `KvCache` returns

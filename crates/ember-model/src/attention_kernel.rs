@@ -2,7 +2,7 @@
 //! KV cache. A matrix multiply with one row (`[1, K] x [K, S]`) leaves most of a CPU idle and
 //! repacks the keys on every call; these loops read the cache where it lies, once.
 
-use crate::vector_math::{exp, madd, multiversion};
+use crate::vector_math::{exp, lanes_max, lanes_sum, madd, multiversion};
 
 /// A `[B, H, S, K]` view into a buffer whose last axis is contiguous: element `(b, h, s, k)`
 /// is `data[offset + b * strides[0] + h * strides[1] + s * strides[2] + k]`.
@@ -129,43 +129,6 @@ fn one_head<const F: bool, const D: usize>(
         }
     }
     finish_head::<F, D>(scores, values, d, out)
-}
-
-/// The largest value, with 16 running maxima so that it vectorises. Not NaN-aware (`f32::max`
-/// is, and does not vectorise): NaN scores are skipped here and turn the output NaN later.
-#[inline(always)]
-fn lanes_max(xs: &[f32]) -> f32 {
-    let mut m = [f32::NEG_INFINITY; 16];
-    let split = xs.len() / 16 * 16;
-    for chunk in xs[..split].chunks_exact(16) {
-        for i in 0..16 {
-            m[i] = if chunk[i] > m[i] { chunk[i] } else { m[i] };
-        }
-    }
-    let tail = xs[split..].iter().copied();
-    m.into_iter()
-        .chain(tail)
-        .fold(f32::NEG_INFINITY, |a, x| if x > a { x } else { a })
-}
-
-/// The sum, with 16 partial sums added as a tree so that it vectorises.
-#[inline(always)]
-fn lanes_sum(xs: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let split = xs.len() / 16 * 16;
-    for chunk in xs[..split].chunks_exact(16) {
-        for i in 0..16 {
-            acc[i] += chunk[i];
-        }
-    }
-    let mut width = 8;
-    while width > 0 {
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-        width /= 2;
-    }
-    acc[0] + xs[split..].iter().sum::<f32>()
 }
 
 /// The rest of [`one_head`] once the scaled scores are in: softmax, then the weighted sum of

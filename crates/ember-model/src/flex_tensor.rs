@@ -1,11 +1,45 @@
 //! Reaching the `f32` buffers of tensors on Burn's flex backend, for ember's CPU kernels.
 
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::tensor::FloatTensor;
 use burn::backend::{
-    BackendTensor, DispatchAutodiffContext, DispatchKindConversion, DispatchTensor,
-    DispatchTensorKind, Flex,
+    Autodiff, BackendTensor, DispatchAutodiffContext, DispatchKindConversion, DispatchTensor,
+    DispatchTensorKind, Flex, GradientCheckpointingStrategy,
 };
 use burn::tensor::{Bytes, DType, Shape, Tensor};
+
+/// Where an ember kernel finds a tensor.
+pub(crate) enum Route {
+    /// A plain flex `f32` tensor.
+    Flex,
+    /// A flex `f32` tensor tracked by autodiff with this checkpointing strategy.
+    Autodiff(GradientCheckpointingStrategy),
+    /// Anything else: Burn's own operations.
+    Other,
+}
+
+/// The [`Route`] of a tensor.
+pub(crate) fn route(tensor: &DispatchTensor) -> Route {
+    match (&tensor.kind, tensor.autodiff) {
+        (DispatchTensorKind::Flex(BackendTensor::Float(t)), DispatchAutodiffContext::Disabled)
+            if t.dtype() == DType::F32 =>
+        {
+            Route::Flex
+        }
+        (DispatchTensorKind::Autodiff(inner), DispatchAutodiffContext::Enabled(strategy)) => {
+            match inner.as_ref() {
+                DispatchTensorKind::Flex(BackendTensor::Autodiff(t))
+                    if t.primitive().dtype() == DType::F32 =>
+                {
+                    Route::Autodiff(strategy)
+                }
+                _ => Route::Other,
+            }
+        }
+        _ => Route::Other,
+    }
+}
 
 /// The flex tensor behind `x` (sharing its buffer) when `x` is a plain, untracked flex `f32`
 /// tensor; `None` on other backends, under autodiff, or for other dtypes.
@@ -19,6 +53,37 @@ pub(crate) fn as_flex<const D: usize>(x: &Tensor<D>) -> Option<FlexTensor> {
         }
         _ => None,
     }
+}
+
+/// A flex tensor under autodiff (the same type for every checkpointing strategy).
+pub(crate) type Tracked = FloatTensor<Autodiff<Flex>>;
+
+/// Applies `f` to the flex tensor inside a [`Route::Flex`] tensor.
+pub(crate) fn map_plain(
+    tensor: DispatchTensor,
+    f: impl FnOnce(FlexTensor) -> FlexTensor,
+) -> DispatchTensor {
+    let t = <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(tensor)
+        .expect("routed as flex")
+        .float();
+    <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(BackendTensor::Float(f(t)))
+}
+
+/// Applies `f` to the autodiff tensor inside a [`Route::Autodiff`] tensor whose strategy is `C`.
+pub(crate) fn map_tracked<C>(
+    tensor: DispatchTensor,
+    f: impl FnOnce(Tracked) -> Tracked,
+) -> DispatchTensor
+where
+    C: CheckpointStrategy,
+    DispatchTensor: DispatchKindConversion<Autodiff<Flex, C>>,
+{
+    let t = <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::try_into_backend(tensor)
+        .expect("routed as autodiff flex")
+        .float();
+    <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::from_backend(
+        BackendTensor::Float(f(t)),
+    )
 }
 
 /// Wraps a flex tensor back into a [`Tensor`].

@@ -35,6 +35,8 @@ pub mod encoder_decoder;
 pub mod encoder_decoder_config;
 pub mod error;
 #[cfg(feature = "flex")]
+mod flex_softmax;
+#[cfg(feature = "flex")]
 mod flex_tensor;
 pub mod gelu_kernel;
 pub mod kv_cache;
@@ -43,6 +45,7 @@ pub mod mlp;
 pub mod multi_head_attention;
 pub mod positional;
 pub mod residual;
+pub mod softmax_kernel;
 pub mod summary;
 mod vector_math;
 

@@ -5,7 +5,9 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
-use crate::attention::{causal_mask, combine_masks, scaled_dot_product_attention};
+use crate::attention::{
+    AttentionOutput, causal_attention, causal_mask, combine_masks, scaled_dot_product_attention,
+};
 use crate::kv_cache::KvCache;
 use crate::positional::apply_rotary;
 
@@ -110,6 +112,10 @@ impl MultiHeadAttention {
             Some(cache) => cache.append(k, v),
             None => (k, v),
         };
+        if causal && pad.is_none() {
+            let out = causal_attention(q, k, v, Some(&self.attn_dropout), return_weights);
+            return self.project(out);
+        }
         let s = start + t;
         let device = q.device();
         let causal = (causal && t > 1).then(|| causal_mask(t, s, &device));
@@ -180,6 +186,11 @@ impl MultiHeadAttention {
     ) -> AttentionResult {
         let out =
             scaled_dot_product_attention(q, k, v, mask, Some(&self.attn_dropout), return_weights);
+        self.project(out)
+    }
+
+    /// Merges the heads and projects back: context `[B, H, T, K]` -> `[B, T, D]`.
+    fn project(&self, out: AttentionOutput) -> AttentionResult {
         let [b, h, t, k] = out.context.dims();
         let context = out.context.swap_dims(1, 2).reshape([b, t, h * k]); // [B, T, D]
         (self.c_proj.forward(context), out.weights)

@@ -1,6 +1,7 @@
 //! Building blocks of ember's CPU kernels: a fused multiply-add that stays fast without FMA,
-//! a branch-free `exp` that vectorises (Cephes' `expf` polynomial), and [`multiversion!`],
-//! which compiles one loop for AVX-512, AVX2 and the baseline and picks at run time.
+//! a branch-free `exp` that vectorises (Cephes' `expf` polynomial), maximum and sum in 16
+//! lanes, and [`multiversion!`], which compiles one loop for AVX-512, AVX2 and the baseline and
+//! picks at run time.
 
 use core::f32::consts::LOG2_E;
 
@@ -72,6 +73,42 @@ macro_rules! multiversion {
             generic::<$($g,)? false>($($arg),*)
         }
     };
+}
+
+/// The largest value, with 16 running maxima so that it vectorises (not NaN-aware).
+#[inline(always)]
+pub(crate) fn lanes_max(xs: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 16];
+    let split = xs.len() / 16 * 16;
+    for chunk in xs[..split].chunks_exact(16) {
+        for i in 0..16 {
+            m[i] = if chunk[i] > m[i] { chunk[i] } else { m[i] };
+        }
+    }
+    let tail = xs[split..].iter().copied();
+    m.into_iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |a, x| if x > a { x } else { a })
+}
+
+/// The sum, with 16 partial sums added as a tree so that it vectorises.
+#[inline(always)]
+pub(crate) fn lanes_sum(xs: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let split = xs.len() / 16 * 16;
+    for chunk in xs[..split].chunks_exact(16) {
+        for i in 0..16 {
+            acc[i] += chunk[i];
+        }
+    }
+    let mut width = 8;
+    while width > 0 {
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+        width /= 2;
+    }
+    acc[0] + xs[split..].iter().sum::<f32>()
 }
 
 pub(crate) use multiversion;
