@@ -92,16 +92,17 @@ pub fn causal_attention(
         // One query sees every key: nothing to mask.
         return scaled_dot_product_attention(q, k, v, None, dropout, return_weights);
     }
-    let mask = causal_mask(t, s, &q.device());
     #[cfg(feature = "flex")]
-    if crate::flex_softmax::applies(&q) {
+    if crate::flex_tensor::takes_kernels(&q) {
         let scale = 1.0 / (q.dims()[3] as f64).sqrt();
         let scores = q.matmul(k.swap_dims(2, 3)); // [B, H, T, S]
         let weights = crate::flex_softmax::causal_softmax(scores, scale as f32, |scores| {
+            let mask = causal_mask(t, s, &scores.device());
             softmax(scores.mul_scalar(scale).mask_fill(mask, MASKED_SCORE), 3)
         });
         return weigh_values(weights, v, dropout, return_weights);
     }
+    let mask = causal_mask(t, s, &q.device());
     scaled_dot_product_attention(q, k, v, Some(mask), dropout, return_weights)
 }
 
@@ -274,7 +275,7 @@ mod tests {
                     };
                     let (q, k, v) = (load(&q), load(&k), load(&v));
                     #[cfg(feature = "flex")]
-                    assert!(crate::flex_softmax::applies(&q));
+                    assert!(crate::flex_tensor::takes_kernels(&q));
                     let out = if fused {
                         causal_attention(q.clone(), k.clone(), v.clone(), None, true)
                     } else {

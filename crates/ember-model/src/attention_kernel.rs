@@ -2,7 +2,7 @@
 //! KV cache. A matrix multiply with one row (`[1, K] x [K, S]`) leaves most of a CPU idle and
 //! repacks the keys on every call; these loops read the cache where it lies, once.
 
-use crate::vector_math::{exp, lanes_max, lanes_sum, madd, multiversion};
+use crate::vector_math::{dot, exp, lanes_max, lanes_sum, madd, multiversion};
 
 /// A `[B, H, S, K]` view into a buffer whose last axis is contiguous: element `(b, h, s, k)`
 /// is `data[offset + b * strides[0] + h * strides[1] + s * strides[2] + k]`.
@@ -50,51 +50,6 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// `a . b` with `LANES` independent partial sums added as a tree, so that it vectorises.
-#[inline(always)]
-fn dot<const F: bool, const LANES: usize>(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let split = a.len() / LANES * LANES;
-    for (ca, cb) in a[..split]
-        .chunks_exact(LANES)
-        .zip(b[..split].chunks_exact(LANES))
-    {
-        for i in 0..LANES {
-            acc[i] = madd::<F>(ca[i], cb[i], acc[i]);
-        }
-    }
-    let mut sum = 0.0;
-    for (x, y) in a[split..].iter().zip(&b[split..]) {
-        sum = madd::<F>(*x, *y, sum);
-    }
-    let mut width = LANES / 2;
-    while width > 0 {
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-        width /= 2;
-    }
-    sum + acc[0]
-}
-
-/// `a . b` for head sizes known at compile time (a power of two): products, then halves added
-/// onto halves, so every step is a plain vector operation.
-#[inline(always)]
-fn dot_array<const F: bool, const D: usize>(a: &[f32; D], b: &[f32; D]) -> f32 {
-    let mut p = [0.0f32; D];
-    for j in 0..D {
-        p[j] = a[j] * b[j];
-    }
-    let mut width = D / 2;
-    while width > 0 {
-        for i in 0..width {
-            p[i] += p[i + width];
-        }
-        width /= 2;
-    }
-    p[0]
-}
-
 /// One (batch row, head): `out = softmax_s(scale * query . keys[s]) @ values` over `len` keys
 /// starting at `keys_at` / `values_at`, `step` apart. `D` is the head size; 0 means "read it
 /// from `query.len()`" (slower: the compiler cannot keep the output in registers).
@@ -111,21 +66,9 @@ fn one_head<const F: bool, const D: usize>(
 ) {
     let d = if D == 0 { query.len() } else { D };
     let scores = &mut scores[..len];
-    if D == 0 {
+    if !scores_avx512::<D>(query, keys, scale, scores) {
         for (s, score) in scores.iter_mut().enumerate() {
             *score = dot::<F, 16>(&query[..d], keys.get(s, d)) * scale;
-        }
-    } else {
-        let q: &[f32; D] = query.try_into().expect("query of length D");
-        #[cfg(target_arch = "x86_64")]
-        if D.is_multiple_of(16) && D <= 128 && std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F.
-            unsafe { scores_avx512::<D>(q, keys, scale, scores) };
-            return finish_head::<F, D>(scores, values, d, out);
-        }
-        for (s, score) in scores.iter_mut().enumerate() {
-            let k: &[f32; D] = keys.get(s, D).try_into().expect("row of length D");
-            *score = dot_array::<F, D>(q, k) * scale;
         }
     }
     finish_head::<F, D>(scores, values, d, out)
@@ -179,14 +122,35 @@ fn finish_head<const F: bool, const D: usize>(
     }
 }
 
-/// `scores[s] = scale * q . keys[s]` with AVX-512: the query in up to 8 registers, one fused
-/// multiply-add per 16 values of a key row, one horizontal sum per row.
+/// `scores[s] = scale * query . keys[s]` with AVX-512 where the CPU has it and the head size
+/// `D` is a multiple of 16 up to 128; false (nothing written) otherwise.
+#[inline(always)]
+fn scores_avx512<const D: usize>(
+    query: &[f32],
+    keys: Rows<'_>,
+    scale: f32,
+    scores: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if D != 0 && D.is_multiple_of(16) && D <= 128 && std::arch::is_x86_feature_detected!("avx512f")
+    {
+        let q: &[f32; D] = query.try_into().expect("query of length D");
+        // SAFETY: the CPU has AVX-512F.
+        unsafe { scores_avx512_unchecked::<D>(q, keys, scale, scores) };
+        return true;
+    }
+    let _ = (query, keys, scale, scores);
+    false
+}
+
+/// [`scores_avx512`]'s loop: the query in up to 8 registers, one fused multiply-add per 16
+/// values of a key row, one horizontal sum per row.
 ///
 /// # Safety
 /// The CPU must have AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn scores_avx512<const D: usize>(
+unsafe fn scores_avx512_unchecked<const D: usize>(
     q: &[f32; D],
     keys: Rows<'_>,
     scale: f32,

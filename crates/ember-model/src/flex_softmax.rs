@@ -15,11 +15,6 @@ use burn::tensor::Tensor;
 use crate::flex_tensor::{Route, Tracked, contiguous, from_values, map_plain, map_tracked, route};
 use crate::softmax_kernel::{causal_softmax_backward_in_place, causal_softmax_in_place};
 
-/// Whether [`causal_softmax`] takes `x` (flex `f32`, tracked or not).
-pub(crate) fn applies<const D: usize>(x: &Tensor<D>) -> bool {
-    !matches!(route(&x.clone().into_dispatch()), Route::Other)
-}
-
 /// `softmax(scale * scores)` over the last axis with the causal mask (query `i` sees keys
 /// `..= S - T + i`); `fallback` computes it where this path does not apply.
 ///

@@ -41,18 +41,24 @@ pub(crate) fn route(tensor: &DispatchTensor) -> Route {
     }
 }
 
+/// Whether ember's kernels take `x`: flex `f32`, tracked by autodiff or not.
+pub(crate) fn takes_kernels<const D: usize>(x: &Tensor<D>) -> bool {
+    !matches!(route(&x.clone().into_dispatch()), Route::Other)
+}
+
 /// The flex tensor behind `x` (sharing its buffer) when `x` is a plain, untracked flex `f32`
-/// tensor; `None` on other backends, under autodiff, or for other dtypes.
+/// tensor ([`Route::Flex`]); `None` otherwise.
 pub(crate) fn as_flex<const D: usize>(x: &Tensor<D>) -> Option<FlexTensor> {
     let tensor = x.clone().into_dispatch();
-    match (tensor.kind, tensor.autodiff) {
-        (DispatchTensorKind::Flex(BackendTensor::Float(t)), DispatchAutodiffContext::Disabled)
-            if t.dtype() == DType::F32 =>
-        {
-            Some(t)
-        }
-        _ => None,
-    }
+    let plain = matches!(route(&tensor), Route::Flex);
+    plain.then(|| flex_of(tensor))
+}
+
+/// The flex tensor inside a [`Route::Flex`] tensor.
+fn flex_of(tensor: DispatchTensor) -> FlexTensor {
+    <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(tensor)
+        .expect("routed as flex")
+        .float()
 }
 
 /// A flex tensor under autodiff (the same type for every checkpointing strategy).
@@ -63,10 +69,8 @@ pub(crate) fn map_plain(
     tensor: DispatchTensor,
     f: impl FnOnce(FlexTensor) -> FlexTensor,
 ) -> DispatchTensor {
-    let t = <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(tensor)
-        .expect("routed as flex")
-        .float();
-    <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(BackendTensor::Float(f(t)))
+    let t = f(flex_of(tensor));
+    <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(BackendTensor::Float(t))
 }
 
 /// Applies `f` to the autodiff tensor inside a [`Route::Autodiff`] tensor whose strategy is `C`.

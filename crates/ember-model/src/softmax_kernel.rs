@@ -5,12 +5,12 @@
 //! `softmax(scale * x)` over the visible keys and 0 over the rest: what masking the scores with
 //! a large negative value and taking an ordinary softmax gives, without the masked `exp`s.
 
-use crate::vector_math::{exp, lanes_max, lanes_sum, madd, multiversion};
+use crate::vector_math::{dot, exp, lanes_max, lanes_sum, madd, multiversion};
 
-/// Keys visible to row `row`: `offset + row % t + 1`, at most `s`.
+/// Keys visible to row `row`: `offset + row % t + 1` (at most `s`, as `t <= s`).
 #[inline(always)]
 fn visible(row: usize, t: usize, s: usize) -> usize {
-    (s - t + row % t + 1).min(s)
+    s - t + row % t + 1
 }
 
 multiversion! {
@@ -36,15 +36,7 @@ multiversion! {
     /// their gradient is 0.
     pub fn causal_softmax_backward_in_place(y: &[f32], g: &mut [f32], s: usize, scale: f32) {
         for (ys, gs) in y.chunks_exact(s).zip(g.chunks_exact_mut(s)) {
-            let mut acc = [0.0f32; 16];
-            let split = s / 16 * 16;
-            for (cy, cg) in ys[..split].chunks_exact(16).zip(gs[..split].chunks_exact(16)) {
-                for i in 0..16 {
-                    acc[i] = madd::<F>(cy[i], cg[i], acc[i]);
-                }
-            }
-            let tail: f32 = ys[split..].iter().zip(&gs[split..]).map(|(a, b)| a * b).sum();
-            let dot = lanes_sum(&acc) + tail;
+            let dot = dot::<F, 16>(ys, gs);
             for (gv, &yv) in gs.iter_mut().zip(ys) {
                 *gv = scale * yv * (*gv - dot);
             }

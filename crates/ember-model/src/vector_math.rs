@@ -1,6 +1,6 @@
 //! Building blocks of ember's CPU kernels: a fused multiply-add that stays fast without FMA,
-//! a branch-free `exp` that vectorises (Cephes' `expf` polynomial), maximum and sum in 16
-//! lanes, and [`multiversion!`], which compiles one loop for AVX-512, AVX2 and the baseline and
+//! a branch-free `exp` that vectorises (Cephes' `expf` polynomial), dot product, maximum and
+//! sum in independent lanes, and [`multiversion!`], which compiles one loop for AVX-512, AVX2 and the baseline and
 //! picks at run time.
 
 use core::f32::consts::LOG2_E;
@@ -89,6 +89,33 @@ pub(crate) fn lanes_max(xs: &[f32]) -> f32 {
     m.into_iter()
         .chain(tail)
         .fold(f32::NEG_INFINITY, |a, x| if x > a { x } else { a })
+}
+
+/// `a . b` with `LANES` independent partial sums added as a tree, so that it vectorises.
+#[inline(always)]
+pub(crate) fn dot<const F: bool, const LANES: usize>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let split = a.len() / LANES * LANES;
+    for (ca, cb) in a[..split]
+        .chunks_exact(LANES)
+        .zip(b[..split].chunks_exact(LANES))
+    {
+        for i in 0..LANES {
+            acc[i] = madd::<F>(ca[i], cb[i], acc[i]);
+        }
+    }
+    let mut sum = 0.0;
+    for (x, y) in a[split..].iter().zip(&b[split..]) {
+        sum = madd::<F>(*x, *y, sum);
+    }
+    let mut width = LANES / 2;
+    while width > 0 {
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+        width /= 2;
+    }
+    sum + acc[0]
 }
 
 /// The sum, with 16 partial sums added as a tree so that it vectorises.
