@@ -153,14 +153,12 @@ impl DecoderOnly {
     /// `[B, T, D] -> [B, T, V]`, through the head or the tied embedding.
     fn head(&self, x: Tensor<3>) -> Tensor<3> {
         match &self.lm_head {
-            Some(head) => head.forward(x),
+            Some(head) => crate::linear::linear(head, x),
             None => {
                 let [b, t, d] = x.dims();
                 let w = self.wte.weight.val(); // [V, D]
                 let v = w.dims()[0];
-                x.reshape([b * t, d])
-                    .matmul(w.transpose())
-                    .reshape([b, t, v])
+                crate::linear::matmul(x.reshape([b * t, d]), w.transpose()).reshape([b, t, v])
             }
         }
     }

@@ -169,14 +169,12 @@ impl EncoderDecoder {
             x = norm.forward(x);
         }
         let logits = match &self.output {
-            Some(output) => output.forward(x),
+            Some(output) => crate::linear::linear(output, x),
             None => {
                 let [b, t, d] = x.dims();
                 let w = self.tgt_table().weight.val(); // [V, D]
                 let v = w.dims()[0];
-                x.reshape([b * t, d])
-                    .matmul(w.transpose())
-                    .reshape([b, t, v])
+                crate::linear::matmul(x.reshape([b * t, d]), w.transpose()).reshape([b, t, v])
             }
         };
         DecoderOutput { logits, weights }

@@ -73,6 +73,16 @@ pub(crate) fn map_plain(
     <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(BackendTensor::Float(t))
 }
 
+/// Applies `f` to the flex tensors inside two [`Route::Flex`] tensors.
+pub(crate) fn map_plain2(
+    a: DispatchTensor,
+    b: DispatchTensor,
+    f: impl FnOnce(FlexTensor, FlexTensor) -> FlexTensor,
+) -> DispatchTensor {
+    let t = f(flex_of(a), flex_of(b));
+    <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(BackendTensor::Float(t))
+}
+
 /// Applies `f` to the autodiff tensor inside a [`Route::Autodiff`] tensor whose strategy is `C`.
 pub(crate) fn map_tracked<C>(
     tensor: DispatchTensor,
@@ -87,6 +97,28 @@ where
         .float();
     <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::from_backend(
         BackendTensor::Float(f(t)),
+    )
+}
+
+/// Applies `f` to the autodiff tensors inside two [`Route::Autodiff`] tensors whose strategy
+/// is `C`.
+pub(crate) fn map_tracked2<C>(
+    a: DispatchTensor,
+    b: DispatchTensor,
+    f: impl FnOnce(Tracked, Tracked) -> Tracked,
+) -> DispatchTensor
+where
+    C: CheckpointStrategy,
+    DispatchTensor: DispatchKindConversion<Autodiff<Flex, C>>,
+{
+    let inner = |t: DispatchTensor| {
+        <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::try_into_backend(t)
+            .expect("routed as autodiff flex")
+            .float()
+    };
+    let t = f(inner(a), inner(b));
+    <DispatchTensor as DispatchKindConversion<Autodiff<Flex, C>>>::from_backend(
+        BackendTensor::Float(t),
     )
 }
 

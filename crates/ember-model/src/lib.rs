@@ -35,11 +35,14 @@ pub mod encoder_decoder;
 pub mod encoder_decoder_config;
 pub mod error;
 #[cfg(feature = "flex")]
+mod flex_matmul;
+#[cfg(feature = "flex")]
 mod flex_softmax;
 #[cfg(feature = "flex")]
 mod flex_tensor;
 pub mod gelu_kernel;
 pub mod kv_cache;
+pub mod linear;
 pub mod loss;
 pub mod mlp;
 pub mod multi_head_attention;

@@ -6,6 +6,8 @@ use burn::serde::{Deserialize, Serialize};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
+use crate::linear::linear;
+
 /// The MLP's non-linearity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(crate = "burn::serde", rename_all = "snake_case")]
@@ -87,7 +89,7 @@ impl Mlp {
     /// - x: `[B, T, D]`
     /// - output: `[B, T, D]`
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let h = self.activation.forward(self.c_fc.forward(x)); // [B, T, F]
-        self.dropout.forward(self.c_proj.forward(h))
+        let h = self.activation.forward(linear(&self.c_fc, x)); // [B, T, F]
+        self.dropout.forward(linear(&self.c_proj, h))
     }
 }

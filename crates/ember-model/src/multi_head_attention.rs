@@ -9,6 +9,7 @@ use crate::attention::{
     AttentionOutput, causal_attention, causal_mask, combine_masks, scaled_dot_product_attention,
 };
 use crate::kv_cache::KvCache;
+use crate::linear::{affine, linear};
 use crate::positional::apply_rotary;
 
 /// Configuration of a [`MultiHeadAttention`].
@@ -103,7 +104,7 @@ impl MultiHeadAttention {
     ) -> AttentionResult {
         let [b, t, d] = x.dims();
         let start = cache.as_ref().map_or(0, |c| c.len());
-        let qkv = self.c_attn.forward(x); // [B, T, 3D]
+        let qkv = linear(&self.c_attn, x); // [B, T, 3D]
         let q = self.split_heads(qkv.clone().slice([0..b, 0..t, 0..d]));
         let k = self.split_heads(qkv.clone().slice([0..b, 0..t, d..2 * d]));
         let v = self.split_heads(qkv.slice([0..b, 0..t, 2 * d..3 * d]));
@@ -144,14 +145,14 @@ impl MultiHeadAttention {
         let d = x.dims()[2];
         let weight = self.c_attn.weight.val(); // [D, 3D]
         let bias = self.c_attn.bias.as_ref().map(|b| b.val()); // [3D]
-        let q = burn::tensor::module::linear(
+        let q = affine(
             x,
             weight.clone().slice([0..d, 0..d]),
             bias.clone().map(|b| b.narrow(0, 0, d)),
         );
         let q = self.split_heads(q);
         let project_memory = |memory: Tensor<3>| {
-            let kv = burn::tensor::module::linear(
+            let kv = affine(
                 memory,
                 weight.clone().slice([0..d, d..3 * d]),
                 bias.clone().map(|b| b.narrow(0, d, 2 * d)),
@@ -193,7 +194,7 @@ impl MultiHeadAttention {
     fn project(&self, out: AttentionOutput) -> AttentionResult {
         let [b, h, t, k] = out.context.dims();
         let context = out.context.swap_dims(1, 2).reshape([b, t, h * k]); // [B, T, D]
-        (self.c_proj.forward(context), out.weights)
+        (linear(&self.c_proj, context), out.weights)
     }
 
     fn rotate(&self, q: Tensor<4>, k: Tensor<4>, start: usize) -> (Tensor<4>, Tensor<4>) {

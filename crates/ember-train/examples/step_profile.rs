@@ -1,6 +1,7 @@
 //! Times the parts of one training step of the baby GPT on flex, to see where time goes.
 //! `cargo run --release -p ember-train --example step_profile` (`ACT=relu` or `ACT=tanh` for
-//! that MLP activation instead of exact GELU).
+//! that MLP activation instead of exact GELU; `ONLY=forward` to run only the lines whose name
+//! starts with that text, e.g. under `perf record`).
 
 use std::time::Instant;
 
@@ -8,7 +9,17 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Distribution, Int, Tensor};
 use ember_model::DecoderOnlyConfig;
 
+// The allocator and purge setting of the `ember` binary (crates/ember-cli/src/main.rs): with
+// glibc's malloc, page faults on re-allocated buffers take a third of the step.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
+    if let Ok(only) = std::env::var("ONLY") {
+        if !name.trim_start().starts_with(only.as_str()) {
+            return;
+        }
+    }
     f();
     let start = Instant::now();
     for _ in 0..n {
@@ -21,6 +32,8 @@ fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
 }
 
 fn main() {
+    // SAFETY: sets mimalloc's integer option `mi_option_purge_delay` (15) to "never purge".
+    unsafe { libmimalloc_sys::mi_option_set(15, -1) };
     let device = Device::flex().autodiff();
     let config = DecoderOnlyConfig {
         vocab_size: 66,

@@ -111,7 +111,10 @@ fn learns_to_copy_and_decodes_consistently() {
     config.data.bleu_sentences = 0;
     config.training.max_steps = 500;
     config.training.label_smoothing = 0.0;
-    config.training.lr = 2e-3;
+    // At 2e-3 the last 150 steps spiked (gradient norms 5-10) and the count of exact copies
+    // swung from 49 to 35 with the rounding of a matrix product; at 1e-3 two builds that round
+    // differently agree (44 and 45, val loss 0.151 and 0.150).
+    config.training.lr = 1e-3;
     config.training.warmup_steps = 50;
     config.training.eval_interval = 500;
     config.training.checkpoint_interval = 500;

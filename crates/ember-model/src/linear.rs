@@ -1,0 +1,165 @@
+//! Linear layers and matrix products that are fast on Burn's flex CPU backend.
+//!
+//! On flex `f32` tensors (tracked by autodiff or not) [`linear`], [`affine`] and [`matmul`]
+//! multiply by
+//! `gemm` straight into a new buffer, with their own backward pass (see `flex_matmul`); a
+//! linear layer's rows from every leading axis go through one product, forward and backward.
+//! On every other backend they are Burn's `Linear::forward` and `matmul`.
+
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+
+/// `layer.forward(x)`: `x @ W (+ b)` over the last axis.
+///
+/// # Shapes
+/// - x: `[..., d_input]`
+/// - output: `[..., d_output]`
+pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+    affine(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
+}
+
+/// `x @ weight (+ bias)` over the last axis, as `burn::tensor::module::linear`.
+///
+/// # Shapes
+/// - x: `[..., d_input]`
+/// - weight: `[d_input, d_output]` (a slice or transposed view is read in place)
+/// - bias: `[d_output]`
+/// - output: `[..., d_output]`
+pub fn affine<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
+    if D < 2 || !is_fast(&x) {
+        return burn::tensor::module::linear(x, weight, bias);
+    }
+    let dims = x.dims();
+    let d_input = dims[D - 1];
+    let rows = dims[..D - 1].iter().product();
+    let mut y = matmul(x.reshape([rows, d_input]), weight); // [rows, d_output]
+    if let Some(bias) = bias {
+        y = y + bias.unsqueeze::<2>();
+    }
+    let mut out = dims;
+    out[D - 1] = y.dims()[1];
+    y.reshape(out)
+}
+
+/// `a @ b`.
+///
+/// # Shapes
+/// - a: `[M, K]`
+/// - b: `[K, N]` (a transposed view is read in place)
+/// - output: `[M, N]`
+pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
+    #[cfg(feature = "flex")]
+    {
+        crate::flex_matmul::matmul(a, b)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        a.matmul(b)
+    }
+}
+
+/// Whether [`linear`] and [`matmul`] run ember's own product on `x` (flex `f32`, tracked or
+/// not) rather than Burn's. For tests and benchmarks.
+pub fn is_fast<const D: usize>(x: &Tensor<D>) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        crate::flex_tensor::takes_kernels(x)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = x;
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::LinearConfig;
+    use burn::tensor::{Device, Distribution};
+
+    /// Outputs and the gradients of input, weight and bias against Burn's `Linear::forward`,
+    /// for a rank-3 input, a transposed (non-contiguous) one, with and without a bias.
+    #[test]
+    fn linear_equals_burns() {
+        let device = Device::flex().autodiff();
+        for bias in [true, false] {
+            let layer = LinearConfig::new(24, 40).with_bias(bias).init(&device);
+            let base = Tensor::<3>::random([3, 24, 7], Distribution::Normal(0.0, 1.0), &device);
+            for transposed in [false, true] {
+                let run = |ours: bool| {
+                    let x = base.clone().require_grad();
+                    let input = if transposed {
+                        x.clone().swap_dims(1, 2)
+                    } else {
+                        x.clone().reshape([3, 7, 24])
+                    };
+                    assert!(is_fast(&input));
+                    let y = if ours {
+                        linear(&layer, input)
+                    } else {
+                        layer.forward(input)
+                    };
+                    assert_eq!(y.dims(), [3, 7, 40]);
+                    let grads = (y.clone() * y.clone()).sum().backward();
+                    let mut out = vec![y.inner(), x.grad(&grads).unwrap().reshape([3, 7, 24])];
+                    out.push(layer.weight.val().grad(&grads).unwrap().unsqueeze());
+                    if let Some(b) = &layer.bias {
+                        out.push(b.val().grad(&grads).unwrap().unsqueeze());
+                    }
+                    out
+                };
+                let (ours, burns) = (run(true), run(false));
+                assert_close(
+                    ours,
+                    burns,
+                    &format!("bias {bias}, transposed {transposed}"),
+                );
+            }
+        }
+    }
+
+    /// Every pair within 1e-5 of the larger magnitude.
+    fn assert_close(ours: Vec<Tensor<3>>, burns: Vec<Tensor<3>>, what: &str) {
+        assert_eq!(ours.len(), burns.len());
+        for (i, (a, b)) in ours.into_iter().zip(burns).enumerate() {
+            let scale = b.clone().abs().max().into_scalar::<f32>().max(1.0);
+            let d = (a - b).abs().max().into_scalar::<f32>();
+            assert!(d < 1e-5 * scale, "{what}, output {i}: differs by {d}");
+        }
+    }
+
+    /// `affine` with a column slice of a larger weight and a narrowed bias (as cross-attention
+    /// uses `c_attn`): output and the gradients of input, weight and bias against Burn's.
+    #[test]
+    fn affine_with_slices_equals_burns() {
+        let device = Device::flex().autodiff();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let w = Tensor::<2>::random([16, 48], normal, &device).require_grad();
+        let b = Tensor::<1>::random([48], normal, &device).require_grad();
+        let x = Tensor::<3>::random([2, 5, 16], normal, &device).require_grad();
+        let run = |ours: bool| {
+            let (ws, bs) = (
+                w.clone().slice([0..16, 16..48]),
+                b.clone().narrow(0, 16, 32),
+            );
+            let y = if ours {
+                affine(x.clone(), ws, Some(bs))
+            } else {
+                burn::tensor::module::linear(x.clone(), ws, Some(bs))
+            };
+            let grads = (y.clone() * y.clone().sin()).sum().backward();
+            vec![
+                y.inner(),
+                x.grad(&grads).unwrap(),
+                w.grad(&grads).unwrap().unsqueeze(),
+                b.grad(&grads).unwrap().unsqueeze(),
+            ]
+        };
+        assert_close(run(true), run(false), "sliced weight");
+    }
+}
