@@ -15,10 +15,10 @@ use ember_model::DecoderOnlyConfig;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
-    if let Ok(only) = std::env::var("ONLY") {
-        if !name.trim_start().starts_with(only.as_str()) {
-            return;
-        }
+    if let Ok(only) = std::env::var("ONLY")
+        && !name.trim_start().starts_with(only.as_str())
+    {
+        return;
     }
     f();
     let start = Instant::now();
