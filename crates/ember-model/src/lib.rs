@@ -35,6 +35,8 @@ pub mod encoder_decoder;
 pub mod encoder_decoder_config;
 pub mod error;
 #[cfg(feature = "flex")]
+mod flex_attention;
+#[cfg(feature = "flex")]
 mod flex_matmul;
 #[cfg(feature = "flex")]
 mod flex_softmax;

@@ -105,6 +105,19 @@ impl MultiHeadAttention {
         let [b, t, d] = x.dims();
         let start = cache.as_ref().map_or(0, |c| c.len());
         let qkv = linear(&self.c_attn, x); // [B, T, 3D]
+        #[cfg(feature = "flex")]
+        if cache.is_none()
+            && causal
+            && pad.is_none()
+            && self.rotary_base <= 0.0
+            && self.attn_dropout.prob == 0.0
+            && !return_weights
+            && let Some(context) =
+                crate::flex_attention::causal_self_attention(qkv.clone(), self.n_heads)
+        {
+            // On flex: the heads' attention in one op (see `flex_attention`).
+            return (linear(&self.c_proj, context), None);
+        }
         let q = self.split_heads(qkv.clone().slice([0..b, 0..t, 0..d]));
         let k = self.split_heads(qkv.clone().slice([0..b, 0..t, d..2 * d]));
         let v = self.split_heads(qkv.slice([0..b, 0..t, 2 * d..3 * d]));
