@@ -3,8 +3,8 @@
 //! Burn 0.22.1's flex backend computes GELU one element at a time through `libm::erff`, which
 //! made it a quarter of a training step and 40% of a forward pass of the baby GPT; its tanh
 //! GELU is five separate tensor ops. On flex tensors (with or without autodiff) [`gelu`] and
-//! [`gelu_tanh`] run [`crate::gelu_kernel`]'s vectorised loops instead, with their own backward
-//! pass; on every other backend they are Burn's `gelu` and `gelu_approximate`.
+//! [`gelu_tanh`] run [`crate::gelu_kernel`]'s vectorised loops instead (split over rayon's
+//! threads for tensors of 64k values or more), with their own backward pass; on every other backend they are Burn's `gelu` and `gelu_approximate`.
 
 use burn::tensor::Tensor;
 
@@ -78,6 +78,7 @@ mod flex {
         Route, Tracked, contiguous, from_values, map_plain, map_tracked, route,
     };
     use crate::gelu_kernel::{self, GeluKind};
+    use rayon::prelude::*;
 
     /// GELU of kind `K` through ember's kernels where they apply, else `fallback`.
     pub(super) fn gelu<K: GeluKind, const D: usize>(
@@ -158,12 +159,16 @@ mod flex {
         let mut t = contiguous(t);
         let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
         if let Some(storage) = t.try_storage_mut::<f32>() {
-            gelu_kernel::forward_in_place::<K>(&mut storage[start..end]);
+            spread(&mut storage[start..end], |ys, _| {
+                gelu_kernel::forward_in_place::<K>(ys)
+            });
             return t;
         }
         let xs = &t.storage::<f32>()[start..end];
         let mut out = vec![0.0; xs.len()];
-        gelu_kernel::forward_into::<K>(xs, &mut out);
+        spread(&mut out, |ys, at| {
+            gelu_kernel::forward_into::<K>(&xs[at..at + ys.len()], ys)
+        });
         from_values(out, t.shape())
     }
 
@@ -180,12 +185,33 @@ mod flex {
             "GELU backward: input and gradient sizes differ"
         );
         if let Some(storage) = grad.try_storage_mut::<f32>() {
-            gelu_kernel::backward_in_place::<K>(xs, &mut storage[start..end]);
+            spread(&mut storage[start..end], |gs, at| {
+                gelu_kernel::backward_in_place::<K>(&xs[at..at + gs.len()], gs)
+            });
             return grad;
         }
         let gs = &grad.storage::<f32>()[start..end];
         let mut out = vec![0.0; gs.len()];
-        gelu_kernel::backward_into::<K>(xs, gs, &mut out);
+        spread(&mut out, |ys, at| {
+            let range = at..at + ys.len();
+            gelu_kernel::backward_into::<K>(&xs[range.clone()], &gs[range], ys)
+        });
         from_values(out, grad.shape())
+    }
+
+    /// Elements per task when a GELU is spread over rayon's threads. Shorter tensors (a
+    /// decoding step's) stay on the calling thread: handing work to the pool costs more than
+    /// it saves there.
+    const TASK: usize = 1 << 15;
+
+    /// `f(chunk, offset of its first element)` over `out` in chunks of [`TASK`] elements, on
+    /// rayon's threads when there are at least two chunks.
+    fn spread(out: &mut [f32], f: impl Fn(&mut [f32], usize) + Send + Sync) {
+        if out.len() < 2 * TASK {
+            return f(out, 0);
+        }
+        out.par_chunks_mut(TASK)
+            .enumerate()
+            .for_each(|(i, chunk)| f(chunk, i * TASK));
     }
 }

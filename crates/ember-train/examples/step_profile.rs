@@ -133,6 +133,20 @@ fn main() {
         .sum()
         .into_scalar::<f32>();
     });
+    for (m, k, n) in [(768, 128, 384), (768, 512, 128), (128, 768, 384)] {
+        let a = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 1.0), &inner);
+        let b = Tensor::<2>::random([k, n], Distribution::Normal(0.0, 1.0), &inner);
+        let gflop = 2.0 * (m * k * n) as f64 / 1e9;
+        let start = Instant::now();
+        time(
+            &format!("  ember matmul {m}x{k}x{n} ({gflop:.3} GFLOP)"),
+            50,
+            || {
+                let _ = ember_model::linear::matmul(a.clone(), b.clone());
+            },
+        );
+        let _ = start;
+    }
     let big = Tensor::<3>::random([12, 64, 512], Distribution::Normal(0.0, 1.0), &inner);
     time("  gelu [12,64,512]", n, || {
         let _ = burn::tensor::activation::gelu(big.clone())
@@ -143,6 +157,13 @@ fn main() {
         let _ = ember_model::activation::gelu(big.clone())
             .sum()
             .into_scalar::<f32>();
+    });
+    let xs: Vec<f32> = (0..12 * 64 * 512)
+        .map(|i| (i % 1000) as f32 / 250.0 - 2.0)
+        .collect();
+    let mut ys = vec![0.0f32; xs.len()];
+    time("  gelu kernel only, 393216 values", n, || {
+        ember_model::gelu_kernel::forward_into::<ember_model::gelu_kernel::Exact>(&xs, &mut ys);
     });
     time("  sum only [12,64,512]", n, || {
         let _ = big.clone().sum().into_scalar::<f32>();
