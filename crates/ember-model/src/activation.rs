@@ -4,7 +4,8 @@
 //! made it a quarter of a training step and 40% of a forward pass of the baby GPT; its tanh
 //! GELU is five separate tensor ops. On flex tensors (with or without autodiff) [`gelu`] and
 //! [`gelu_tanh`] run [`crate::gelu_kernel`]'s vectorised loops instead (split over rayon's
-//! threads for tensors of 64k values or more), with their own backward pass; on every other backend they are Burn's `gelu` and `gelu_approximate`.
+//! threads for tensors of 64k values or more), with their own backward pass; on every other
+//! backend they are Burn's `gelu` and `gelu_approximate`.
 
 use burn::tensor::Tensor;
 
@@ -47,15 +48,7 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 /// Whether [`gelu`] and [`gelu_tanh`] run ember's own kernels on `x` (flex `f32`, tracked or not) rather than
 /// Burn's GELUs. For tests and benchmarks.
 pub fn gelu_is_fast<const D: usize>(x: &Tensor<D>) -> bool {
-    #[cfg(feature = "flex")]
-    {
-        crate::flex_tensor::takes_kernels(x)
-    }
-    #[cfg(not(feature = "flex"))]
-    {
-        let _ = x;
-        false
-    }
+    crate::kernels_take(x)
 }
 
 #[cfg(feature = "flex")]

@@ -93,7 +93,7 @@ pub fn causal_attention(
         return scaled_dot_product_attention(q, k, v, None, dropout, return_weights);
     }
     #[cfg(feature = "flex")]
-    if crate::flex_tensor::takes_kernels(&q) {
+    if crate::kernels_take(&q) {
         let scale = 1.0 / (q.dims()[3] as f64).sqrt();
         let scores = q.matmul(k.swap_dims(2, 3)); // [B, H, T, S]
         let weights = crate::flex_softmax::causal_softmax(scores, scale as f32, |scores| {

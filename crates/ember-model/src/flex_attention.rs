@@ -20,6 +20,7 @@ use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
 use burn::tensor::{Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::flex_matmul::mm;
 use crate::flex_tensor::{Route, Tracked, contiguous, from_values, map_plain, map_tracked, route};
 use crate::softmax_kernel::{causal_softmax_backward_in_place, causal_softmax_in_place};
 
@@ -153,22 +154,22 @@ fn forward(qkv: FlexTensor, heads: usize) -> (FlexTensor, Vec<f32>) {
             unsafe {
                 // P = Q K^T, then the causal softmax of P / sqrt(K).
                 mm(
-                    t,
-                    t,
-                    k,
-                    p.as_mut_ptr(),
-                    ti,
-                    at(x, q),
-                    row,
-                    1,
-                    at(x, kk),
-                    1,
-                    row,
+                    (t, t, k),
+                    (p.as_mut_ptr(), ti),
+                    (at(x, q), row, 1),
+                    (at(x, kk), 1, row),
+                    ONE,
                 );
                 causal_softmax_in_place(p, t, t, dims.scale());
                 // context = P V
                 let o = dst.add(dims.out_at(bi, h));
-                mm(t, k, t, o, di, p.as_ptr(), ti, 1, at(x, v), row, 1);
+                mm(
+                    (t, k, t),
+                    (o, di),
+                    (p.as_ptr(), ti, 1),
+                    (at(x, v), row, 1),
+                    ONE,
+                );
             }
         });
     // SAFETY: the tasks together wrote all b * t * d elements (every head's columns of
@@ -211,13 +212,31 @@ fn backward(qkv: &FlexTensor, weights: &[f32], g: FlexTensor, heads: usize) -> F
                 // columns of `dx`, whose capacity is b * t * 3d.
                 unsafe {
                     // dP = dO V^T, then the scores' gradient dS = softmax'(P) dP (scaled).
-                    mm(t, t, k, dp.as_mut_ptr(), ti, go, di, 1, at(x, v), 1, row);
+                    mm(
+                        (t, t, k),
+                        (dp.as_mut_ptr(), ti),
+                        (go, di, 1),
+                        (at(x, v), 1, row),
+                        ONE,
+                    );
                     causal_softmax_backward_in_place(p, dp, t, dims.scale());
                     // dQ = dS K, dK = dS^T Q, dV = P^T dO
                     let (dq, dk, dv) = (dst.add(q), dst.add(kk), dst.add(v));
-                    mm(t, k, t, dq, row, dp.as_ptr(), ti, 1, at(x, kk), row, 1);
-                    mm(t, k, t, dk, row, dp.as_ptr(), 1, ti, at(x, q), row, 1);
-                    mm(t, k, t, dv, row, p.as_ptr(), 1, ti, go, di, 1);
+                    mm(
+                        (t, k, t),
+                        (dq, row),
+                        (dp.as_ptr(), ti, 1),
+                        (at(x, kk), row, 1),
+                        ONE,
+                    );
+                    mm(
+                        (t, k, t),
+                        (dk, row),
+                        (dp.as_ptr(), 1, ti),
+                        (at(x, q), row, 1),
+                        ONE,
+                    );
+                    mm((t, k, t), (dv, row), (p.as_ptr(), 1, ti), (go, di, 1), ONE);
                 }
             },
         );
@@ -226,6 +245,9 @@ fn backward(qkv: &FlexTensor, weights: &[f32], g: FlexTensor, heads: usize) -> F
     unsafe { dx.set_len(b * t * 3 * d) };
     from_values(dx, Shape::new([b, t, 3 * d]))
 }
+
+/// Each task's products run on its own thread (the tasks already fill rayon's threads).
+const ONE: gemm::Parallelism = gemm::Parallelism::None;
 
 /// A pointer the tasks share; each writes its own disjoint elements.
 #[derive(Clone, Copy)]
@@ -248,52 +270,6 @@ impl SendPtr {
 /// Pointer to `xs[offset]` (bounds-checked).
 fn at(xs: &[f32], offset: usize) -> *const f32 {
     xs[offset..].as_ptr()
-}
-
-/// `C = A B` on one thread: `C` `[m, n]` with rows `c_rs` apart, `A` `[m, k]` and `B` `[k, n]`
-/// with the given row and column strides.
-///
-/// # Safety
-/// Every element of the three views must lie inside live allocations, and `C` must not
-/// overlap `A` or `B`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn mm(
-    m: usize,
-    n: usize,
-    k: usize,
-    c: *mut f32,
-    c_rs: isize,
-    a: *const f32,
-    a_rs: isize,
-    a_cs: isize,
-    b: *const f32,
-    b_rs: isize,
-    b_cs: isize,
-) {
-    // SAFETY: the caller's contract; `read_dst = false` writes C without reading it.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c,
-            1,
-            c_rs,
-            false,
-            a,
-            a_cs,
-            a_rs,
-            b,
-            b_cs,
-            b_rs,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
 }
 
 #[cfg(test)]

@@ -191,23 +191,51 @@ fn gemm_new(a: Mat, b: Mat) -> FlexTensor {
     };
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     // SAFETY: both views were bounds-checked by `Mat::check` and outlive the call; `out` has
-    // room for m * n elements, and with `read_dst = false` gemm writes every one of them
-    // without reading any, so all are initialised when the length is set.
+    // room for m * n elements, and `mm` writes every one of them without reading any, so all
+    // are initialised when the length is set.
+    unsafe {
+        mm(
+            (m, n, k),
+            (out.as_mut_ptr(), n as isize),
+            (a.origin(), a.rs, a.cs),
+            (b.origin(), b.rs, b.cs),
+            parallelism,
+        );
+        out.set_len(m * n);
+    }
+    from_values(out, shape)
+}
+
+/// `C = A B` by gemm for sizes `(m, n, k)`: `C` `[m, n]` (pointer, row stride; columns
+/// contiguous), `A` `[m, k]` and `B` `[k, n]` (pointer, row stride, column stride). `C` is
+/// written, never read.
+///
+/// # Safety
+/// Every element of the three views must lie inside live allocations, and `C` must not
+/// overlap `A` or `B` or be written by anyone else during the call.
+pub(crate) unsafe fn mm(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: the caller's contract; `read_dst = false` writes C without reading it.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            out.as_mut_ptr(),
+            c,
             1,
-            n as isize,
+            c_rs,
             false,
-            a.origin(),
-            a.cs,
-            a.rs,
-            b.origin(),
-            b.cs,
-            b.rs,
+            a,
+            a_cs,
+            a_rs,
+            b,
+            b_cs,
+            b_rs,
             0.0,
             1.0,
             false,
@@ -215,9 +243,7 @@ fn gemm_new(a: Mat, b: Mat) -> FlexTensor {
             false,
             parallelism,
         );
-        out.set_len(m * n);
     }
-    from_values(out, shape)
 }
 
 #[cfg(test)]

@@ -55,6 +55,20 @@ pub mod summary;
 mod vector_math;
 
 pub use attention::{AttentionOutput, scaled_dot_product_attention};
+
+/// Whether ember's own flex kernels take `x` (a flex `f32` tensor, tracked by autodiff or not)
+/// rather than Burn's operations; always false without the `flex` feature.
+pub(crate) fn kernels_take<const D: usize>(x: &burn::tensor::Tensor<D>) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        flex_tensor::takes_kernels(x)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = x;
+        false
+    }
+}
 pub use block_config::BlockConfig;
 pub use decoder_block::{BlockWeights, DecoderBlock, Memory};
 pub use decoder_only::{DecoderOnly, DecoderOutput};

@@ -65,15 +65,7 @@ pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
 /// Whether [`linear`] and [`matmul`] run ember's own product on `x` (flex `f32`, tracked or
 /// not) rather than Burn's. For tests and benchmarks.
 pub fn is_fast<const D: usize>(x: &Tensor<D>) -> bool {
-    #[cfg(feature = "flex")]
-    {
-        crate::flex_tensor::takes_kernels(x)
-    }
-    #[cfg(not(feature = "flex"))]
-    {
-        let _ = x;
-        false
-    }
+    crate::kernels_take(x)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Building blocks of ember's CPU kernels: a fused multiply-add that stays fast without FMA,
 //! a branch-free `exp` that vectorises (Cephes' `expf` polynomial), dot product, maximum and
-//! sum in independent lanes, and [`multiversion!`], which compiles one loop for AVX-512, AVX2 and the baseline and
-//! picks at run time.
+//! sum in independent lanes, and [`multiversion!`], which compiles one loop for AVX-512, AVX2
+//! and the baseline and picks at run time.
 
 use core::f32::consts::LOG2_E;
 

@@ -137,7 +137,6 @@ fn main() {
         let a = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 1.0), &inner);
         let b = Tensor::<2>::random([k, n], Distribution::Normal(0.0, 1.0), &inner);
         let gflop = 2.0 * (m * k * n) as f64 / 1e9;
-        let start = Instant::now();
         time(
             &format!("  ember matmul {m}x{k}x{n} ({gflop:.3} GFLOP)"),
             50,
@@ -145,7 +144,6 @@ fn main() {
                 let _ = ember_model::linear::matmul(a.clone(), b.clone());
             },
         );
-        let _ = start;
     }
     let big = Tensor::<3>::random([12, 64, 512], Distribution::Normal(0.0, 1.0), &inner);
     time("  gelu [12,64,512]", n, || {
