@@ -81,11 +81,16 @@ fn killed_at_random_moments_the_run_resumes_to_the_same_parameters() {
     let dir = temp("crash");
     let config = config(&dir);
     let whole = dir.join("whole");
+    let started = std::time::Instant::now();
     ember_ok(&train_args(&config, &whole, false));
+    // Kills land 8-25% of an uninterrupted run's time after each start, so that however fast
+    // the machine, a run needs at least four starts (each resumes where the last one's newest
+    // checkpoint left off) and the kills hit every stage of the run.
+    let whole_ms = started.elapsed().as_millis() as u64;
 
     let run = dir.join("killed");
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-    let (mut kills, mut mid_write) = (0, 0);
+    let (mut kills, mut mid_write, mut resumed) = (0, 0, 0);
     let mut resumable = false;
     for _ in 0..8 {
         let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
@@ -98,7 +103,8 @@ fn killed_at_random_moments_the_run_resumes_to_the_same_parameters() {
         seed ^= seed << 13;
         seed ^= seed >> 7;
         seed ^= seed << 17;
-        std::thread::sleep(Duration::from_millis(100 + seed % 700));
+        let permille = 80 + seed % 171;
+        std::thread::sleep(Duration::from_millis(whole_ms * permille / 1000));
         if child.try_wait().unwrap().is_some() {
             break; // finished before the kill
         }
@@ -109,10 +115,18 @@ fn killed_at_random_moments_the_run_resumes_to_the_same_parameters() {
             mid_write += 1;
         }
         resumable = check_after_crash(&run);
+        resumed += usize::from(resumable);
     }
     ember_ok(&train_args(&config, &run, resumable));
-    eprintln!("{kills} kills, {mid_write} of them during a checkpoint write");
+    eprintln!(
+        "{kills} kills ({whole_ms} ms uninterrupted), {mid_write} of them during a checkpoint \
+         write, {resumed} left a checkpoint to resume from"
+    );
     assert!(kills >= 4, "the run was killed only {kills} times");
+    assert!(
+        resumed >= 2,
+        "only {resumed} kills left a checkpoint to resume from"
+    );
     assert_eq!(leftovers(&run), 0, "interrupted writes are cleaned up");
     assert!(
         params(&whole) == params(&run),
