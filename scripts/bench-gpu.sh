@@ -6,9 +6,12 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh check   # tiny run on flex and on DEVICE, compared
 #   DEVICE=vulkan bash scripts/bench-gpu.sh speed   # ms/step of ember and PyTorch, generation
 #   DEVICE=vulkan bash scripts/bench-gpu.sh full    # nanoGPT's 5000 iterations: time, val loss
+#   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #
 # EMBER is the binary (default ./target/release/ember, built with
-# `cargo build --release -p ember-cli --features wgpu,vulkan`); RUNS the folder for runs;
+# `cargo build --release -p ember-cli --features wgpu,vulkan,fusion`: fusion makes training
+# 2.2x faster and sampling 25x slower on an H100); EMBER_GEN the binary that samples (default
+# EMBER; one built without `fusion` samples fast); RUNS the folder for runs;
 # CONFIG the ember config (the PyTorch reference is always the GPU config); STEPS the steps
 # the speed stage times (default 60); PYTHON the PyTorch interpreter and
 # TORCH_DEVICE its device (default cuda). Backends draw initial weights from their own random
@@ -18,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EMBER=${EMBER:-./target/release/ember}
+EMBER_GEN=${EMBER_GEN:-$EMBER}
 DEVICE=${DEVICE:-vulkan}
 RUNS=${RUNS:-runs/bench-gpu}
 # wgpu's Vulkan backend complains on every start without it (headless machines often lack it).
@@ -62,7 +66,7 @@ check() {
         grep -E "^(step .*val|done)" "$RUNS/tiny-$dev.log"
     done
     for dev in flex "$DEVICE"; do
-        "$EMBER" generate --checkpoint "$RUNS/tiny-flex" --device "$dev" --prompt ROMEO: \
+        "$EMBER_GEN" generate --checkpoint "$RUNS/tiny-flex" --device "$dev" --prompt ROMEO: \
             --greedy --max-tokens 200 >"$RUNS/greedy-$dev.txt" 2>"$RUNS/greedy-$dev.log" || {
             echo "FAILED: generate on $dev"
             tail -5 "$RUNS/greedy-$dev.log"
@@ -89,9 +93,12 @@ speed() {
     "${torch[@]}"
     for mode in "" "--no-cache"; do
         # shellcheck disable=SC2086 # $mode is empty or one flag
-        logged "$RUNS/generate.log" "$EMBER" generate --checkpoint "$RUNS/speed" \
+        logged "$RUNS/generate.log" "$EMBER_GEN" generate --checkpoint "$RUNS/speed" \
             --device "$DEVICE" --prompt ROMEO: --max-tokens 500 --seed 1 $mode
         grep "tokens/s" "$RUNS/generate.log"
+        # shellcheck disable=SC2086
+        "$PYTHON" scripts/torch_reference.py generate --device "$TORCH_DEVICE" --d-model 384 \
+            --heads 6 --layers 6 --context 256 --tokens 500 $mode
     done
 }
 
@@ -102,9 +109,19 @@ full() {
     echo "wall: $(($(date +%s) - start)) s"
     grep -E "^(step .*val|done|peak|checkpoint:)" "$RUNS/full.log"
     ms_per_step "$RUNS/full"
-    "$EMBER" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
+    "$EMBER_GEN" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
+}
+
+# The PyTorch reference of `full`: the GPU config's 5000 iterations (fp32 eager, as `speed`
+# times), its time and val loss on the same GPU.
+reference() {
+    torch=("$PYTHON" scripts/torch_reference.py quality --device "$TORCH_DEVICE" --d-model 384
+        --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps 5000
+        --eval-batches 200)
+    echo "\$ ${torch[*]}"
+    "${torch[@]}"
 }
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full}"
+"${1:?usage: bench-gpu.sh check|speed|full|reference}"

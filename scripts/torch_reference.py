@@ -7,6 +7,8 @@ matrices only, global-norm clipping 1.0), on tiny Shakespeare characters, with n
     python3 scripts/torch_reference.py train --steps 100 --threads 2
     python3 scripts/torch_reference.py generate --tokens 500 --threads 2 [--no-cache]
     python3 scripts/torch_reference.py quality --steps 2000   # nanoGPT's run: val loss
+    python3 scripts/torch_reference.py quality --steps 5000 --device cuda --d-model 384 \
+        --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --eval-batches 200
     python3 scripts/torch_reference.py train --device cuda --d-model 384 --heads 6 --layers 6 \
         --context 256 --batch 64 --dropout 0.2                 # nanoGPT's GPU config
 
@@ -144,48 +146,61 @@ def train(args):
 
 
 def quality(args):
-    """nanoGPT's baby-GPT run: 2000 iterations, warmup 100, cosine 1e-3 -> 1e-4, then the
-    validation loss two ways: nanoGPT's estimate (mean of 20 random batches) and the whole
-    val split in consecutive windows of `context` predictions (what `ember eval` computes)."""
+    """nanoGPT's training run: `--steps` iterations (2000 for the baby GPT, 5000 for the GPU
+    config), warmup 100, cosine 1e-3 -> 1e-4 over the run, then the validation loss two ways:
+    nanoGPT's estimate (mean of `--eval-batches` random batches, 20 by default; nanoGPT uses
+    200) and the whole val split in consecutive windows of `context` predictions (what
+    `ember eval` computes). On `--device cuda` the loop syncs with the host only at the end."""
     torch.manual_seed(args.seed)
     vocab, train_ids, val_ids = corpus()
-    model = GPT(vocab, args.d_model, args.heads, args.layers, args.context)
+    model = GPT(vocab, args.d_model, args.heads, args.layers, args.context, args.dropout)
+    model = model.to(args.device)
     opt = adamw(model)
 
-    def lr_at(it, warmup=100, decay_iters=2000, lr=1e-3, min_lr=1e-4):
+    def lr_at(it, warmup=100, decay_iters=args.steps, lr=1e-3, min_lr=1e-4):
         if it < warmup:
             return lr * (it + 1) / (warmup + 1)
         ratio = (it - warmup) / (decay_iters - warmup)
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    sync()
     start = time.perf_counter()
     for it in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(it)
-        step(model, opt, *batch(train_ids, args.context, args.batch))
+        x, y = batch(train_ids, args.context, args.batch)
+        step(model, opt, x.to(args.device), y.to(args.device))
+    sync()
     seconds = time.perf_counter() - start
     model.eval()
     with torch.no_grad():
-        estimate = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-                       for x, y in (batch(val_ids, args.context, args.batch) for _ in range(20))) / 20
+        batches = (batch(val_ids, args.context, args.batch) for _ in range(args.eval_batches))
+        estimate = sum(F.cross_entropy(model(x.to(args.device)).flatten(0, 1),
+                                       y.to(args.device).flatten()).item()
+                       for x, y in batches) / args.eval_batches
         nll, count = 0.0, 0
         for s in range(0, len(val_ids) - 1, args.context):
             x = val_ids[s:s + args.context]
             y = val_ids[s + 1:s + 1 + args.context]
-            x = x[:len(y)]
+            x = x[:len(y)].to(args.device)
             logits = model(x[None])[0]
-            nll += F.cross_entropy(logits, y, reduction="sum").item()
+            nll += F.cross_entropy(logits, y.to(args.device), reduction="sum").item()
             count += len(y)
     print(json.dumps({"what": "quality", "steps": args.steps, "seconds": seconds,
-                      "val_loss_20_batches": estimate, "val_loss_full": nll / count,
+                      "val_loss_estimate": estimate, "eval_batches": args.eval_batches,
+                      "val_loss_full": nll / count, "device": args.device,
                       "threads": torch.get_num_threads(), "torch": torch.__version__}))
 
 
 @torch.no_grad()
 def generate(args):
     torch.manual_seed(1337)
-    model = GPT(66, args.d_model, args.heads, args.layers, args.context).eval()
-    idx = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    model = GPT(66, args.d_model, args.heads, args.layers, args.context).to(args.device).eval()
+    idx = torch.tensor([[1, 2, 3, 4, 5, 6]], device=args.device)
     t0 = time.perf_counter()
     if args.no_cache:
         for _ in range(args.tokens):
@@ -206,8 +221,9 @@ def generate(args):
                 produced += 1
                 logits = model(nxt, caches, start=pos)[:, -1]
                 pos += 1
+    idx.tolist()  # waits for the device
     dt = time.perf_counter() - t0
-    print(json.dumps({"what": "generate", "cache": not args.no_cache, "tokens": args.tokens,
+    print(json.dumps({"what": "generate", "device": args.device, "cache": not args.no_cache, "tokens": args.tokens,
                       "tokens_per_sec": args.tokens / dt, "threads": torch.get_num_threads(),
                       "torch": torch.__version__}))
 
@@ -227,7 +243,8 @@ def main():
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--device", default="cpu", help="cpu or cuda (train mode)")
+    p.add_argument("--eval-batches", type=int, default=20, help="quality mode's estimate")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     {"train": train, "generate": generate, "quality": quality}[args.mode](args)
