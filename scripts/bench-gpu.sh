@@ -96,7 +96,7 @@ speed() {
         logged "$RUNS/generate.log" "$EMBER_GEN" generate --checkpoint "$RUNS/speed" \
             --device "$DEVICE" --prompt ROMEO: --max-tokens 500 --seed 1 $mode
         grep "tokens/s" "$RUNS/generate.log"
-        # shellcheck disable=SC2086
+        # shellcheck disable=SC2086 # $mode is empty or one flag
         "$PYTHON" scripts/torch_reference.py generate --device "$TORCH_DEVICE" --d-model 384 \
             --heads 6 --layers 6 --context 256 --tokens 500 $mode
     done

@@ -92,12 +92,12 @@ def corpus():
     return len(chars), ids[:n], ids[n:]
 
 
-def batch(ids, context, size, generator=None):
-    """`size` random windows of `context` tokens and their next tokens."""
+def batch(ids, context, size, generator=None, device="cpu"):
+    """`size` random windows of `context` tokens and their next tokens, on `device`."""
     ix = torch.randint(len(ids) - context - 1, (size,), generator=generator)
     x = torch.stack([ids[i:i + context] for i in ix])
     y = torch.stack([ids[i + 1:i + 1 + context] for i in ix])
-    return x, y
+    return x.to(device), y.to(device)
 
 
 def step(model, opt, x, y):
@@ -129,8 +129,7 @@ def train(args):
     g = torch.Generator().manual_seed(1)
     times = []
     for i in range(args.steps + args.warmup):
-        x, y = batch(train_ids, args.context, args.batch, g)
-        x, y = x.to(args.device), y.to(args.device)
+        x, y = batch(train_ids, args.context, args.batch, g, args.device)
         t0 = time.perf_counter()
         step(model, opt, x, y).item()  # one host sync per step, as ember logs
         if i >= args.warmup:
@@ -172,15 +171,14 @@ def quality(args):
     for it in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(it)
-        x, y = batch(train_ids, args.context, args.batch)
-        step(model, opt, x.to(args.device), y.to(args.device))
+        step(model, opt, *batch(train_ids, args.context, args.batch, device=args.device))
     sync()
     seconds = time.perf_counter() - start
     model.eval()
     with torch.no_grad():
-        batches = (batch(val_ids, args.context, args.batch) for _ in range(args.eval_batches))
-        estimate = sum(F.cross_entropy(model(x.to(args.device)).flatten(0, 1),
-                                       y.to(args.device).flatten()).item()
+        batches = (batch(val_ids, args.context, args.batch, device=args.device)
+                   for _ in range(args.eval_batches))
+        estimate = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
                        for x, y in batches) / args.eval_batches
         nll, count = 0.0, 0
         for s in range(0, len(val_ids) - 1, args.context):
@@ -223,7 +221,8 @@ def generate(args):
                 pos += 1
     idx.tolist()  # waits for the device
     dt = time.perf_counter() - t0
-    print(json.dumps({"what": "generate", "device": args.device, "cache": not args.no_cache, "tokens": args.tokens,
+    print(json.dumps({"what": "generate", "device": args.device, "cache": not args.no_cache,
+                      "tokens": args.tokens,
                       "tokens_per_sec": args.tokens / dt, "threads": torch.get_num_threads(),
                       "torch": torch.__version__}))
 

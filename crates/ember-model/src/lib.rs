@@ -55,6 +55,18 @@ pub mod summary;
 mod vector_math;
 
 pub use attention::{AttentionOutput, scaled_dot_product_attention};
+pub use block_config::BlockConfig;
+pub use decoder_block::{BlockWeights, DecoderBlock, Memory};
+pub use decoder_only::{DecoderOnly, DecoderOutput};
+pub use decoder_only_config::DecoderOnlyConfig;
+pub use encoder_block::EncoderBlock;
+pub use encoder_decoder::EncoderDecoder;
+pub use encoder_decoder_config::EncoderDecoderConfig;
+pub use error::ConfigError;
+pub use kv_cache::{DecoderCache, KvCache};
+pub use mlp::{Activation, Mlp};
+pub use multi_head_attention::{MultiHeadAttention, MultiHeadAttentionConfig};
+pub use positional::PositionalKind;
 
 /// Whether ember's own flex kernels take `x` (a flex `f32` tensor, tracked by autodiff or not)
 /// rather than Burn's operations; always false without the `flex` feature.
@@ -69,18 +81,6 @@ pub(crate) fn kernels_take<const D: usize>(x: &burn::tensor::Tensor<D>) -> bool 
         false
     }
 }
-pub use block_config::BlockConfig;
-pub use decoder_block::{BlockWeights, DecoderBlock, Memory};
-pub use decoder_only::{DecoderOnly, DecoderOutput};
-pub use decoder_only_config::DecoderOnlyConfig;
-pub use encoder_block::EncoderBlock;
-pub use encoder_decoder::EncoderDecoder;
-pub use encoder_decoder_config::EncoderDecoderConfig;
-pub use error::ConfigError;
-pub use kv_cache::{DecoderCache, KvCache};
-pub use mlp::{Activation, Mlp};
-pub use multi_head_attention::{MultiHeadAttention, MultiHeadAttentionConfig};
-pub use positional::PositionalKind;
 
 /// The README's code, compiled and run as doc tests.
 #[cfg(doctest)]
