@@ -10,6 +10,7 @@ use burn::tensor::{Bool, Device, Int, Tensor};
 use crate::decoder_block::{BlockWeights, DecoderBlock};
 use crate::decoder_only_config::DecoderOnlyConfig;
 use crate::kv_cache::DecoderCache;
+use crate::layer_norm::layer_norm;
 use crate::positional::AdditivePositions;
 
 /// A decoder-only transformer language model. Build it with [`DecoderOnlyConfig::init`].
@@ -27,6 +28,8 @@ pub struct DecoderOnly {
     pub lm_head: Option<Linear>,
     /// Positions the model accepts (`max_positions`).
     pub max_positions: usize,
+    /// The LayerNorms' epsilon (Burn's `LayerNorm` keeps its own private).
+    pub layer_norm_eps: f64,
 }
 
 /// Logits and, when asked for, the attention weights of every block.
@@ -68,6 +71,7 @@ impl DecoderOnly {
                     .init(device)
             }),
             max_positions: config.max_positions(),
+            layer_norm_eps: config.layer_norm_eps,
         }
     }
 
@@ -124,7 +128,7 @@ impl DecoderOnly {
                 weights.push(w);
             }
         }
-        let x = self.ln_f.forward(x);
+        let x = layer_norm(&self.ln_f, x, self.layer_norm_eps);
         DecoderOutput {
             logits: self.head(x),
             weights,

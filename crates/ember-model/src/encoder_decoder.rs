@@ -14,6 +14,7 @@ use crate::decoder_only::DecoderOutput;
 use crate::encoder_block::EncoderBlock;
 use crate::encoder_decoder_config::EncoderDecoderConfig;
 use crate::kv_cache::DecoderCache;
+use crate::layer_norm::layer_norm;
 use crate::positional::AdditivePositions;
 
 /// An encoder-decoder transformer. Build it with [`EncoderDecoderConfig::init`].
@@ -41,6 +42,8 @@ pub struct EncoderDecoder {
     pub embed_scale: f64,
     /// Positions the model accepts on either side.
     pub max_positions: usize,
+    /// The LayerNorms' epsilon (Burn's `LayerNorm` keeps its own private).
+    pub layer_norm_eps: f64,
 }
 
 impl EncoderDecoder {
@@ -98,6 +101,7 @@ impl EncoderDecoder {
                 1.0
             },
             max_positions: config.max_positions,
+            layer_norm_eps: config.layer_norm_eps,
         }
     }
 
@@ -126,7 +130,7 @@ impl EncoderDecoder {
             weights.extend(w);
         }
         if let Some(norm) = &self.encoder_norm {
-            x = norm.forward(x);
+            x = layer_norm(norm, x, self.layer_norm_eps);
         }
         (
             Memory {
@@ -166,7 +170,7 @@ impl EncoderDecoder {
             }
         }
         if let Some(norm) = &self.decoder_norm {
-            x = norm.forward(x);
+            x = layer_norm(norm, x, self.layer_norm_eps);
         }
         let logits = match &self.output {
             Some(output) => crate::linear::linear(output, x),

@@ -37,6 +37,8 @@ pub mod error;
 #[cfg(feature = "flex")]
 mod flex_attention;
 #[cfg(feature = "flex")]
+mod flex_layer_norm;
+#[cfg(feature = "flex")]
 mod flex_matmul;
 #[cfg(feature = "flex")]
 mod flex_softmax;
@@ -44,6 +46,8 @@ mod flex_softmax;
 mod flex_tensor;
 pub mod gelu_kernel;
 pub mod kv_cache;
+pub mod layer_norm;
+pub mod layer_norm_kernel;
 pub mod linear;
 pub mod loss;
 pub mod mlp;

@@ -5,6 +5,8 @@ use burn::module::Module;
 use burn::nn::{Dropout, LayerNorm, LayerNormConfig};
 use burn::tensor::{Device, Tensor};
 
+use crate::layer_norm::layer_norm;
+
 /// A LayerNorm and where it sits relative to the residual sum.
 #[derive(Module, Debug)]
 pub struct Residual {
@@ -12,6 +14,8 @@ pub struct Residual {
     pub norm: LayerNorm,
     /// `true`: `x + f(norm(x))`; `false`: `norm(x + f(x))`.
     pub norm_first: bool,
+    /// The norm's epsilon (Burn's `LayerNorm` keeps its own private).
+    pub eps: f64,
 }
 
 impl Residual {
@@ -20,6 +24,7 @@ impl Residual {
         Self {
             norm: LayerNormConfig::new(d_model).with_epsilon(eps).init(device),
             norm_first,
+            eps,
         }
     }
 
@@ -36,12 +41,16 @@ impl Residual {
         sublayer: impl FnOnce(Tensor<3>) -> (Tensor<3>, E),
     ) -> (Tensor<3>, E) {
         if self.norm_first {
-            let (y, extra) = sublayer(self.norm.forward(x.clone()));
+            let (y, extra) = sublayer(self.norm(x.clone()));
             (x + apply(dropout, y), extra)
         } else {
             let (y, extra) = sublayer(x.clone());
-            (self.norm.forward(x + apply(dropout, y)), extra)
+            (self.norm(x + apply(dropout, y)), extra)
         }
+    }
+
+    fn norm(&self, x: Tensor<3>) -> Tensor<3> {
+        layer_norm(&self.norm, x, self.eps)
     }
 }
 

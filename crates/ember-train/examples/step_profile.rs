@@ -57,6 +57,17 @@ fn main() {
         let g = loss.backward();
         let _ = GradientsParams::from_grads(g, &model);
     });
+    // A whole optimizer step as the trainer takes it: gradients, global-norm clipping, AdamW.
+    let training = ember_train::config::TrainingConfig::default();
+    let mut optim = ember_train::optimizer::adamw(&training, &model);
+    let mut stepped = Some(model.clone());
+    time("forward + backward + clip + AdamW", n, || {
+        let m = stepped.take().expect("put back after each step");
+        let loss = m.loss(x.clone(), y.clone());
+        let mut grads = GradientsParams::from_grads(loss.backward(), &m);
+        let _ = ember_train::optimizer::clip_global_norm(&m, &mut grads, training.grad_clip);
+        stepped = Some(optim.step(1e-4, m, grads));
+    });
     let inner = Device::flex();
     let m2 = config.init(&inner).unwrap();
     let xi = Tensor::<2, Int>::random([12, 64], Distribution::Uniform(0.0, 65.0), &inner);

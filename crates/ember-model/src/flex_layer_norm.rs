@@ -1,0 +1,187 @@
+//! LayerNorm's normalisation and scale on flex through [`crate::layer_norm_kernel`], with its
+//! own autodiff op. Under autodiff Burn 0.22.1 builds LayerNorm from nine tensor ops (mean,
+//! subtraction, square, mean, `+ eps`, square root, division, scale, shift), each with its own
+//! buffer and backward; here it is one pass forward and one backward.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
+use burn::nn::LayerNorm;
+use burn::tensor::{Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::flex_tensor::{
+    Route, Tracked, contiguous, from_values, map_plain2, map_tracked2, route,
+};
+use crate::layer_norm_kernel;
+
+/// `norm`'s LayerNorm of `x` with epsilon `eps`: the normalisation and scale through this
+/// module's op, then the bias as a tensor op, where `x` and `gamma` are flex `f32` and both
+/// tracked by autodiff or both not; else Burn's `LayerNorm::forward`.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - output: `[..., D]`
+pub(crate) fn layer_norm<const N: usize>(norm: &LayerNorm, x: Tensor<N>, eps: f64) -> Tensor<N> {
+    use GradientCheckpointingStrategy::{Balanced, Disabled};
+    let eps = eps as f32;
+    let (x, gamma) = (x.into_dispatch(), norm.gamma.val().into_dispatch());
+    let out = match (route(&x), route(&gamma)) {
+        (Route::Flex, Route::Flex) => map_plain2(x, gamma, |x, g| forward(x, &g, eps).0),
+        (Route::Autodiff(Disabled), Route::Autodiff(Disabled)) => {
+            map_tracked2::<NoCheckpointing>(x, gamma, |x, g| tracked::<NoCheckpointing>(x, g, eps))
+        }
+        (Route::Autodiff(Balanced), Route::Autodiff(Balanced)) => {
+            map_tracked2::<BalancedCheckpointing>(x, gamma, |x, g| {
+                tracked::<BalancedCheckpointing>(x, g, eps)
+            })
+        }
+        _ => return norm.forward(Tensor::from_dispatch(x)),
+    };
+    let y = Tensor::from_dispatch(out);
+    match &norm.beta {
+        Some(beta) => y + beta.val().unsqueeze::<N>(),
+        None => y,
+    }
+}
+
+/// The autodiff op; its backward needs the input, gamma and each row's mean and `rstd`.
+fn tracked<C: CheckpointStrategy>(x: Tracked, gamma: Tracked, eps: f32) -> Tracked {
+    match ScaledNorm
+        .prepare::<C>([x.node(), gamma.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (x, gamma) = (contiguous(x.primitive().clone()), gamma.primitive().clone());
+            let (y, stats) = forward(x.clone(), &gamma, eps);
+            prep.finish((x, gamma, stats), y)
+        }
+        OpsKind::UnTracked(prep) => {
+            prep.finish(forward(x.into_primitive(), gamma.primitive(), eps).0)
+        }
+    }
+}
+
+#[derive(Debug)]
+struct ScaledNorm;
+
+impl Backward<Flex, 2> for ScaledNorm {
+    /// The input (contiguous), gamma and `[mean, rstd]` per row.
+    type State = (FlexTensor, FlexTensor, Vec<f32>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, gamma, stats) = ops.state;
+        let grad = grads.consume::<Flex>(&ops.node);
+        let (dx, dgamma) = backward(&x, &gamma, &stats, grad);
+        let [x_node, gamma_node] = ops.parents;
+        if let Some(node) = x_node {
+            grads.register::<Flex>(node.id, dx);
+        }
+        if let Some(node) = gamma_node {
+            grads.register::<Flex>(node.id, dgamma);
+        }
+    }
+}
+
+/// Rows per task when a tensor is split over rayon's threads: about 32k values. Shorter
+/// tensors (a decoding step's) stay on the calling thread.
+fn rows_per_task(d: usize) -> usize {
+    ((1 << 15) / d.max(1)).max(1)
+}
+
+/// The values of a contiguous flex tensor.
+fn values(t: &FlexTensor) -> &[f32] {
+    let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
+    &t.storage::<f32>()[start..end]
+}
+
+/// The output and `[mean, rstd]` per row.
+fn forward(x: FlexTensor, gamma: &FlexTensor, eps: f32) -> (FlexTensor, Vec<f32>) {
+    let x = contiguous(x);
+    let gamma = contiguous(gamma.clone());
+    let (xs, gs) = (values(&x), values(&gamma));
+    let d = gs.len();
+    assert_eq!(
+        xs.len() % d.max(1),
+        0,
+        "LayerNorm: input width is not gamma's"
+    );
+    let rows = xs.len() / d.max(1);
+    let mut y = vec![0.0; xs.len()];
+    let mut stats = vec![0.0; 2 * rows];
+    let task = rows_per_task(d);
+    if rows < 2 * task {
+        layer_norm_kernel::forward(xs, gs, eps, &mut y, &mut stats);
+    } else {
+        y.par_chunks_mut(task * d)
+            .zip(stats.par_chunks_mut(task * 2))
+            .enumerate()
+            .for_each(|(i, (ys, st))| {
+                let at = i * task * d;
+                layer_norm_kernel::forward(&xs[at..at + ys.len()], gs, eps, ys, st)
+            });
+    }
+    (from_values(y, x.shape()), stats)
+}
+
+/// The input's and gamma's gradients from the output's.
+fn backward(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    stats: &[f32],
+    grad: FlexTensor,
+) -> (FlexTensor, FlexTensor) {
+    let gamma = contiguous(gamma.clone());
+    let (xs, gs) = (values(x), values(&gamma));
+    let d = gs.len();
+    // The output's gradient becomes the input's in place when no one else holds its buffer.
+    let mut grad = contiguous(grad);
+    let shape = grad.shape();
+    let (start, end) = grad.layout().contiguous_offsets().expect("contiguous");
+    let in_place = grad.try_storage_mut::<f32>().is_some();
+    let mut copy = if in_place {
+        Vec::new()
+    } else {
+        values(&grad).to_vec()
+    };
+    let g: &mut [f32] = match grad.try_storage_mut::<f32>() {
+        Some(storage) if in_place => &mut storage[start..end],
+        _ => &mut copy,
+    };
+    assert_eq!(g.len(), xs.len(), "LayerNorm backward: sizes differ");
+    let rows = xs.len() / d.max(1);
+    let task = rows_per_task(d);
+    let run = |at: usize, g: &mut [f32], st: &[f32]| {
+        let (mut dgamma, mut scratch) = (vec![0.0; d], vec![0.0; 2 * d]);
+        let xs = &xs[at..at + g.len()];
+        layer_norm_kernel::backward(xs, gs, st, g, &mut dgamma, &mut scratch);
+        dgamma
+    };
+    let dgamma = if rows < 2 * task {
+        run(0, g, stats)
+    } else {
+        let parts: Vec<Vec<f32>> = g
+            .par_chunks_mut(task * d)
+            .zip(stats.par_chunks(task * 2))
+            .enumerate()
+            .map(|(i, (g, st))| run(i * task * d, g, st))
+            .collect();
+        let mut sum = vec![0.0; d];
+        for part in parts {
+            sum.iter_mut().zip(part).for_each(|(s, p)| *s += p);
+        }
+        sum
+    };
+    let dx = if in_place {
+        grad
+    } else {
+        from_values(copy, shape)
+    };
+    (dx, from_values(dgamma, Shape::new([d])))
+}

@@ -1,0 +1,97 @@
+//! LayerNorm that is fast on Burn's flex CPU backend.
+//!
+//! On flex `f32` tensors (tracked by autodiff or not) [`layer_norm`] normalises and scales in
+//! one pass with its own backward pass (`flex_layer_norm`), then adds the bias as a tensor op;
+//! on every other backend it is Burn's `LayerNorm::forward`. Burn 0.22.1 builds LayerNorm
+//! under autodiff from nine tensor ops, each with a buffer and a backward: a tenth of a
+//! baby-GPT training step on flex. Burn's `LayerNorm` keeps its epsilon private, so the caller
+//! passes the one the module was built with.
+
+use burn::nn::LayerNorm;
+use burn::tensor::Tensor;
+
+/// `norm`'s LayerNorm of `x` over the last axis; `eps` must be the epsilon `norm` was built
+/// with.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - output: `[..., D]`
+pub fn layer_norm<const N: usize>(norm: &LayerNorm, x: Tensor<N>, eps: f64) -> Tensor<N> {
+    #[cfg(feature = "flex")]
+    {
+        crate::flex_layer_norm::layer_norm(norm, x, eps)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = eps;
+        norm.forward(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::Param;
+    use burn::nn::LayerNormConfig;
+    use burn::tensor::{Device, Distribution};
+
+    /// Output and the gradients of input, gamma and beta against Burn's `LayerNorm` given the
+    /// same weights, on flex with and without autodiff (and with checkpointing), with and without
+    /// a bias, for a row count that splits over threads and one that does not.
+    #[test]
+    fn layer_norm_equals_burns() {
+        let devices = [
+            (Device::flex(), false),
+            (Device::flex().autodiff(), true),
+            (Device::flex().autodiff().gradient_checkpointing(), true),
+        ];
+        for (device, tracked) in devices {
+            for (bias, rows) in [(true, 5), (false, 5), (true, 700), (false, 700)] {
+                let normal = Distribution::Normal(0.5, 2.0);
+                let mut norm = LayerNormConfig::new(96)
+                    .with_epsilon(1e-3)
+                    .with_bias(bias)
+                    .init(&device);
+                norm.gamma = Param::from_tensor(Tensor::random([96], normal, &device));
+                if bias {
+                    norm.beta = Some(Param::from_tensor(Tensor::random([96], normal, &device)));
+                }
+                let base = Tensor::<3>::random([rows, 96, 2], normal, &device);
+                let run = |ours: bool| {
+                    let x = if tracked {
+                        base.clone().require_grad()
+                    } else {
+                        base.clone()
+                    };
+                    let input = x.clone().swap_dims(1, 2); // not contiguous
+                    assert!(crate::kernels_take(&input));
+                    let y = if ours {
+                        layer_norm(&norm, input, 1e-3)
+                    } else {
+                        norm.forward(input)
+                    };
+                    let mut out = vec![y.clone().reshape([-1])];
+                    if tracked {
+                        let grads = (y.clone() * y.sin()).sum().backward();
+                        out.push(x.grad(&grads).unwrap().reshape([-1]));
+                        out.push(norm.gamma.val().grad(&grads).unwrap());
+                        if let Some(beta) = &norm.beta {
+                            out.push(beta.val().grad(&grads).unwrap());
+                        }
+                    }
+                    out
+                };
+                let (ours, burns) = (run(true), run(false));
+                assert_eq!(ours.len(), burns.len());
+                for (i, (a, b)) in ours.into_iter().zip(burns).enumerate() {
+                    let scale = b.clone().abs().max().into_scalar::<f32>().max(1.0);
+                    let d = (a - b).abs().max().into_scalar::<f32>();
+                    assert!(
+                        d < 2e-5 * scale,
+                        "{device:?}, bias {bias}, rows {rows}, output {i}: differs by {d}"
+                    );
+                }
+            }
+        }
+    }
+}
