@@ -67,6 +67,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(d, h, dropout) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d, bias=False)
         self.apply(self._init)
+        # nanoGPT's scaled init of the projections into the residual stream ("c_proj.weight").
+        for block in self.blocks:
+            for proj in (block.c_proj, block.mlp_proj):
+                nn.init.normal_(proj.weight, 0.0, 0.02 / math.sqrt(2 * layers))
 
     @staticmethod
     def _init(m):
