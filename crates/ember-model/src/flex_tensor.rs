@@ -1,4 +1,5 @@
-//! Reaching the `f32` buffers of tensors on Burn's flex backend, for ember's CPU kernels.
+//! Reaching the `f32` buffers of tensors on Burn's flex backend, for ember's CPU kernels (and,
+//! through [`as_flex`] and [`from_flex`], those of ember's other crates).
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::{FlexTensor, Layout};
@@ -48,7 +49,7 @@ pub(crate) fn takes_kernels<const D: usize>(x: &Tensor<D>) -> bool {
 
 /// The flex tensor behind `x` (sharing its buffer) when `x` is a plain, untracked flex `f32`
 /// tensor ([`Route::Flex`]); `None` otherwise.
-pub(crate) fn as_flex<const D: usize>(x: &Tensor<D>) -> Option<FlexTensor> {
+pub fn as_flex<const D: usize>(x: &Tensor<D>) -> Option<FlexTensor> {
     let tensor = x.clone().into_dispatch();
     let plain = matches!(route(&tensor), Route::Flex);
     plain.then(|| flex_of(tensor))
@@ -123,7 +124,7 @@ where
 }
 
 /// Wraps a flex tensor back into a [`Tensor`].
-pub(crate) fn from_flex<const D: usize>(t: FlexTensor) -> Tensor<D> {
+pub fn from_flex<const D: usize>(t: FlexTensor) -> Tensor<D> {
     Tensor::from_dispatch(
         <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(BackendTensor::Float(t)),
     )

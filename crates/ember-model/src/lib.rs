@@ -43,7 +43,7 @@ mod flex_matmul;
 #[cfg(feature = "flex")]
 mod flex_softmax;
 #[cfg(feature = "flex")]
-mod flex_tensor;
+pub mod flex_tensor;
 pub mod gelu_kernel;
 pub mod kv_cache;
 pub mod layer_norm;

@@ -4,6 +4,7 @@
 //! root) schedules, gradient accumulation, global-norm clipping, periodic evaluation, metrics
 //! (`metrics.jsonl`), a loss plot (`loss.png`), and atomic checkpoints that a run resumes from.
 
+pub mod adamw;
 pub mod average;
 pub mod checkpoint;
 pub mod config;

@@ -2,9 +2,10 @@
 //! (Burn's own clipping is per tensor; nanoGPT and PyTorch clip the norm of all gradients).
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 
+use crate::adamw::FusedAdamW;
 use crate::config::TrainingConfig;
 
 /// Collects the ids of parameters with fewer than two axes: biases, LayerNorm scales.
@@ -21,20 +22,21 @@ impl ModuleVisitor for VectorParams {
 /// AdamW as the config says; biases and norm parameters get no weight decay (as in GPT-2 and
 /// nanoGPT), weight matrices and embeddings do.
 pub fn adamw<M: Module>(config: &TrainingConfig, model: &M) -> ModuleOptimizer {
-    let adam = AdamWConfig::new()
-        .with_beta_1(config.beta1 as f32)
-        .with_beta_2(config.beta2 as f32)
-        .with_epsilon(config.eps as f32);
+    let adam = |weight_decay: f64| {
+        FusedAdamW::new(
+            config.beta1 as f32,
+            config.beta2 as f32,
+            config.eps as f32,
+            weight_decay as f32,
+        )
+    };
     let mut vectors = VectorParams(Vec::new());
     model.visit(&mut vectors);
-    adam.clone()
-        .with_weight_decay(config.weight_decay as f32)
-        .init()
-        .with_group(
-            ParamGroup::from_ids(vectors.0),
-            adam.with_weight_decay(0.0).build(),
-            None,
-        )
+    ModuleOptimizer::from(adam(config.weight_decay)).with_group(
+        ParamGroup::from_ids(vectors.0),
+        adam(0.0),
+        None,
+    )
 }
 
 /// Sums the squares of every gradient of `model`'s parameters.
@@ -149,6 +151,20 @@ mod tests {
         for r in ratio {
             assert!((r - 0.5 / want).abs() < 1e-4, "scaled by {r}");
         }
+    }
+
+    #[test]
+    fn gradients_under_the_limit_are_left_as_they_are() {
+        let device = Device::flex().autodiff();
+        let model = LinearConfig::new(3, 2).init(&device);
+        let x = Tensor::<2>::from_floats([[1.0, 2.0, -0.5]], &device);
+        let mut grads = GradientsParams::from_grads(model.forward(x).sum().backward(), &model);
+        let before = grads.get::<2>(model.weight.id).unwrap().to_data();
+        // d sum / d weight is x for each output: norm sqrt(2 * 5.25 + 2) (bias gradient 1, 1).
+        let want = (2.0f32 * 5.25 + 2.0).sqrt();
+        let norm = clip_global_norm(&model, &mut grads, 100.0).unwrap();
+        assert!((norm.into_scalar::<f32>() - want).abs() < 1e-5);
+        assert_eq!(grads.get::<2>(model.weight.id).unwrap().to_data(), before);
     }
 
     #[test]
