@@ -1,5 +1,6 @@
 //! Reaching the `f32` buffers of tensors on Burn's flex backend, for ember's CPU kernels (and,
-//! through [`as_flex`] and [`from_flex`], those of ember's other crates).
+//! through [`as_flex`], [`from_flex`], [`contiguous`] and [`from_values`], those of ember's other
+//! crates).
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::{FlexTensor, Layout};
@@ -47,8 +48,9 @@ pub(crate) fn takes_kernels<const D: usize>(x: &Tensor<D>) -> bool {
     !matches!(route(&x.clone().into_dispatch()), Route::Other)
 }
 
-/// The flex tensor behind `x` (sharing its buffer) when `x` is a plain, untracked flex `f32`
-/// tensor ([`Route::Flex`]); `None` otherwise.
+/// The flex tensor behind `x` (sharing its buffer) when `x` is a plain flex `f32` tensor, not
+/// tracked by autodiff; `None` otherwise. Dropping `x` afterwards leaves the buffer to the
+/// returned tensor alone (when no one else holds it), so it can be written in place.
 pub fn as_flex<const D: usize>(x: &Tensor<D>) -> Option<FlexTensor> {
     let tensor = x.clone().into_dispatch();
     let plain = matches!(route(&tensor), Route::Flex);
@@ -131,7 +133,7 @@ pub fn from_flex<const D: usize>(t: FlexTensor) -> Tensor<D> {
 }
 
 /// A contiguous copy of `t` unless it already is contiguous.
-pub(crate) fn contiguous(t: FlexTensor) -> FlexTensor {
+pub fn contiguous(t: FlexTensor) -> FlexTensor {
     if t.is_contiguous() {
         t
     } else {
@@ -140,7 +142,7 @@ pub(crate) fn contiguous(t: FlexTensor) -> FlexTensor {
 }
 
 /// A new contiguous `f32` tensor of `shape` holding `values`.
-pub(crate) fn from_values(values: Vec<f32>, shape: Shape) -> FlexTensor {
+pub fn from_values(values: Vec<f32>, shape: Shape) -> FlexTensor {
     FlexTensor::new(
         Bytes::from_elems(values),
         Layout::contiguous(shape),

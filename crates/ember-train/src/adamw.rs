@@ -8,10 +8,10 @@
 //! [`AdamWState`], so checkpoints of either load into the other.
 
 use burn::backend::TensorMetadata;
-use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::flex::FlexTensor;
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
-use burn::tensor::{Bytes, DType, Device, Shape, Tensor};
-use ember_model::flex_tensor::{as_flex, from_flex};
+use burn::tensor::{Device, Tensor};
+use ember_model::flex_tensor::{as_flex, contiguous, from_flex, from_values};
 
 /// AdamW (decoupled weight decay, bias-corrected moments), fused on flex.
 #[derive(Clone)]
@@ -99,23 +99,6 @@ fn take<const D: usize>(t: Tensor<D>) -> FlexTensor {
     let flex = as_flex(&t).expect("checked by fusable");
     drop(t);
     contiguous(flex)
-}
-
-fn contiguous(t: FlexTensor) -> FlexTensor {
-    if t.is_contiguous() {
-        t
-    } else {
-        t.to_contiguous()
-    }
-}
-
-/// A new contiguous `f32` tensor of `shape` holding `values`.
-fn from_values(values: Vec<f32>, shape: Shape) -> FlexTensor {
-    FlexTensor::new(
-        Bytes::from_elems(values),
-        Layout::contiguous(shape),
-        DType::F32,
-    )
 }
 
 /// Writable values of a contiguous flex tensor: its own buffer when no one else holds it, else a
