@@ -16,7 +16,7 @@ use burn::tensor::{Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::flex_tensor::{
-    Route, Tracked, contiguous, from_values, map_plain2, map_tracked2, route,
+    Route, Tracked, contiguous, from_values, map_plain2, map_tracked2, route, values, values_mut,
 };
 use crate::layer_norm_kernel;
 
@@ -95,12 +95,6 @@ fn rows_per_task(d: usize) -> usize {
     ((1 << 15) / d.max(1)).max(1)
 }
 
-/// The values of a contiguous flex tensor.
-fn values(t: &FlexTensor) -> &[f32] {
-    let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
-    &t.storage::<f32>()[start..end]
-}
-
 /// The output and `[mean, rstd]` per row.
 fn forward(x: FlexTensor, gamma: &FlexTensor, eps: f32) -> (FlexTensor, Vec<f32>) {
     let x = contiguous(x);
@@ -140,20 +134,9 @@ fn backward(
     let gamma = contiguous(gamma.clone());
     let (xs, gs) = (values(x), values(&gamma));
     let d = gs.len();
-    // The output's gradient becomes the input's in place when no one else holds its buffer.
-    let mut grad = contiguous(grad);
-    let shape = grad.shape();
-    let (start, end) = grad.layout().contiguous_offsets().expect("contiguous");
-    let in_place = grad.try_storage_mut::<f32>().is_some();
-    let mut copy = if in_place {
-        Vec::new()
-    } else {
-        values(&grad).to_vec()
-    };
-    let g: &mut [f32] = match grad.try_storage_mut::<f32>() {
-        Some(storage) if in_place => &mut storage[start..end],
-        _ => &mut copy,
-    };
+    // The output's gradient becomes the input's, in place when no one else holds its buffer.
+    let mut dx = contiguous(grad);
+    let g = values_mut(&mut dx);
     assert_eq!(g.len(), xs.len(), "LayerNorm backward: sizes differ");
     let rows = xs.len() / d.max(1);
     let task = rows_per_task(d);
@@ -177,11 +160,6 @@ fn backward(
             sum.iter_mut().zip(part).for_each(|(s, p)| *s += p);
         }
         sum
-    };
-    let dx = if in_place {
-        grad
-    } else {
-        from_values(copy, shape)
     };
     (dx, from_values(dgamma, Shape::new([d])))
 }

@@ -1,13 +1,13 @@
 //! Reaching the `f32` buffers of tensors on Burn's flex backend, for ember's CPU kernels (and,
-//! through [`as_flex`], [`from_flex`], [`contiguous`] and [`from_values`], those of ember's other
-//! crates).
+//! through [`as_flex`], [`from_flex`], [`contiguous`], [`from_values`], [`values`] and
+//! [`values_mut`], those of ember's other crates).
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, BackendTensor, DispatchAutodiffContext, DispatchKindConversion, DispatchTensor,
-    DispatchTensorKind, Flex, GradientCheckpointingStrategy,
+    DispatchTensorKind, Flex, GradientCheckpointingStrategy, TensorMetadata,
 };
 use burn::tensor::{Bytes, DType, Shape, Tensor};
 
@@ -148,4 +148,20 @@ pub fn from_values(values: Vec<f32>, shape: Shape) -> FlexTensor {
         Layout::contiguous(shape),
         DType::F32,
     )
+}
+
+/// The values of a contiguous flex `f32` tensor.
+pub fn values(t: &FlexTensor) -> &[f32] {
+    let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
+    &t.storage::<f32>()[start..end]
+}
+
+/// Writable values of a contiguous flex `f32` tensor: its own buffer when no one else holds it,
+/// else a copy swapped in first.
+pub fn values_mut(t: &mut FlexTensor) -> &mut [f32] {
+    if t.try_storage_mut::<f32>().is_none() {
+        *t = from_values(values(t).to_vec(), t.shape());
+    }
+    let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
+    &mut t.try_storage_mut::<f32>().expect("owned")[start..end]
 }

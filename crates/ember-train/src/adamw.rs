@@ -11,7 +11,7 @@ use burn::backend::TensorMetadata;
 use burn::backend::flex::FlexTensor;
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::tensor::{Device, Tensor};
-use ember_model::flex_tensor::{as_flex, contiguous, from_flex, from_values};
+use ember_model::flex_tensor::{as_flex, contiguous, from_flex, from_values, values, values_mut};
 
 /// AdamW (decoupled weight decay, bias-corrected moments), fused on flex.
 #[derive(Clone)]
@@ -57,7 +57,6 @@ impl Optimizer for FusedAdamW {
         if !fused {
             return self.burn.step(lr, tensor, grad, state);
         }
-        let shape = tensor.shape();
         let (param, grad) = (take(tensor), take(grad));
         let (time, moments) = match state {
             Some(state) => {
@@ -68,9 +67,7 @@ impl Optimizer for FusedAdamW {
         };
         let (param, m1, m2) = self.update(lr, time, param, &grad, moments);
         let momentum = AdaptiveMomentumState::new(time, from_flex(m1), from_flex(m2));
-        let param: Tensor<D> = from_flex(param);
-        debug_assert_eq!(param.shape(), shape);
-        (param, Some(AdamWState::new(momentum)))
+        (from_flex(param), Some(AdamWState::new(momentum)))
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
@@ -101,17 +98,6 @@ fn take<const D: usize>(t: Tensor<D>) -> FlexTensor {
     contiguous(flex)
 }
 
-/// Writable values of a contiguous flex tensor: its own buffer when no one else holds it, else a
-/// copy (swapped in).
-fn values_mut(t: &mut FlexTensor) -> &mut [f32] {
-    let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
-    if t.try_storage_mut::<f32>().is_none() {
-        *t = from_values(t.storage::<f32>()[start..end].to_vec(), t.shape());
-        return values_mut(t);
-    }
-    &mut t.try_storage_mut::<f32>().expect("owned")[start..end]
-}
-
 impl FusedAdamW {
     /// One step at `time` (1 for the first): new parameter, first and second moments.
     fn update(
@@ -122,8 +108,7 @@ impl FusedAdamW {
         grad: &FlexTensor,
         moments: Option<(FlexTensor, FlexTensor)>,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
-        let (start, end) = grad.layout().contiguous_offsets().expect("contiguous");
-        let g = &grad.storage::<f32>()[start..end];
+        let g = values(grad);
         let zeros = || from_values(vec![0.0; g.len()], grad.shape());
         let (mut m1, mut m2) = moments.unwrap_or_else(|| (zeros(), zeros()));
         let k = Constants::new(self, lr, time);
