@@ -1,9 +1,9 @@
 //! Times the parts of one training step of the baby GPT on flex, to see where time goes.
 //! `cargo run --release -p ember-train --example step_profile` (`ACT=relu` or `ACT=tanh` for
 //! that MLP activation instead of exact GELU; `ONLY=forward` to run only the lines whose name
-//! starts with that text, e.g. under `perf record`).
+//! starts with that text, e.g. under `perf record`; `N=200` to time 200 repetitions, not 20).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Distribution, Int, Tensor};
@@ -31,6 +31,21 @@ fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
     );
 }
 
+/// Like [`time`], for the part of each run that `f` times itself and returns.
+fn time_part<F: FnMut() -> Duration>(name: &str, n: usize, mut f: F) {
+    if let Ok(only) = std::env::var("ONLY")
+        && !name.trim_start().starts_with(only.as_str())
+    {
+        return;
+    }
+    f();
+    let total: Duration = (0..n).map(|_| f()).sum();
+    println!(
+        "{name:<40} {:8.2} ms",
+        total.as_secs_f64() * 1000.0 / n as f64
+    );
+}
+
 fn main() {
     // SAFETY: sets mimalloc's integer option `mi_option_purge_delay` (15) to "never purge".
     unsafe { libmimalloc_sys::mi_option_set(15, -1) };
@@ -48,9 +63,19 @@ fn main() {
     let model = config.init(&device).unwrap();
     let x = Tensor::<2, Int>::random([12, 64], Distribution::Uniform(0.0, 65.0), &device);
     let y = Tensor::<2, Int>::random([12, 64], Distribution::Uniform(0.0, 65.0), &device);
-    let n = 20;
-    time("forward (loss, autodiff)", n, || {
-        let _ = model.loss(x.clone(), y.clone()).into_scalar::<f32>();
+    let n = std::env::var("N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    // Timed without its backward pass, which still runs: Burn's autodiff frees a graph only in
+    // a backward pass, so forwards without one pile up graphs (and page faults).
+    time_part("forward (loss, autodiff)", n, || {
+        let start = Instant::now();
+        let loss = model.loss(x.clone(), y.clone());
+        let _ = loss.clone().into_scalar::<f32>();
+        let forward = start.elapsed();
+        let _ = loss.backward();
+        forward
     });
     time("forward + backward", n, || {
         let loss = model.loss(x.clone(), y.clone());
@@ -60,6 +85,11 @@ fn main() {
     // A whole optimizer step as the trainer takes it: gradients, global-norm clipping, AdamW.
     let training = ember_train::config::TrainingConfig::default();
     let mut optim = ember_train::optimizer::adamw(&training, &model);
+    time("forward + backward + clip", n, || {
+        let loss = model.loss(x.clone(), y.clone());
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        let _ = ember_train::optimizer::clip_global_norm(&model, &mut grads, training.grad_clip);
+    });
     let mut stepped = Some(model.clone());
     time("forward + backward + clip + AdamW", n, || {
         let m = stepped.take().expect("put back after each step");
