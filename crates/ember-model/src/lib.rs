@@ -56,6 +56,8 @@ pub mod positional;
 pub mod residual;
 pub mod softmax_kernel;
 pub mod summary;
+#[cfg(feature = "flex")]
+pub mod threads;
 mod vector_math;
 
 pub use attention::{AttentionOutput, scaled_dot_product_attention};

@@ -1,7 +1,8 @@
 //! Times the parts of one training step of the baby GPT on flex, to see where time goes.
 //! `cargo run --release -p ember-train --example step_profile` (`ACT=relu` or `ACT=tanh` for
 //! that MLP activation instead of exact GELU; `ONLY=forward` to run only the lines whose name
-//! starts with that text, e.g. under `perf record`; `N=200` to time 200 repetitions, not 20).
+//! starts with that text, e.g. under `perf record`; `N=200` to time 200 repetitions, not 20;
+//! `OUTSIDE_POOL=1` to run outside rayon's pool, as before `ember_model::threads`).
 
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,14 @@ fn time_part<F: FnMut() -> Duration>(name: &str, n: usize, mut f: F) {
 }
 
 fn main() {
+    // As the `ember` binary does, unless OUTSIDE_POOL is set (to see what it changes).
+    if std::env::var_os("OUTSIDE_POOL").is_none() {
+        ember_model::threads::join_global_pool();
+    }
+    run();
+}
+
+fn run() {
     // SAFETY: sets mimalloc's integer option `mi_option_purge_delay` (15) to "never purge".
     unsafe { libmimalloc_sys::mi_option_set(15, -1) };
     let device = Device::flex().autodiff();

@@ -37,39 +37,46 @@ pub fn accumulate<T: Task>(
     // in order, before the workers start: otherwise the first step's workers would race to
     // initialise the shared parameters while seeding and drawing from the same RNG.
     model.visit(&mut Materialize);
-    let mut micros: Vec<Micro> = std::thread::scope(|scope| {
-        let workers: Vec<_> = devices
-            .iter()
-            .enumerate()
-            .map(|(j, device)| {
-                let (model, main) = (model.clone(), main.clone());
-                scope.spawn(move || {
-                    let device = device.clone().autodiff();
-                    if j > 0 {
-                        let salt = DROPOUT_SALT ^ ((j as u64) << 32);
-                        device.seed(ember_data::batch_seed(config.seed, step, salt));
-                    }
-                    let model = model.fork(&device);
-                    (j as u64..n)
-                        .step_by(k as usize)
-                        .map(|micro| {
-                            let (loss, tokens) = task.train_loss(&model, step, micro, &device);
-                            let loss = loss.div_scalar(n as f64);
-                            let grads = GradientsParams::from_grads(loss.backward(), &model)
-                                .to_device(&main, &model);
-                            (micro, loss.detach().to_device(&main), tokens, grads)
-                        })
-                        .collect::<Vec<Micro>>()
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| match w.join() {
-                Ok(micros) => micros,
-                Err(panic) => std::panic::resume_unwind(panic),
+    // Device `j`'s share of the step, on a fork of the model on that device.
+    let share = |j: usize, device: &Device, model: T::Model| -> Vec<Micro> {
+        let device = device.clone().autodiff();
+        if j > 0 {
+            let salt = DROPOUT_SALT ^ ((j as u64) << 32);
+            device.seed(ember_data::batch_seed(config.seed, step, salt));
+        }
+        let model = model.fork(&device);
+        (j as u64..n)
+            .step_by(k as usize)
+            .map(|micro| {
+                let (loss, tokens) = task.train_loss(&model, step, micro, &device);
+                let loss = loss.div_scalar(n as f64);
+                let grads =
+                    GradientsParams::from_grads(loss.backward(), &model).to_device(&main, &model);
+                (micro, loss.detach().to_device(&main), tokens, grads)
             })
             .collect()
+    };
+    // The first device's share runs on this thread, which may be one of rayon's (the `ember`
+    // binary makes its main thread one): waiting idle for the others, it would leave the CPU
+    // kernels one thread fewer to run on.
+    let mut micros: Vec<Micro> = std::thread::scope(|scope| {
+        let others: Vec<_> = devices
+            .iter()
+            .enumerate()
+            .skip(1)
+            .map(|(j, device)| {
+                let model = model.clone();
+                scope.spawn(move || share(j, device, model))
+            })
+            .collect();
+        let mut micros = share(0, &devices[0], model.clone());
+        for other in others {
+            match other.join() {
+                Ok(more) => micros.extend(more),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        micros
     });
     micros.sort_by_key(|m| m.0);
     combine(
