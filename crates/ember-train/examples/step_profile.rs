@@ -16,20 +16,11 @@ use ember_model::DecoderOnlyConfig;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
-    if let Ok(only) = std::env::var("ONLY")
-        && !name.trim_start().starts_with(only.as_str())
-    {
-        return;
-    }
-    f();
-    let start = Instant::now();
-    for _ in 0..n {
+    time_part(name, n, || {
+        let start = Instant::now();
         f();
-    }
-    println!(
-        "{name:<40} {:8.2} ms",
-        start.elapsed().as_secs_f64() * 1000.0 / n as f64
-    );
+        start.elapsed()
+    });
 }
 
 /// Like [`time`], for the part of each run that `f` times itself and returns.
@@ -52,10 +43,6 @@ fn main() {
     if std::env::var_os("OUTSIDE_POOL").is_none() {
         ember_model::threads::join_global_pool();
     }
-    run();
-}
-
-fn run() {
     // SAFETY: sets mimalloc's integer option `mi_option_purge_delay` (15) to "never purge".
     unsafe { libmimalloc_sys::mi_option_set(15, -1) };
     let device = Device::flex().autodiff();

@@ -53,8 +53,7 @@ impl Optimizer for FusedAdamW {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
-        let fused = fusable(&tensor, &grad, state.as_ref());
-        if !fused {
+        if !fusable(&tensor, &grad, state.as_ref()) {
             return self.burn.step(lr, tensor, grad, state);
         }
         let (param, grad) = (take(tensor), take(grad));
