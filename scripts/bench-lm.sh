@@ -5,10 +5,11 @@
 #
 #   bash scripts/bench-lm.sh            # full 2000 iterations
 #   STEPS=200 bash scripts/bench-lm.sh  # a quick look (stops early; val loss is then not comparable)
+#   CONFIG=configs/shakespeare-char-rope.toml bash scripts/bench-lm.sh   # another config
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=configs/shakespeare-char.toml
+CONFIG=${CONFIG:-configs/shakespeare-char.toml}
 OUT=${OUT:-runs/bench-lm}
 EMBER=./target/release/ember
 
@@ -22,6 +23,11 @@ stop=()
 if [ -n "${STEPS:-}" ]; then stop=(--stop-after "$STEPS"); fi
 echo "== train: $EMBER train --config $CONFIG --out $OUT ${stop[*]:-}"
 $EMBER train --config "$CONFIG" --out "$OUT" "${stop[@]}" 2>&1 | grep -E "^(step|done|peak|checkpoint:)"
+
+echo "== val loss on the whole validation split (training's figure above samples 20 batches)"
+cmd="$EMBER eval --checkpoint $OUT --split val"
+echo "\$ $cmd"
+$cmd | grep -E "^(loss|bits)"
 
 echo "== generate (500 tokens, batch 1)"
 for mode in "" "--no-cache"; do

@@ -106,6 +106,32 @@ fn train_then_generate_then_eval() {
     assert!((json["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6);
     assert_eq!(json["unknown"], 0);
     assert!(json["tokens"].as_u64().unwrap() > 1_000_000);
+
+    // --split scores the run's own held-out tenth: the same figure as its text given as a file.
+    let split = ember_ok(&["eval", "--checkpoint", run, "--split", "val", "--json"]);
+    let split: serde_json::Value = serde_json::from_slice(&split.stdout).unwrap();
+    let text = std::fs::read_to_string(repo().join("data/tinyshakespeare.txt")).unwrap();
+    let chars: Vec<char> = text.chars().collect();
+    let tail: String = chars[(chars.len() as f64 * 0.9) as usize..]
+        .iter()
+        .collect();
+    let file = temp("eval-split").join("val.txt");
+    std::fs::write(&file, &tail).unwrap();
+    let whole = ember_ok(&[
+        "eval",
+        "--checkpoint",
+        run,
+        "--data",
+        file.to_str().unwrap(),
+        "--json",
+    ]);
+    let whole: serde_json::Value = serde_json::from_slice(&whole.stdout).unwrap();
+    assert_eq!(split, whole);
+    assert_eq!(
+        split["tokens"].as_u64().unwrap() as usize,
+        tail.chars().count() - 1
+    );
+    assert!(ember(&["eval", "--checkpoint", run]).status.code() == Some(2));
 }
 
 #[test]

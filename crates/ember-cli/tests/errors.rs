@@ -179,6 +179,30 @@ const CASES: &[Case] = &[
     ),
     case(
         "data",
+        "`eval --split` after the training corpus moved",
+        &[
+            "eval",
+            "--checkpoint",
+            "$TMP/moved-corpus",
+            "--split",
+            "val",
+        ],
+        &["data.path", "moved-corpus/config.toml", "gone.txt"],
+    ),
+    case(
+        "data",
+        "`eval --split` of a Hugging Face model",
+        &[
+            "eval",
+            "--checkpoint",
+            "crates/ember-train/tests/fixtures/tiny-gpt2",
+            "--split",
+            "val",
+        ],
+        &["Hugging Face", "--data"],
+    ),
+    case(
+        "data",
         "`bleu` files of different lengths",
         &["bleu", "--hyp", "$TMP/three.de", "--ref", "$TMP/two.en"],
         &["3", "2"],
@@ -631,6 +655,11 @@ fn fixtures(dir: &Path) {
     damaged("other-arch", "config.toml", &|f| {
         let text = std::fs::read_to_string(f).unwrap();
         std::fs::write(f, text.replace("d_model = 32", "d_model = 64")).unwrap();
+    });
+    damaged("moved-corpus", "config.toml", &|f| {
+        let text = std::fs::read_to_string(f).unwrap();
+        assert!(text.contains(corpus));
+        std::fs::write(f, text.replace(corpus, &format!("{d}/gone.txt"))).unwrap();
     });
     std::fs::create_dir_all(dir.join("empty-dir")).unwrap();
     write(dir, "init-arch.toml", "[model]\nd_model = 64\n");

@@ -38,12 +38,26 @@ impl Tokenizer {
                 let enc = t
                     .encode(text, false)
                     .map_err(|e| DataError::Tokenizer(e.to_string()))?;
-                let unk = t.token_to_id("<unk>");
                 let ids = enc.get_ids().to_vec();
-                let unknown = unk.map_or(0, |u| ids.iter().filter(|&&i| i == u).count());
+                let unknown = self.unknown_count(&ids);
                 Ok(Encoded { ids, unknown })
             }
         }
+    }
+
+    /// The id of text outside the vocabulary, if the tokenizer has one (a byte-level BPE has
+    /// none: it can spell anything).
+    pub fn unknown_id(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Char(t) => Some(t.unknown_id()),
+            Tokenizer::Bpe(t) => t.token_to_id("<unk>"),
+        }
+    }
+
+    /// How many of `ids` are the unknown id.
+    pub fn unknown_count(&self, ids: &[u32]) -> usize {
+        self.unknown_id()
+            .map_or(0, |u| ids.iter().filter(|&&i| i == u).count())
     }
 
     /// Text of `ids`. Ids outside the vocabulary are skipped (BPE) or shown as U+FFFD (char);
@@ -136,6 +150,17 @@ mod tests {
         assert_eq!(again.encode(TEXT).unwrap(), tok.encode(TEXT).unwrap());
         // Out-of-range ids never panic.
         assert_eq!(tok.decode(&[u32::MAX, 5_000_000]), "");
+    }
+
+    #[test]
+    fn unknown_ids_are_counted_in_any_slice() {
+        let tok = Tokenizer::Char(CharTokenizer::from_text(TEXT));
+        let enc = tok.encode("Speak~ hear| me").unwrap();
+        assert_eq!(enc.unknown, 2);
+        assert_eq!(tok.unknown_count(&enc.ids), 2);
+        assert_eq!(tok.unknown_count(&enc.ids[..6]), 1);
+        assert_eq!(tok.unknown_count(&enc.ids[7..]), 1);
+        assert_eq!(tok.unknown_count(&enc.ids[..5]), 0);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use ember_data::corpus;
 
 use crate::error::{Result, TrainError};
 use crate::lm_source::LoadedLm;
+use crate::trainer::Split;
 
 /// The score of a model on a text.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,10 +32,37 @@ const WINDOWS_PER_BATCH: usize = 16;
 pub fn evaluate(lm: &LoadedLm, path: &Path) -> Result<EvalReport> {
     let text = corpus::read_text(path)?;
     let encoded = lm.tokenizer.encode(&text)?;
-    let ids: Vec<i32> = encoded.ids.iter().map(|&i| i as i32).collect();
+    score(
+        lm,
+        &encoded.ids,
+        encoded.unknown,
+        &path.display().to_string(),
+    )
+}
+
+/// Scores one split of the corpus the model was trained on (`data.path` of its config, cut at
+/// `data.train_fraction` exactly as training cut it), every token of it as [`evaluate`] does:
+/// the whole split rather than the training loop's `eval_batches` random windows.
+pub fn evaluate_split(lm: &LoadedLm, split: Split) -> Result<EvalReport> {
+    let data = &lm.config.data;
+    let text = corpus::read_text(&data.path)?;
+    let encoded = lm.tokenizer.encode(&text)?;
+    let (train, val) = corpus::split(&encoded.ids, data.train_fraction);
+    let (ids, name) = match split {
+        Split::Train => (train, "training"),
+        Split::Val => (val, "validation"),
+    };
+    let unknown = lm.tokenizer.unknown_count(ids);
+    let what = format!("the {name} split of {}", data.path.display());
+    score(lm, ids, unknown, &what)
+}
+
+/// Scores `ids` (from `what`, for errors), of which `unknown` are outside the vocabulary.
+fn score(lm: &LoadedLm, ids: &[u32], unknown: usize, what: &str) -> Result<EvalReport> {
+    let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
     if ids.len() < 2 {
         return Err(TrainError::Data(ember_data::DataError::TooShort {
-            what: path.display().to_string(),
+            what: what.to_string(),
             tokens: ids.len(),
             needed: 2,
         }));
@@ -46,7 +74,7 @@ pub fn evaluate(lm: &LoadedLm, path: &Path) -> Result<EvalReport> {
         starts.into_iter().partition(|&s| s + t < ids.len());
     let mut nll = 0.0f64;
     let mut count = 0usize;
-    let mut score = |batch: &[usize], len: usize| {
+    let mut score_windows = |batch: &[usize], len: usize| {
         let mut x = Vec::with_capacity(batch.len() * len);
         let mut y = Vec::with_capacity(batch.len() * len);
         for &s in batch {
@@ -61,17 +89,17 @@ pub fn evaluate(lm: &LoadedLm, path: &Path) -> Result<EvalReport> {
         count += b * len;
     };
     for batch in full.chunks(WINDOWS_PER_BATCH) {
-        score(batch, t);
+        score_windows(batch, t);
     }
     for &s in &partial {
-        score(&[s], ids.len() - 1 - s);
+        score_windows(&[s], ids.len() - 1 - s);
     }
     let loss = nll / count as f64;
     Ok(EvalReport {
         loss,
         perplexity: loss.exp(),
         tokens: count,
-        unknown: encoded.unknown,
+        unknown,
         bits_per_char: lm
             .tokenizer
             .is_char()
