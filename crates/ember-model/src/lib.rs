@@ -41,6 +41,8 @@ mod flex_layer_norm;
 #[cfg(feature = "flex")]
 mod flex_matmul;
 #[cfg(feature = "flex")]
+mod flex_rotary;
+#[cfg(feature = "flex")]
 mod flex_softmax;
 #[cfg(feature = "flex")]
 pub mod flex_tensor;

@@ -1,0 +1,252 @@
+//! Rotary positions on the query and key parts of the fused `[Q | K | V]` projection, in one pass
+//! on Burn's flex backend, with its own backward pass (the inverse rotation).
+//!
+//! [`crate::positional::apply_rotary`] is nine tensor ops on each of Q and K (two slices, six
+//! products and sums, a concatenation), each a node of the autodiff graph, and it needs the heads
+//! split first, which kept rotary models off the fused attention of `flex_attention`. Here the
+//! rotation reads and writes `[B, T, 3D]` in place of the projection, so the fused attention
+//! takes the result as it takes an unrotated projection.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
+use burn::tensor::Tensor;
+use rayon::prelude::*;
+
+use crate::flex_tensor::{Route, Tracked, contiguous, from_values, map_plain, map_tracked, route};
+
+/// One rotation: the heads of the projection, the position of its first row, the RoPE base.
+#[derive(Debug, Clone, Copy)]
+struct Rotation {
+    heads: usize,
+    start: usize,
+    base: f64,
+}
+
+/// `qkv` with each head's query and key rotated as [`crate::positional::apply_rotary`] rotates
+/// them (pairs `i` and `i + K/2`, row `p` at position `start + p`), values unchanged; `None`
+/// where this path does not apply (not a flex `f32` tensor).
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
+/// - output: `[B, T, 3D]`
+pub(crate) fn rotate_qk(
+    qkv: Tensor<3>,
+    heads: usize,
+    start: usize,
+    base: f64,
+) -> Option<Tensor<3>> {
+    let d3 = qkv.dims()[2];
+    assert!(
+        d3.is_multiple_of(3)
+            && (d3 / 3).is_multiple_of(heads)
+            && (d3 / 3 / heads).is_multiple_of(2),
+        "rotary: {d3} columns do not split into Q, K, V of {heads} heads of even size"
+    );
+    let rot = Rotation { heads, start, base };
+    let tensor = qkv.into_dispatch();
+    let output = match route(&tensor) {
+        Route::Flex => map_plain(tensor, |t| rotate(t, rot, false)),
+        Route::Autodiff(GradientCheckpointingStrategy::Disabled) => {
+            map_tracked::<NoCheckpointing>(tensor, |t| tracked::<NoCheckpointing>(t, rot))
+        }
+        Route::Autodiff(GradientCheckpointingStrategy::Balanced) => {
+            map_tracked::<BalancedCheckpointing>(tensor, |t| {
+                tracked::<BalancedCheckpointing>(t, rot)
+            })
+        }
+        Route::Other => return None,
+    };
+    Some(Tensor::from_dispatch(output))
+}
+
+/// The autodiff op; its backward needs only the rotation.
+fn tracked<C: CheckpointStrategy>(t: Tracked, rot: Rotation) -> Tracked {
+    match RotateQk.prepare::<C>([t.node()]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(rot, rotate(t.primitive().clone(), rot, false)),
+        OpsKind::UnTracked(prep) => prep.finish(rotate(t.into_primitive(), rot, false)),
+    }
+}
+
+#[derive(Debug)]
+struct RotateQk;
+
+impl Backward<Flex, 1> for RotateQk {
+    type State = Rotation;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let rot = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |g| rotate(g, rot, true));
+    }
+}
+
+/// `cos` and `sin` of every (row, pair) angle, `[T * K/2]` each, as `positional::angles`
+/// computes them (`f32` position times `f32` frequency).
+fn tables(rot: Rotation, t: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = k / 2;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| (1.0 / rot.base.powf(2.0 * i as f64 / k as f64)) as f32)
+        .collect();
+    let angles = (0..t).flat_map(|p| freqs.iter().map(move |&f| (rot.start + p) as f32 * f));
+    angles.map(|a| (a.cos(), a.sin())).unzip()
+}
+
+/// Rows per task when a rotation is spread over rayon's threads.
+const ROWS: usize = 64;
+
+/// Rotates (or, `inverse`, rotates back: the transpose, which is the backward pass) the Q and K
+/// columns of every row of `x` `[B, T, 3D]`; in place when no one else holds its buffer.
+fn rotate(x: FlexTensor, rot: Rotation, inverse: bool) -> FlexTensor {
+    let mut x = contiguous(x);
+    let shape = x.shape();
+    let (t, d3) = (shape[1], shape[2]);
+    let k = d3 / 3 / rot.heads;
+    let (cos, sin) = tables(rot, t, k);
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let turn = |row: &mut [f32], r: usize| {
+        let p = r % t;
+        let (cos, sin) = (&cos[p * k / 2..][..k / 2], &sin[p * k / 2..][..k / 2]);
+        // Q and K: the first 2D columns, 2 * heads blocks of K.
+        for block in row[..2 * d3 / 3].chunks_exact_mut(k) {
+            let (a, b) = block.split_at_mut(k / 2);
+            for (((a, b), &c), &s) in a.iter_mut().zip(b).zip(cos).zip(sin) {
+                let s = sign * s;
+                (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
+            }
+        }
+    };
+    let run = |out: &mut [f32]| {
+        if out.len() < 2 * ROWS * d3 {
+            out.chunks_exact_mut(d3)
+                .enumerate()
+                .for_each(|(r, row)| turn(row, r));
+        } else {
+            out.par_chunks_mut(ROWS * d3)
+                .enumerate()
+                .for_each(|(i, rows)| {
+                    for (j, row) in rows.chunks_exact_mut(d3).enumerate() {
+                        turn(row, i * ROWS + j)
+                    }
+                });
+        }
+    };
+    let (start, end) = x.layout().contiguous_offsets().expect("contiguous");
+    if let Some(storage) = x.try_storage_mut::<f32>() {
+        run(&mut storage[start..end]);
+        return x;
+    }
+    let mut out = x.storage::<f32>()[start..end].to_vec();
+    run(&mut out);
+    from_values(out, shape)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::positional::apply_rotary;
+    use burn::tensor::{Device, Distribution, TensorData};
+
+    /// Burn's ops: split the heads, `apply_rotary` on Q and K, merge back beside V.
+    fn general(qkv: Tensor<3>, heads: usize, start: usize) -> Tensor<3> {
+        let [b, t, d3] = qkv.dims();
+        let d = d3 / 3;
+        let part = |i: usize| qkv.clone().slice([0..b, 0..t, i * d..(i + 1) * d]);
+        let turn = |x: Tensor<3>| {
+            let heads = x.reshape([b, t, heads, d / heads]).swap_dims(1, 2);
+            apply_rotary(heads, start, 10000.0)
+                .swap_dims(1, 2)
+                .reshape([b, t, d])
+        };
+        Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
+    }
+
+    /// Output and gradient against `apply_rotary` on flex, flex + autodiff and flex + autodiff +
+    /// checkpointing; several shapes, start positions, and sizes above and below the threshold
+    /// for rayon.
+    #[test]
+    fn equals_apply_rotary() {
+        for (b, t, heads, k, start) in [
+            (2, 9, 3, 4, 0),
+            (1, 1, 2, 8, 17),
+            (3, 70, 2, 6, 5),
+            (2, 64, 4, 32, 0),
+        ] {
+            let d = heads * k;
+            let draw = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.5), &Device::flex())
+                    .into_data()
+            };
+            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, 3 * d]));
+            for device in [
+                Device::flex(),
+                Device::flex().autodiff(),
+                Device::flex().autodiff().gradient_checkpointing(),
+            ] {
+                let tracked = device.is_autodiff();
+                let run = |fused: bool| -> Vec<Tensor<3>> {
+                    let load = |data: &TensorData| Tensor::<3>::from_data(data.clone(), &device);
+                    let qkv = if tracked {
+                        load(&x).require_grad()
+                    } else {
+                        load(&x)
+                    };
+                    // exp() puts an op before ours, so the gradient flows through a graph.
+                    let input = qkv.clone().exp();
+                    let out = if fused {
+                        rotate_qk(input, heads, start, 10000.0).expect("a flex tensor")
+                    } else {
+                        general(input, heads, start)
+                    };
+                    let mut result = vec![out.clone().inner()];
+                    if tracked {
+                        let grads = (out * load(&g)).sum().backward();
+                        result.push(qkv.grad(&grads).expect("a gradient"));
+                    }
+                    result
+                };
+                let (fused, reference) = (run(true), run(false));
+                assert_eq!(fused.len(), reference.len());
+                for (i, (a, r)) in fused.into_iter().zip(reference).enumerate() {
+                    let scale = r.clone().abs().max().into_scalar::<f32>().max(1.0);
+                    let diff = (a - r).abs().max().into_scalar::<f32>();
+                    assert!(
+                        diff < 2e-6 * scale,
+                        "{b}x{t}, {heads} heads of {k}, from {start}, output {i}: {diff}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Rotating then rotating back gives the input; values are never touched; a rotation
+    /// changes queries and keys.
+    #[test]
+    fn the_inverse_undoes_it_and_values_pass_through() {
+        let x = Tensor::<3>::random([2, 5, 24], Distribution::Normal(0.0, 1.0), &Device::flex());
+        let flex = crate::flex_tensor::as_flex(&x).unwrap();
+        let rot = Rotation {
+            heads: 2,
+            start: 3,
+            base: 10000.0,
+        };
+        let there = rotate(flex.clone(), rot, false);
+        let back = rotate(there.clone(), rot, true);
+        let (x, there, back) = (
+            crate::flex_tensor::values(&contiguous(flex)).to_vec(),
+            crate::flex_tensor::values(&there).to_vec(),
+            crate::flex_tensor::values(&back).to_vec(),
+        );
+        for (i, ((a, b), c)) in x.iter().zip(&there).zip(&back).enumerate() {
+            assert!((a - c).abs() < 1e-5, "element {i}: {a} -> {b} -> {c}");
+            if i % 24 >= 16 {
+                assert_eq!(a, b, "value column {i}");
+            }
+        }
+        assert_ne!(x[..16], there[..16], "position 3 is rotated");
+    }
+}
