@@ -276,8 +276,9 @@ fn at(xs: &[f32], offset: usize) -> *const f32 {
 mod tests {
     use super::*;
     use crate::attention::{causal_attention, causal_mask};
+    use crate::kernel_check::agrees_with_burn;
     use crate::scaled_dot_product_attention;
-    use burn::tensor::{Device, Distribution, TensorData};
+    use burn::tensor::{Device, Distribution};
 
     /// The general path: split the heads, attend with the causal mask, merge.
     fn general(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
@@ -307,44 +308,14 @@ mod tests {
                     .into_data()
             };
             let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
-            for device in [
-                Device::flex(),
-                Device::flex().autodiff(),
-                Device::flex().autodiff().gradient_checkpointing(),
-            ] {
-                let tracked = device.is_autodiff();
-                let run = |fused: bool| -> Vec<Tensor<3>> {
-                    let load = |data: &TensorData| Tensor::<3>::from_data(data.clone(), &device);
-                    let qkv = if tracked {
-                        load(&x).require_grad()
-                    } else {
-                        load(&x)
-                    };
-                    // exp() puts an op before ours, so the gradient flows through a graph.
-                    let input = qkv.clone().exp();
-                    let out = if fused {
-                        causal_self_attention(input, heads).expect("a flex tensor")
-                    } else {
-                        general(input, heads)
-                    };
-                    let mut result = vec![out.clone().inner()];
-                    if tracked {
-                        let grads = (out * load(&g)).sum().backward();
-                        result.push(qkv.grad(&grads).expect("a gradient"));
-                    }
-                    result
-                };
-                let (fused, reference) = (run(true), run(false));
-                assert_eq!(fused.len(), reference.len());
-                for (i, (a, r)) in fused.into_iter().zip(reference).enumerate() {
-                    let scale = r.clone().abs().max().into_scalar::<f32>().max(1.0);
-                    let diff = (a - r).abs().max().into_scalar::<f32>();
-                    assert!(
-                        diff < 2e-5 * scale,
-                        "{b}x{t}, {heads} heads of {k}, output {i}: {diff}"
-                    );
-                }
-            }
+            agrees_with_burn(
+                &x,
+                &g,
+                |qkv| causal_self_attention(qkv, heads).expect("a flex tensor"),
+                |qkv| general(qkv, heads),
+                2e-5,
+                &format!("{b}x{t}, {heads} heads of {k}"),
+            );
             // ember's other causal path on the same heads agrees as well.
             let qkv = Tensor::<3>::from_data(x.clone(), &Device::flex());
             let [q, kk, v] = [0, 1, 2].map(|part| {

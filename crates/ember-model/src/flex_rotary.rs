@@ -148,8 +148,9 @@ fn rotate(x: FlexTensor, rot: Rotation, inverse: bool) -> FlexTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel_check::agrees_with_burn;
     use crate::positional::apply_rotary;
-    use burn::tensor::{Device, Distribution, TensorData};
+    use burn::tensor::{Device, Distribution};
 
     /// Burn's ops: split the heads, `apply_rotary` on Q and K, merge back beside V.
     fn general(qkv: Tensor<3>, heads: usize, start: usize) -> Tensor<3> {
@@ -182,44 +183,14 @@ mod tests {
                     .into_data()
             };
             let (x, g) = (draw([b, t, 3 * d]), draw([b, t, 3 * d]));
-            for device in [
-                Device::flex(),
-                Device::flex().autodiff(),
-                Device::flex().autodiff().gradient_checkpointing(),
-            ] {
-                let tracked = device.is_autodiff();
-                let run = |fused: bool| -> Vec<Tensor<3>> {
-                    let load = |data: &TensorData| Tensor::<3>::from_data(data.clone(), &device);
-                    let qkv = if tracked {
-                        load(&x).require_grad()
-                    } else {
-                        load(&x)
-                    };
-                    // exp() puts an op before ours, so the gradient flows through a graph.
-                    let input = qkv.clone().exp();
-                    let out = if fused {
-                        rotate_qk(input, heads, start, 10000.0).expect("a flex tensor")
-                    } else {
-                        general(input, heads, start)
-                    };
-                    let mut result = vec![out.clone().inner()];
-                    if tracked {
-                        let grads = (out * load(&g)).sum().backward();
-                        result.push(qkv.grad(&grads).expect("a gradient"));
-                    }
-                    result
-                };
-                let (fused, reference) = (run(true), run(false));
-                assert_eq!(fused.len(), reference.len());
-                for (i, (a, r)) in fused.into_iter().zip(reference).enumerate() {
-                    let scale = r.clone().abs().max().into_scalar::<f32>().max(1.0);
-                    let diff = (a - r).abs().max().into_scalar::<f32>();
-                    assert!(
-                        diff < 2e-6 * scale,
-                        "{b}x{t}, {heads} heads of {k}, from {start}, output {i}: {diff}"
-                    );
-                }
-            }
+            agrees_with_burn(
+                &x,
+                &g,
+                |qkv| rotate_qk(qkv, heads, start, 10000.0).expect("a flex tensor"),
+                |qkv| general(qkv, heads, start),
+                2e-6,
+                &format!("{b}x{t}, {heads} heads of {k}, from {start}"),
+            );
         }
     }
 

@@ -47,6 +47,8 @@ mod flex_softmax;
 #[cfg(feature = "flex")]
 pub mod flex_tensor;
 pub mod gelu_kernel;
+#[cfg(all(test, feature = "flex"))]
+mod kernel_check;
 pub mod kv_cache;
 pub mod layer_norm;
 pub mod layer_norm_kernel;

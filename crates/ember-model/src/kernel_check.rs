@@ -1,0 +1,51 @@
+//! For tests: one of ember's flex ops against the same computation in Burn's ops, on flex, flex +
+//! autodiff and flex + autodiff + checkpointing, output and input gradient.
+
+use burn::tensor::{Device, Tensor, TensorData};
+
+/// Asserts that `ours` and `burns` give the same output on `x`, and (under autodiff) the same
+/// gradient of `sum(output * g)` with respect to `x`, within `tolerance` times the reference's
+/// largest magnitude (at least 1). An `exp` runs before the op, so the gradient flows through a
+/// graph. `what` names the case in failures.
+pub(crate) fn agrees_with_burn(
+    x: &TensorData,
+    g: &TensorData,
+    ours: impl Fn(Tensor<3>) -> Tensor<3>,
+    burns: impl Fn(Tensor<3>) -> Tensor<3>,
+    tolerance: f32,
+    what: &str,
+) {
+    for device in [
+        Device::flex(),
+        Device::flex().autodiff(),
+        Device::flex().autodiff().gradient_checkpointing(),
+    ] {
+        let tracked = device.is_autodiff();
+        let run = |op: &dyn Fn(Tensor<3>) -> Tensor<3>| -> Vec<Tensor<3>> {
+            let load = |data: &TensorData| Tensor::<3>::from_data(data.clone(), &device);
+            let input = if tracked {
+                load(x).require_grad()
+            } else {
+                load(x)
+            };
+            let out = op(input.clone().exp());
+            let mut result = vec![out.clone().inner()];
+            if tracked {
+                let grads = (out * load(g)).sum().backward();
+                result.push(input.grad(&grads).expect("a gradient"));
+            }
+            result
+        };
+        let (a, b) = (run(&ours), run(&burns));
+        assert_eq!(a.len(), b.len());
+        for (i, (a, r)) in a.into_iter().zip(b).enumerate() {
+            let scale = r.clone().abs().max().into_scalar::<f32>().max(1.0);
+            let diff = (a - r).abs().max().into_scalar::<f32>();
+            assert!(
+                diff < tolerance * scale,
+                "{what}, {}output {i}: {diff}",
+                if tracked { "autodiff, " } else { "" }
+            );
+        }
+    }
+}
