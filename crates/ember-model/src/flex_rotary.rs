@@ -88,10 +88,7 @@ impl Backward<Flex, 1> for RotateQk {
 /// `cos` and `sin` of every (row, pair) angle, `[T * K/2]` each, as `positional::angles`
 /// computes them (`f32` position times `f32` frequency).
 fn tables(rot: Rotation, t: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
-    let half = k / 2;
-    let freqs: Vec<f32> = (0..half)
-        .map(|i| (1.0 / rot.base.powf(2.0 * i as f64 / k as f64)) as f32)
-        .collect();
+    let freqs = crate::positional::frequencies(k / 2, rot.base, k as f64);
     let angles = (0..t).flat_map(|p| freqs.iter().map(move |&f| (rot.start + p) as f32 * f));
     angles.map(|a| (a.cos(), a.sin())).unzip()
 }

@@ -107,20 +107,15 @@ impl MultiHeadAttention {
         let qkv = linear(&self.c_attn, x); // [B, T, 3D]
         // On flex, rotary positions turn queries and keys in one op on the fused projection
         // (`flex_rotary`); elsewhere `rotate` turns them after the heads are split.
-        #[cfg(feature = "flex")]
-        let (qkv, rotated) = match self.rotate_fused(qkv.clone(), start) {
-            Some(turned) => (turned, true),
-            None => (qkv, false),
-        };
-        #[cfg(not(feature = "flex"))]
-        let rotated = false;
+        let (qkv, rotated) = self.rotate_fused(qkv, start);
+        let unrotated = self.rotary_base > 0.0 && !rotated;
         #[cfg(feature = "flex")]
         if cache.is_none()
             && causal
             && pad.is_none()
             && self.attn_dropout.prob == 0.0
             && !return_weights
-            && (rotated || self.rotary_base <= 0.0)
+            && !unrotated
             && let Some(context) =
                 crate::flex_attention::causal_self_attention(qkv.clone(), self.n_heads)
         {
@@ -130,10 +125,10 @@ impl MultiHeadAttention {
         let q = self.split_heads(qkv.clone().slice([0..b, 0..t, 0..d]));
         let k = self.split_heads(qkv.clone().slice([0..b, 0..t, d..2 * d]));
         let v = self.split_heads(qkv.slice([0..b, 0..t, 2 * d..3 * d]));
-        let (q, k) = if rotated {
-            (q, k)
-        } else {
+        let (q, k) = if unrotated {
             self.rotate(q, k, start)
+        } else {
+            (q, k)
         };
         let (k, v) = match cache {
             Some(cache) => cache.append(k, v),
@@ -223,13 +218,19 @@ impl MultiHeadAttention {
         (linear(&self.c_proj, context), out.weights)
     }
 
-    /// The fused projection `[B, T, 3D]` of positions `start..start + T` with its queries and
-    /// keys rotated on flex; `None` without rotary positions or off flex.
-    #[cfg(feature = "flex")]
-    fn rotate_fused(&self, qkv: Tensor<3>, start: usize) -> Option<Tensor<3>> {
-        (self.rotary_base > 0.0)
-            .then(|| crate::flex_rotary::rotate_qk(qkv, self.n_heads, start, self.rotary_base))
-            .flatten()
+    /// The fused projection `[B, T, 3D]` of positions `start..start + T`, with its queries and
+    /// keys rotated where one op does it (rotary positions on flex), and whether it did.
+    fn rotate_fused(&self, qkv: Tensor<3>, start: usize) -> (Tensor<3>, bool) {
+        #[cfg(feature = "flex")]
+        if self.rotary_base > 0.0
+            && let Some(turned) =
+                crate::flex_rotary::rotate_qk(qkv.clone(), self.n_heads, start, self.rotary_base)
+        {
+            return (turned, true);
+        }
+        #[cfg(not(feature = "flex"))]
+        let _ = start;
+        (qkv, false)
     }
 
     fn rotate(&self, q: Tensor<4>, k: Tensor<4>, start: usize) -> (Tensor<4>, Tensor<4>) {

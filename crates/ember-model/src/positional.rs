@@ -102,11 +102,16 @@ fn angles(
     let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, device)
         .float()
         .reshape([t, 1]);
-    let freqs: Vec<f32> = (0..half)
-        .map(|i| (1.0 / base.powf(2.0 * i as f64 / width)) as f32)
-        .collect();
+    let freqs = frequencies(half, base, width);
     let freqs = Tensor::<1>::from_floats(freqs.as_slice(), device).reshape([1, half]);
     positions.mul(freqs)
+}
+
+/// `base^(-2i / width)` for `i < half`, in `f32`: the angle per position of each pair.
+pub(crate) fn frequencies(half: usize, base: f64, width: f64) -> Vec<f32> {
+    (0..half)
+        .map(|i| (1.0 / base.powf(2.0 * i as f64 / width)) as f32)
+        .collect()
 }
 
 /// Rotary position embedding applied to queries or keys.
