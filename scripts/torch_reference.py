@@ -59,7 +59,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, d, h, layers, context, dropout=0.0):
+    def __init__(self, vocab, d, h, layers, context, dropout=0.0, position_init="normal"):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(context, d)
@@ -71,6 +71,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             for proj in (block.c_proj, block.mlp_proj):
                 nn.init.normal_(proj.weight, 0.0, 0.02 / math.sqrt(2 * layers))
+        if position_init == "sinusoidal":
+            # ember's `position_init = "sinusoidal"`: Vaswani's table (sin at 2i, cos at 2i + 1),
+            # scaled to a root mean square of 0.02.
+            pos = torch.arange(context, dtype=torch.float32)[:, None]
+            freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+            table = torch.stack([torch.sin(pos * freq), torch.cos(pos * freq)], dim=2)
+            with torch.no_grad():
+                self.wpe.weight.copy_(table.reshape(context, d) * 0.02 * math.sqrt(2))
 
     @staticmethod
     def _init(m):
@@ -156,7 +164,8 @@ def quality(args):
     `ember eval` computes). On `--device cuda` the loop syncs with the host only at the end."""
     torch.manual_seed(args.seed)
     vocab, train_ids, val_ids = corpus()
-    model = GPT(vocab, args.d_model, args.heads, args.layers, args.context, args.dropout)
+    model = GPT(vocab, args.d_model, args.heads, args.layers, args.context, args.dropout,
+                args.position_init)
     model = model.to(args.device)
     opt = adamw(model)
 
@@ -195,6 +204,7 @@ def quality(args):
     print(json.dumps({"what": "quality", "steps": args.steps, "seconds": seconds,
                       "val_loss_estimate": estimate, "eval_batches": args.eval_batches,
                       "val_loss_full": nll / count, "device": args.device,
+                      "position_init": args.position_init,
                       "threads": torch.get_num_threads(), "torch": torch.__version__}))
 
 
@@ -248,6 +258,8 @@ def main():
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--eval-batches", type=int, default=20, help="quality mode's estimate")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--position-init", choices=["normal", "sinusoidal"], default="normal",
+                   help="how the learned position table starts (quality mode)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     {"train": train, "generate": generate, "quality": quality}[args.mode](args)

@@ -106,6 +106,12 @@ const CASES: &[Case] = &[
     ),
     case(
         "config",
+        "`position_init` for a model without a learned table",
+        &["train", "--config", "$TMP/position-init.toml"],
+        &["position-init.toml", "position_init", "learned"],
+    ),
+    case(
+        "config",
         "NaN learning rate",
         &["train", "--config", "$TMP/nan-lr.toml"],
         &["nan-lr.toml", "training.lr", "NaN"],
@@ -591,6 +597,11 @@ fn fixtures(dir: &Path) {
         dir,
         "context.toml",
         "[model]\ncontext_len = 64\nmax_positions = 32\n",
+    );
+    write(
+        dir,
+        "position-init.toml",
+        "[model]\npositional = \"rotary\"\nposition_init = \"sinusoidal\"\n",
     );
     write(dir, "nan-lr.toml", "[training]\nlr = nan\n");
     write(dir, "negative-lr.toml", "[training]\nlr = -1.0\n");

@@ -54,6 +54,7 @@ impl DecoderOnly {
                 .init(device),
             wpe: AdditivePositions::new(
                 config.positional,
+                config.position_init,
                 config.max_positions(),
                 config.d_model,
                 device,

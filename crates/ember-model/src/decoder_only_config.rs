@@ -7,7 +7,7 @@ use crate::block_config::BlockConfig;
 use crate::decoder_only::DecoderOnly;
 use crate::error::{ConfigError, epsilon, positive, probability};
 use crate::mlp::Activation;
-use crate::positional::PositionalKind;
+use crate::positional::{PositionInit, PositionalKind};
 
 /// Every setting of a [`DecoderOnly`] model. Missing TOML keys take the defaults shown; unknown
 /// keys are rejected.
@@ -30,6 +30,9 @@ pub struct DecoderOnlyConfig {
     pub max_positions: Option<usize>,
     /// `learned` (default), `sinusoidal`, `rotary` or `none`.
     pub positional: PositionalKind,
+    /// How a learned position table starts: `normal` (default, `N(0, 0.02)` as in GPT-2) or
+    /// `sinusoidal` (the sinusoidal table scaled to RMS 0.02). Only for `positional = "learned"`.
+    pub position_init: PositionInit,
     /// Base of the rotary angles. Default 10000.
     pub rotary_base: f64,
     /// Pre-norm (`true`, default, GPT-2) or post-norm (`false`, the original paper).
@@ -57,6 +60,7 @@ impl Default for DecoderOnlyConfig {
             context_len: 64,
             max_positions: None,
             positional: PositionalKind::Learned,
+            position_init: PositionInit::Normal,
             rotary_base: 10000.0,
             norm_first: true,
             activation: Activation::Gelu,
@@ -95,6 +99,14 @@ impl DecoderOnlyConfig {
                     self.context_len,
                     self.max_positions()
                 ),
+            ));
+        }
+        if self.position_init != PositionInit::Normal && self.positional != PositionalKind::Learned
+        {
+            return Err(ConfigError::new(
+                "position_init",
+                "is \"sinusoidal\", which starts a learned position table: it needs \
+                 positional = \"learned\"",
             ));
         }
         probability("dropout", self.dropout)?;

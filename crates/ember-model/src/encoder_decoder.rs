@@ -15,7 +15,7 @@ use crate::encoder_block::EncoderBlock;
 use crate::encoder_decoder_config::EncoderDecoderConfig;
 use crate::kv_cache::DecoderCache;
 use crate::layer_norm::layer_norm;
-use crate::positional::AdditivePositions;
+use crate::positional::{AdditivePositions, PositionInit};
 
 /// An encoder-decoder transformer. Build it with [`EncoderDecoderConfig::init`].
 #[derive(Module, Debug)]
@@ -73,6 +73,7 @@ impl EncoderDecoder {
             tgt_embed: (!tgt_is_src).then(|| embedding(config.tgt_vocab_size)),
             positions: AdditivePositions::new(
                 config.positional,
+                PositionInit::Normal,
                 config.max_positions,
                 config.d_model,
                 device,

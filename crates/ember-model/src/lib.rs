@@ -76,7 +76,7 @@ pub use error::ConfigError;
 pub use kv_cache::{DecoderCache, KvCache};
 pub use mlp::{Activation, Mlp};
 pub use multi_head_attention::{MultiHeadAttention, MultiHeadAttentionConfig};
-pub use positional::PositionalKind;
+pub use positional::{PositionInit, PositionalKind};
 
 /// Whether ember's own flex kernels take `x` (a flex `f32` tensor, tracked by autodiff or not)
 /// rather than Burn's operations; always false without the `flex` feature.

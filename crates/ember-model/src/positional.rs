@@ -2,7 +2,7 @@
 //! 2021). Sinusoidal and learned ones are added to the token embeddings; rotary ones rotate
 //! queries and keys inside attention.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::serde::{Deserialize, Serialize};
 use burn::tensor::{Device, Int, Tensor};
@@ -22,6 +22,22 @@ pub enum PositionalKind {
     None,
 }
 
+/// How a learned position table starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(crate = "burn::serde", rename_all = "lowercase")]
+pub enum PositionInit {
+    /// Random: `N(0, 0.02)` per entry, as GPT-2 and nanoGPT start it.
+    #[default]
+    Normal,
+    /// The sinusoidal table of [`sinusoidal_table`], scaled to a root mean square of 0.02 (the
+    /// normal start's standard deviation); the table is then trained like any other.
+    Sinusoidal,
+}
+
+/// Standard deviation of the normal start of a learned table, and the root mean square of its
+/// sinusoidal start.
+const LEARNED_STD: f64 = 0.02;
+
 /// Positions added to the token embeddings (sinusoidal or learned).
 #[derive(Module, Debug)]
 pub struct AdditivePositions {
@@ -32,23 +48,18 @@ pub struct AdditivePositions {
 }
 
 impl AdditivePositions {
-    /// Builds the additive encoding for `kind` (None for rotary and none).
+    /// Builds the additive encoding for `kind` (None for rotary and none); `init` says how a
+    /// learned table starts.
     pub fn new(
         kind: PositionalKind,
+        init: PositionInit,
         max_positions: usize,
         d_model: usize,
         device: &Device,
     ) -> Option<Self> {
         match kind {
             PositionalKind::Learned => Some(Self {
-                wpe: Some(
-                    EmbeddingConfig::new(max_positions, d_model)
-                        .with_initializer(Initializer::Normal {
-                            mean: 0.0,
-                            std: 0.02,
-                        })
-                        .init(device),
-                ),
+                wpe: Some(learned_table(init, max_positions, d_model, device)),
                 sinusoidal_width: 0,
             }),
             PositionalKind::Sinusoidal => Some(Self {
@@ -72,6 +83,28 @@ impl AdditivePositions {
             None => sinusoidal_table(start, t, self.sinusoidal_width, device).unsqueeze(),
         }
     }
+}
+
+/// A learned `[max_positions, D]` table started as `init` says.
+fn learned_table(
+    init: PositionInit,
+    max_positions: usize,
+    d_model: usize,
+    device: &Device,
+) -> Embedding {
+    let mut table = EmbeddingConfig::new(max_positions, d_model)
+        .with_initializer(Initializer::Normal {
+            mean: 0.0,
+            std: LEARNED_STD,
+        })
+        .init(device);
+    if init == PositionInit::Sinusoidal {
+        // Each (sin, cos) pair has a mean square of 1/2, so sqrt(2) * std gives that RMS.
+        let scale = LEARNED_STD * std::f64::consts::SQRT_2;
+        let start = sinusoidal_table(0, max_positions, d_model, device).mul_scalar(scale);
+        table.weight = Param::from_tensor(start);
+    }
+    table
 }
 
 /// The sinusoidal table of Vaswani et al. for positions `start..start + T`:
@@ -165,6 +198,30 @@ mod tests {
         let part = sinusoidal_table(4, 3, 6, &device);
         let diff = (full - part).abs().max().into_scalar::<f32>();
         assert!(diff < 1e-6);
+    }
+
+    #[test]
+    fn a_learned_table_starts_random_or_as_the_scaled_sinusoids() {
+        let device = Device::flex();
+        let start = |init| {
+            let positions = AdditivePositions::new(PositionalKind::Learned, init, 64, 128, &device);
+            let weight = positions.unwrap().wpe.unwrap().weight.val();
+            assert_eq!(weight.dims(), [64, 128]);
+            weight
+        };
+        let rms = |x: Tensor<2>| x.powi_scalar(2).mean().sqrt().into_scalar::<f32>();
+        let sinusoidal = start(PositionInit::Sinusoidal);
+        let expected = sinusoidal_table(0, 64, 128, &device).mul_scalar(0.02 * 2f64.sqrt());
+        let diff = (sinusoidal.clone() - expected)
+            .abs()
+            .max()
+            .into_scalar::<f32>();
+        assert!(diff < 1e-7, "differs from the scaled table by {diff}");
+        assert!((rms(sinusoidal) - 0.02).abs() < 1e-6);
+        // The random start: mean 0, std 0.02 (64 x 128 draws: within a few percent).
+        let normal = start(PositionInit::Normal);
+        assert!(normal.clone().mean().into_scalar::<f32>().abs() < 1e-3);
+        assert!((rms(normal) - 0.02).abs() < 1e-3);
     }
 
     fn norms(x: Tensor<4>) -> Vec<f32> {

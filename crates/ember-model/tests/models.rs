@@ -4,7 +4,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Bool, Device, Distribution, Int, Tensor};
 use ember_model::{
-    Activation, DecoderOnly, DecoderOnlyConfig, EncoderDecoder, EncoderDecoderConfig,
+    Activation, DecoderOnly, DecoderOnlyConfig, EncoderDecoder, EncoderDecoderConfig, PositionInit,
     PositionalKind,
 };
 
@@ -382,6 +382,14 @@ fn invalid_configs_are_errors_naming_the_field() {
             },
             "positional",
         ),
+        (
+            DecoderOnlyConfig {
+                positional: PositionalKind::Rotary,
+                position_init: PositionInit::Sinusoidal,
+                ..base.clone()
+            },
+            "position_init",
+        ),
     ];
     for (config, field) in cases {
         let err = config.init(&device).unwrap_err();
@@ -400,6 +408,9 @@ fn configs_parse_from_toml_and_reject_unknown_keys() {
     let config: DecoderOnlyConfig =
         toml::from_str("d_model = 32\nactivation = \"gelu_tanh\"\npositional = \"rotary\"")
             .unwrap();
+    assert_eq!(config.position_init, PositionInit::Normal);
+    let init: DecoderOnlyConfig = toml::from_str("position_init = \"sinusoidal\"").unwrap();
+    assert_eq!(init.position_init, PositionInit::Sinusoidal);
     assert_eq!(config.d_model, 32);
     assert_eq!(config.activation, Activation::GeluTanh);
     assert_eq!(config.positional, PositionalKind::Rotary);
