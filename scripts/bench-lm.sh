@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Language-model benchmark: trains nanoGPT's CPU "baby GPT" (configs/shakespeare-char.toml) and
-# the same model with rotary positions (configs/shakespeare-char-rope.toml), and reports for each
+# Language-model benchmark: trains nanoGPT's CPU "baby GPT" (configs/shakespeare-char.toml, its
+# learned position table started as scaled sinusoids) and the same model with rotary positions
+# (configs/shakespeare-char-rope.toml), and reports for each
 # ms/iteration, training tokens/s, final validation loss (training's 20-batch estimate and the
 # whole split), peak memory, and generation speed with and without the KV cache. Not part of CI
 # (it takes a few minutes).
