@@ -92,19 +92,22 @@ fn learned_table(
     d_model: usize,
     device: &Device,
 ) -> Embedding {
-    let mut table = EmbeddingConfig::new(max_positions, d_model)
-        .with_initializer(Initializer::Normal {
-            mean: 0.0,
-            std: LEARNED_STD,
-        })
-        .init(device);
-    if init == PositionInit::Sinusoidal {
-        // Each (sin, cos) pair has a mean square of 1/2, so sqrt(2) * std gives that RMS.
-        let scale = LEARNED_STD * std::f64::consts::SQRT_2;
-        let start = sinusoidal_table(0, max_positions, d_model, device).mul_scalar(scale);
-        table.weight = Param::from_tensor(start);
+    match init {
+        PositionInit::Normal => EmbeddingConfig::new(max_positions, d_model)
+            .with_initializer(Initializer::Normal {
+                mean: 0.0,
+                std: LEARNED_STD,
+            })
+            .init(device),
+        PositionInit::Sinusoidal => {
+            // Each (sin, cos) pair has a mean square of 1/2, so sqrt(2) * std gives that RMS.
+            let scale = LEARNED_STD * std::f64::consts::SQRT_2;
+            let table = sinusoidal_table(0, max_positions, d_model, device).mul_scalar(scale);
+            Embedding {
+                weight: Param::from_tensor(table),
+            }
+        }
     }
-    table
 }
 
 /// The sinusoidal table of Vaswani et al. for positions `start..start + T`:
