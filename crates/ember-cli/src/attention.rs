@@ -1,6 +1,6 @@
 //! `ember attention`
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -13,6 +13,9 @@ pub struct AttentionArgs {
     /// Checkpoint folder, or a run folder (its newest checkpoint).
     #[arg(long, value_name = "DIR", default_value = "runs/small")]
     checkpoint: PathBuf,
+    /// With a run folder: its best checkpoint (lowest validation loss) instead of the newest.
+    #[arg(long)]
+    best: bool,
     /// The text to run the model on (for a translation model: the source sentence).
     #[arg(long)]
     text: String,
@@ -68,16 +71,17 @@ fn select(
 }
 
 pub fn run(args: AttentionArgs) -> Result<()> {
+    let checkpoint = crate::chosen_checkpoint(&args.checkpoint, args.best)?;
     if args.text.is_empty() {
         bail!("--text is empty: give the text whose attention to draw");
     }
     let device = ember_train::device::parse(&args.device)?;
-    let dir = ember_train::checkpoint::resolve(&args.checkpoint)?;
+    let dir = ember_train::checkpoint::resolve(&checkpoint)?;
     let kind = ember_train::checkpoint::read_state(&dir)?.model_kind;
     let (maps, rows, columns, per_row, what) = if kind == "encoder_decoder" {
-        translation_maps(&args, &device)?
+        translation_maps(&args, &dir, &device)?
     } else {
-        lm_maps(&args, &device)?
+        lm_maps(&args, &dir, &device)?
     };
     let title = format!("{what}: {}", dir.display());
     draw(
@@ -105,14 +109,14 @@ pub fn run(args: AttentionArgs) -> Result<()> {
 
 type Maps = (Vec<AttentionMap>, Vec<String>, Vec<String>, usize, String);
 
-fn lm_maps(args: &AttentionArgs, device: &burn::tensor::Device) -> Result<Maps> {
+fn lm_maps(args: &AttentionArgs, checkpoint: &Path, device: &burn::tensor::Device) -> Result<Maps> {
     if args.target.is_some() {
         bail!(
             "--target is for translation models; {} holds a language model",
-            args.checkpoint.display()
+            checkpoint.display()
         );
     }
-    let lm = ember_train::load_lm(&args.checkpoint, device)?;
+    let lm = ember_train::load_lm(checkpoint, device)?;
     let ids = lm.tokenizer.encode(&args.text)?.ids;
     let context = lm.config.model.context_len;
     if ids.len() > context {
@@ -146,9 +150,13 @@ fn lm_maps(args: &AttentionArgs, device: &burn::tensor::Device) -> Result<Maps> 
     ))
 }
 
-fn translation_maps(args: &AttentionArgs, device: &burn::tensor::Device) -> Result<Maps> {
+fn translation_maps(
+    args: &AttentionArgs,
+    checkpoint: &Path,
+    device: &burn::tensor::Device,
+) -> Result<Maps> {
     use ember_data::parallel::{BOS, EOS, PAD};
-    let t = ember_train::load_translator(&args.checkpoint, device)?;
+    let t = ember_train::load_translator(checkpoint, device)?;
     let src = t.tokenizers.encode_source(&args.text)?;
     let max = t.config.model.max_positions;
     if src.len() > max {

@@ -13,6 +13,9 @@ pub struct EvalArgs {
     /// Checkpoint folder, or a run folder (its newest checkpoint).
     #[arg(long, value_name = "DIR", default_value = "runs/small")]
     checkpoint: PathBuf,
+    /// With a run folder: its best checkpoint (lowest validation loss) instead of the newest.
+    #[arg(long)]
+    best: bool,
     /// UTF-8 text file to score.
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
@@ -38,14 +41,15 @@ enum SplitArg {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
-    if args.split.is_some() && ember_train::hf::is_hf_folder(&args.checkpoint) {
+    let checkpoint = crate::chosen_checkpoint(&args.checkpoint, args.best)?;
+    if args.split.is_some() && ember_train::hf::is_hf_folder(&checkpoint) {
         bail!(
             "--split: {} is a Hugging Face model, which has no training corpus here; pass --data FILE",
-            args.checkpoint.display()
+            checkpoint.display()
         );
     }
     let device = ember_train::device::parse(&args.device)?;
-    let lm = ember_train::load_lm(&args.checkpoint, &device)?;
+    let lm = ember_train::load_lm(&checkpoint, &device)?;
     let (report, what) = match (args.split, &args.data) {
         (Some(split), _) => {
             let split = match split {

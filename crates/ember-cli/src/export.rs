@@ -11,6 +11,9 @@ pub struct ExportArgs {
     /// Checkpoint folder, or a run folder (its newest checkpoint).
     #[arg(long, value_name = "DIR", default_value = "runs/small")]
     checkpoint: PathBuf,
+    /// With a run folder: its best checkpoint (lowest validation loss) instead of the newest.
+    #[arg(long)]
+    best: bool,
     /// Folder to write.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
@@ -28,7 +31,8 @@ enum Format {
 }
 
 pub fn run(args: ExportArgs) -> Result<()> {
-    let lm = ember_train::load_lm(&args.checkpoint, &burn::tensor::Device::flex())?;
+    let checkpoint = crate::chosen_checkpoint(&args.checkpoint, args.best)?;
+    let lm = ember_train::load_lm(&checkpoint, &burn::tensor::Device::flex())?;
     match args.format {
         Format::Hf => {
             ember_train::hf::export_hf(&lm, &args.out)?;

@@ -18,6 +18,9 @@ pub struct GenerateArgs {
     /// Checkpoint folder, or a run folder (its newest checkpoint).
     #[arg(long, value_name = "DIR", default_value = "runs/small")]
     checkpoint: PathBuf,
+    /// With a run folder: its best checkpoint (lowest validation loss) instead of the newest.
+    #[arg(long)]
+    best: bool,
     /// Tokens to generate per sample.
     #[arg(long, value_name = "N", default_value_t = 500)]
     max_tokens: usize,
@@ -52,6 +55,7 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    let checkpoint = crate::chosen_checkpoint(&args.checkpoint, args.best)?;
     if args.prompt.is_empty() {
         bail!("--prompt is empty: give some text to continue, e.g. --prompt \"ROMEO:\"");
     }
@@ -73,7 +77,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bail!("--top-k must be at least 1, got 0");
     }
     let device = ember_train::device::parse(&args.device)?;
-    let lm = ember_train::load_lm(&args.checkpoint, &device)?;
+    let lm = ember_train::load_lm(&checkpoint, &device)?;
     let encoded = lm.tokenizer.encode(&args.prompt)?;
     if encoded.unknown > 0 {
         eprintln!(

@@ -31,6 +31,7 @@ mod bleu;
 mod eval;
 mod export;
 mod generate;
+mod signals;
 mod stream;
 mod train;
 mod translate;
@@ -84,7 +85,10 @@ fn main() -> ExitCode {
     }));
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => match train::run(args) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
         Command::Generate(args) => generate::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Translate(args) => translate::run(args),
@@ -99,6 +103,16 @@ fn main() -> ExitCode {
             eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The checkpoint a command reads: `path` as given, or with `--best` the best checkpoint of the
+/// run folder `path`.
+fn chosen_checkpoint(path: &std::path::Path, best: bool) -> anyhow::Result<std::path::PathBuf> {
+    if best {
+        Ok(ember_train::checkpoint::resolve_best(path)?)
+    } else {
+        Ok(path.to_path_buf())
     }
 }
 

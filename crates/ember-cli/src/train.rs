@@ -2,11 +2,13 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::{Result, bail};
 use clap::Args;
+use ember_train::config::Override;
 use ember_train::init_from::InitFrom;
-use ember_train::{Launch, RunConfig, TranslationRunConfig};
+use ember_train::{Launch, RunConfig, TrainError, TranslationRunConfig};
 
 /// Arguments of `ember train`.
 #[derive(Args)]
@@ -23,9 +25,17 @@ pub struct TrainArgs {
     /// Run folder for checkpoints, metrics and the loss plot [default: runs/<config name>].
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Set one config value, `section.key=value` (value in TOML; repeatable), e.g.
+    /// `--set training.lr=3e-4 --set model.n_layers=6`. Checked like the file; saved with the run.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
     /// Continue from the newest checkpoint in the run folder.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "overwrite")]
     resume: bool,
+    /// Replace the run the folder already holds (its checkpoints, metrics and plot are removed
+    /// first). Without this or --resume, a folder holding a run is refused.
+    #[arg(long)]
+    overwrite: bool,
     /// Start from these weights: an ember checkpoint or run folder, or a Hugging Face GPT-2
     /// folder (config.json, model.safetensors, tokenizer.json). Architecture and tokenizer come
     /// from DIR; the config's [model] may only set context_len and dropout.
@@ -36,7 +46,7 @@ pub struct TrainArgs {
     stop_after: Option<u64>,
 }
 
-pub fn run(args: TrainArgs) -> Result<()> {
+pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let out = args.out.unwrap_or_else(|| {
         let name = args
             .config
@@ -45,6 +55,11 @@ pub fn run(args: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| "run".into());
         PathBuf::from("runs").join(name)
     });
+    let overrides = args
+        .overrides
+        .iter()
+        .map(|text| text.parse::<Override>())
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let task = ember_train::config::task_of(&args.config)?;
     let init_from = match &args.init_from {
         Some(_) if task == "translation" => {
@@ -56,15 +71,35 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let launch = Launch {
         out_dir: out.clone(),
         resume: args.resume,
+        overwrite: args.overwrite,
         device: args.device,
         stop_after: args.stop_after,
         progress: std::io::stderr().is_terminal(),
         init_from,
+        interrupt: Some(crate::signals::stop_on_signals()),
     };
-    let summary = if task == "translation" {
-        ember_train::train_translation(TranslationRunConfig::load(&args.config)?, &launch)?
+    let trained = if task == "translation" {
+        let config = TranslationRunConfig::load_with(&args.config, &overrides)?;
+        ember_train::train_translation(config, &launch)
     } else {
-        ember_train::train_lm(RunConfig::load(&args.config)?, &launch)?
+        ember_train::train_lm(RunConfig::load_with(&args.config, &overrides)?, &launch)
+    };
+    let summary = match trained {
+        Err(TrainError::Interrupted { step, checkpoint }) => {
+            eprintln!("interrupted at step {step}: saved {}", checkpoint.display());
+            let sets: String = args
+                .overrides
+                .iter()
+                .map(|o| format!(" --set {}", shell_word(o)))
+                .collect();
+            eprintln!(
+                "continue with: ember train --config {}{sets} --out {} --resume",
+                shell_word(&args.config.to_string_lossy()),
+                shell_word(&out.to_string_lossy())
+            );
+            return Ok(ExitCode::from(crate::signals::exit_code()));
+        }
+        other => other?,
     };
     eprintln!(
         "done: {} steps in {:.1}s ({:.1} ms/step, {:.0} tokens/s){}",
@@ -81,12 +116,28 @@ pub fn run(args: TrainArgs) -> Result<()> {
         eprintln!("peak memory: {peak}");
     }
     eprintln!("checkpoint: {}", summary.checkpoint.display());
+    if let Some((best, loss)) = &summary.best {
+        eprintln!(
+            "best: {} (val loss {loss:.4}; --best picks it)",
+            best.display()
+        );
+    }
     eprintln!(
         "metrics: {}, plot: {}",
         out.join("metrics.jsonl").display(),
         out.join("loss.png").display()
     );
-    Ok(())
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `word` quoted for a POSIX shell when it needs to be.
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
 }
 
 /// Peak resident memory of this process, from /proc (Linux only).

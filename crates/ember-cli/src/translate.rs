@@ -14,6 +14,9 @@ pub struct TranslateArgs {
     /// Checkpoint folder, or a run folder (its newest checkpoint).
     #[arg(long, value_name = "DIR", default_value = "runs/multi30k-de-en")]
     checkpoint: PathBuf,
+    /// With a run folder: its best checkpoint (lowest validation loss) instead of the newest.
+    #[arg(long)]
+    best: bool,
     /// Sentences to translate, one per line [default: standard input].
     #[arg(long, value_name = "FILE")]
     input: Option<PathBuf>,
@@ -33,11 +36,12 @@ pub struct TranslateArgs {
 }
 
 pub fn run(args: TranslateArgs) -> Result<()> {
+    let checkpoint = crate::chosen_checkpoint(&args.checkpoint, args.best)?;
     if args.beam == 0 {
         bail!("--beam must be at least 1, got 0");
     }
     let device = ember_train::device::parse(&args.device)?;
-    let t = ember_train::load_translator(&args.checkpoint, &device)?;
+    let t = ember_train::load_translator(&checkpoint, &device)?;
     let lines: Vec<String> = match &args.input {
         Some(path) => ember_data::corpus::read_text(path)?
             .lines()

@@ -1,7 +1,7 @@
 //! Checkpoint folders, written atomically.
 //!
-//! A run's output folder holds `checkpoints/step-NNNNNNN/` folders and a `latest` file naming
-//! the newest. A checkpoint is first written to a hidden temporary folder, synced, then renamed
+//! A run's output folder holds `checkpoints/step-NNNNNNN/` folders, a `latest` file naming
+//! the newest and a `best` file naming the one with the lowest validation loss. A checkpoint is first written to a hidden temporary folder, synced, then renamed
 //! into place, and only then does `latest` (itself replaced by rename) point at it: a crash at
 //! any moment leaves the previous checkpoint whole and findable.
 
@@ -16,6 +16,8 @@ use crate::error::{Result, TrainError, write_err};
 pub const FORMAT_VERSION: u32 = 1;
 /// The file in a run folder that names the newest checkpoint.
 pub const LATEST: &str = "latest";
+/// The file in a run folder that names the checkpoint with the lowest validation loss.
+pub const BEST: &str = "best";
 /// Where checkpoints live inside a run folder.
 pub const CHECKPOINTS: &str = "checkpoints";
 /// Model weights inside a checkpoint (Burn's burnpack format).
@@ -103,15 +105,64 @@ pub fn save(
     }
     sync_dir(&root);
 
-    let latest_tmp = run_dir.join(format!(".{LATEST}.tmp"));
-    let latest = run_dir.join(LATEST);
-    fs::write(&latest_tmp, format!("{CHECKPOINTS}/{name}\n"))
-        .map_err(|e| write_err(&latest_tmp, e))?;
-    fs::rename(&latest_tmp, &latest).map_err(|e| write_err(&latest, e))?;
-    sync_dir(run_dir);
-
-    prune(&root, keep);
+    point(run_dir, LATEST, &final_dir)?;
+    prune(run_dir, keep);
     Ok(final_dir)
+}
+
+/// Makes the pointer file `which` ([`LATEST`] or [`BEST`]) of `run_dir` name checkpoint folder
+/// `dir`, replacing it by rename so that a reader never sees half a name.
+fn point(run_dir: &Path, which: &str, dir: &Path) -> Result<()> {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = run_dir.join(format!(".{which}.tmp"));
+    let file = run_dir.join(which);
+    fs::write(&tmp, format!("{CHECKPOINTS}/{name}\n")).map_err(|e| write_err(&tmp, e))?;
+    fs::rename(&tmp, &file).map_err(|e| write_err(&file, e))?;
+    sync_dir(run_dir);
+    Ok(())
+}
+
+/// Records checkpoint folder `dir` (of `run_dir`) as the run's best: pruning keeps it, and
+/// `--best` finds it.
+pub fn mark_best(run_dir: &Path, dir: &Path) -> Result<()> {
+    point(run_dir, BEST, dir)
+}
+
+/// The checkpoint folder a run folder's pointer file `which` names, if the file exists and
+/// names a complete checkpoint.
+fn pointed(run_dir: &Path, which: &str) -> Option<PathBuf> {
+    let text = fs::read_to_string(run_dir.join(which)).ok()?;
+    let dir = run_dir.join(text.trim());
+    is_complete(&dir).then_some(dir)
+}
+
+/// The validation loss and step of the best checkpoint of run folder `run_dir`, if it has one.
+pub fn best_val_loss(run_dir: &Path) -> Option<(f64, u64)> {
+    let state = read_state(&pointed(run_dir, BEST)?).ok()?;
+    Some((state.val_loss?, state.step))
+}
+
+/// The best checkpoint (lowest validation loss) of run folder `run_dir`.
+pub fn resolve_best(run_dir: &Path) -> Result<PathBuf> {
+    let err = |message: &str| TrainError::Checkpoint {
+        path: run_dir.to_path_buf(),
+        message: message.into(),
+    };
+    if !run_dir.is_dir() {
+        return Err(err("no such run folder (--best takes a run folder)"));
+    }
+    if run_dir.join(STATE_FILE).exists() {
+        return Err(err(
+            "is a checkpoint folder; --best takes the run folder around it",
+        ));
+    }
+    if !run_dir.join(BEST).exists() {
+        return Err(err(
+            "has no `best` file: the run has not evaluated a validation loss yet (or was made by an older ember)",
+        ));
+    }
+    pointed(run_dir, BEST)
+        .ok_or_else(|| err("its `best` file names a checkpoint that is missing or incomplete"))
 }
 
 /// Writes the files of a checkpoint into the temporary folder `tmp` and syncs them.
@@ -133,11 +184,18 @@ fn fill(
     Ok(())
 }
 
-/// Removes all but the newest `keep` checkpoints, and leftovers of interrupted writes.
-fn prune(root: &Path, keep: usize) {
-    let Ok(entries) = fs::read_dir(root) else {
+/// Removes all but the newest `keep` checkpoints, and leftovers of interrupted writes. The
+/// checkpoints that `latest` and `best` name are never removed, whatever their step.
+fn prune(run_dir: &Path, keep: usize) {
+    let root = run_dir.join(CHECKPOINTS);
+    let Ok(entries) = fs::read_dir(&root) else {
         return;
     };
+    let protected: Vec<PathBuf> = [LATEST, BEST]
+        .iter()
+        .filter_map(|which| fs::read_to_string(run_dir.join(which)).ok())
+        .map(|text| run_dir.join(text.trim()))
+        .collect();
     let mut steps = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().to_string();
@@ -154,7 +212,9 @@ fn prune(root: &Path, keep: usize) {
     steps.sort();
     let excess = steps.len().saturating_sub(keep);
     for old in &steps[..excess] {
-        let _ = fs::remove_dir_all(old);
+        if !protected.iter().any(|p| p == old) {
+            let _ = fs::remove_dir_all(old);
+        }
     }
 }
 
@@ -193,11 +253,8 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     if path.join(STATE_FILE).exists() || path.join(MODEL_FILE).exists() {
         return Ok(path.to_path_buf());
     }
-    if let Ok(text) = fs::read_to_string(path.join(LATEST)) {
-        let dir = path.join(text.trim());
-        if is_complete(&dir) {
-            return Ok(dir);
-        }
+    if let Some(dir) = pointed(path, LATEST) {
+        return Ok(dir);
     }
     // `latest` missing or broken: fall back to the newest complete checkpoint.
     step_dirs(&path.join(CHECKPOINTS))
@@ -334,6 +391,37 @@ mod tests {
         fs::write(d.join(STATE_FILE), serde_json::to_string(&s).unwrap()).unwrap();
         let err = read_state(&d).unwrap_err().to_string();
         assert!(err.contains("newer"), "{err}");
+        let _ = fs::remove_dir_all(&run);
+    }
+
+    #[test]
+    fn pruning_keeps_what_latest_and_best_name() {
+        let run = std::env::temp_dir().join(format!("ember-ckpt-best-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&run);
+        let step = |n: u64| run.join(CHECKPOINTS).join(step_dir_name(n));
+        save(&run, &state(10), 2, write_model).unwrap();
+        mark_best(&run, &step(10)).unwrap();
+        for n in [20, 30, 40] {
+            save(&run, &state(n), 2, write_model).unwrap();
+        }
+        // The newest two and the best survive.
+        assert!(step(10).exists() && step(30).exists() && step(40).exists());
+        assert!(!step(20).exists());
+        assert_eq!(resolve_best(&run).unwrap(), step(10));
+        assert_eq!(resolve(&run).unwrap(), step(40));
+
+        // A checkpoint older by name than the ones on disk (a run restarted at a lower step)
+        // is what `latest` names, so it is kept although the two newest by name are others.
+        save(&run, &state(5), 2, write_model).unwrap();
+        assert!(step(5).exists(), "the checkpoint just written was pruned");
+        assert_eq!(resolve(&run).unwrap(), step(5));
+
+        // No `best` file, or a checkpoint folder instead of the run folder: clear errors.
+        let err = resolve_best(&step(5)).unwrap_err().to_string();
+        assert!(err.contains("run folder"), "{err}");
+        fs::remove_file(run.join(BEST)).unwrap();
+        let err = resolve_best(&run).unwrap_err().to_string();
+        assert!(err.contains("no `best` file"), "{err}");
         let _ = fs::remove_dir_all(&run);
     }
 

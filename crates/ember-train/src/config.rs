@@ -120,8 +120,12 @@ pub struct TrainingConfig {
     pub checkpoint_interval: u64,
     /// Checkpoints kept on disk (the newest). Default 2.
     pub keep_checkpoints: usize,
-    /// Update the progress line every this many steps. Default 10.
+    /// Update the progress line (or, off a terminal, print a log line) every this many
+    /// steps. Default 10.
     pub log_interval: u64,
+    /// Stop once this many evaluations in a row have not lowered the best validation loss
+    /// (the best checkpoint is kept either way). Default: off.
+    pub early_stop_patience: Option<u64>,
 }
 
 impl Default for TrainingConfig {
@@ -148,6 +152,7 @@ impl Default for TrainingConfig {
             checkpoint_interval: 500,
             keep_checkpoints: 2,
             log_interval: 10,
+            early_stop_patience: None,
         }
     }
 }
@@ -184,6 +189,9 @@ impl TrainingConfig {
         positive_int("checkpoint_interval", self.checkpoint_interval)?;
         positive_int("keep_checkpoints", self.keep_checkpoints as u64)?;
         positive_int("log_interval", self.log_interval)?;
+        if let Some(patience) = self.early_stop_patience {
+            positive_int("early_stop_patience", patience)?;
+        }
         let positive_float = |key: &str, v: f64| {
             if v.is_finite() && v > 0.0 {
                 Ok(())
@@ -276,8 +284,14 @@ impl RunConfig {
     /// Reads and validates a config file. Errors name the file, and the line and key or the
     /// key and value at fault.
     pub fn load(path: &Path) -> Result<Self> {
-        let config: Self = parse_toml(path)?;
-        config.validate().map_err(|e| in_file(path, e))?;
+        Self::load_with(path, &[])
+    }
+
+    /// Reads a config file, applies command-line overrides (in order), and validates the
+    /// result. Errors name the file or the override at fault.
+    pub fn load_with(path: &Path, overrides: &[Override]) -> Result<Self> {
+        let config: Self = parse_with(path, overrides)?;
+        config.validate().map_err(|e| blame(path, overrides, e))?;
         Ok(config)
     }
 
@@ -324,6 +338,136 @@ pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<
         path: path.to_path_buf(),
         message: one_line(&e),
     })
+}
+
+/// One `--set section.key=value` of the command line: a config value given beside the file,
+/// as nanoGPT's `--batch_size=32`. The value is read as TOML (`3e-4`, `true`, `"cuda"`, `[1,
+/// 2]`); a value that is not TOML is taken as a string, so `training.device=cuda` works.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    /// The dotted key, e.g. `training.lr`.
+    pub key: String,
+    /// The value.
+    pub value: toml::Value,
+    text: String,
+}
+
+impl std::str::FromStr for Override {
+    type Err = TrainError;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let bad = |message: &str| TrainError::Override {
+            text: text.to_string(),
+            message: message.to_string(),
+        };
+        let Some((key, value)) = text.split_once('=') else {
+            return Err(bad("expected section.key=value, e.g. training.lr=3e-4"));
+        };
+        let key = key.trim();
+        let well_formed = |part: &str| {
+            !part.is_empty()
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        };
+        if !key.split('.').all(well_formed) {
+            return Err(bad("the key must be dotted names, e.g. training.lr"));
+        }
+        if key == "task" {
+            return Err(bad(
+                "the task is the config file's: choose a config of the other task",
+            ));
+        }
+        let value = value.trim();
+        let value = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.to_string()));
+        Ok(Self {
+            key: key.to_string(),
+            value,
+            text: text.to_string(),
+        })
+    }
+}
+
+impl std::fmt::Display for Override {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.text)
+    }
+}
+
+impl Override {
+    fn error(&self, message: impl Into<String>) -> TrainError {
+        TrainError::Override {
+            text: self.text.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// Sets the value in a parsed config file, making sections as needed.
+    fn apply(&self, table: &mut toml::Table) -> Result<()> {
+        let parts: Vec<&str> = self.key.split('.').collect();
+        let (last, sections) = parts.split_last().expect("a key has one part at least");
+        let mut at = table;
+        for (i, section) in sections.iter().enumerate() {
+            let entry = at
+                .entry(section.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            at = entry.as_table_mut().ok_or_else(|| {
+                self.error(format!(
+                    "`{}` is a value, not a section",
+                    parts[..=i].join(".")
+                ))
+            })?;
+        }
+        at.insert(last.to_string(), self.value.clone());
+        Ok(())
+    }
+}
+
+/// Reads `path`, applies `overrides` one at a time, and deserializes. The file alone is read
+/// first, so that its own errors name its line; each override is then checked as it is applied,
+/// so that an unknown key or a value of the wrong type names the override.
+pub(crate) fn parse_with<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    overrides: &[Override],
+) -> Result<T> {
+    let parsed: T = parse_toml(path)?;
+    if overrides.is_empty() {
+        return Ok(parsed);
+    }
+    let mut table: toml::Table = parse_toml(path)?;
+    for o in overrides {
+        o.apply(&mut table)?;
+        toml::Value::Table(table.clone())
+            .try_into::<T>()
+            .map_err(|e| o.error(e.message().trim().replace('\n', " ")))?;
+    }
+    toml::Value::Table(table)
+        .try_into::<T>()
+        .map_err(|e| TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: e.message().trim().to_string(),
+        })
+}
+
+/// A validation error of a config read from `path` with `overrides`: the override whose key
+/// it names is blamed, else the file.
+pub(crate) fn blame(path: &Path, overrides: &[Override], e: TrainError) -> TrainError {
+    let text = e.to_string();
+    let named = |o: &&Override| {
+        let last = o.key.rsplit('.').next().unwrap_or_default();
+        text.contains(&o.key)
+            || text.contains(&format!("`{last}`"))
+            || text.contains(&format!("{last} "))
+    };
+    match overrides.iter().rev().find(named) {
+        Some(o) if matches!(e, TrainError::ConfigValue { .. } | TrainError::Model(_)) => {
+            o.error(text)
+        }
+        _ => in_file(path, e),
+    }
 }
 
 /// A validation error of the config read from `path`, prefixed with the file's name.
@@ -383,6 +527,76 @@ mod tests {
         assert_eq!(c.training.batch_size, 12);
         let again = RunConfig::parse(&c.to_toml()).unwrap();
         assert_eq!(again, c);
+    }
+
+    fn temp_config(text: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "ember-override-{}-{}.toml",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn set(items: &[&str]) -> Vec<Override> {
+        items.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn overrides_set_values_and_errors_name_them() {
+        let path = temp_config("[model]\nd_model = 64\n[training]\nlr = 1e-3\n");
+        let c = RunConfig::load_with(
+            &path,
+            &set(&[
+                "training.lr=3e-4",
+                "model.n_layers=6",
+                "training.device=flex",
+                "model.positional=\"rotary\"",
+                "data.train_fraction = 0.8",
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.training.lr, 3e-4);
+        assert_eq!(c.model.n_layers, 6);
+        assert_eq!(c.model.d_model, 64, "the file's other values stay");
+        assert_eq!(c.training.device, "flex");
+        assert_eq!(c.data.train_fraction, 0.8);
+        assert!(c.to_toml().contains("lr = 0.0003"), "{}", c.to_toml());
+
+        let err = |items: &[&str]| {
+            RunConfig::load_with(&path, &set(items))
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(&["training.lrr=1"]);
+        assert!(
+            e.starts_with("--set training.lrr=1:") && e.contains("lrr"),
+            "{e}"
+        );
+        let e = err(&["trainin.lr=1"]);
+        assert!(
+            e.contains("--set trainin.lr=1") && e.contains("trainin"),
+            "{e}"
+        );
+        let e = err(&["training.batch_size=twelve"]);
+        assert!(e.contains("--set training.batch_size=twelve"), "{e}");
+        let e = err(&["training.lr=-1"]);
+        assert!(
+            e.contains("--set training.lr=-1") && e.contains("-1"),
+            "{e}"
+        );
+        let e = err(&["model.n_heads=5"]);
+        assert!(
+            e.contains("--set model.n_heads=5") && e.contains("n_heads"),
+            "{e}"
+        );
+        let e = err(&["training.lr.x=1"]);
+        assert!(e.contains("not a section"), "{e}");
+        for bad in ["training.lr", "=3", "training..lr=1", "task=translation"] {
+            assert!(bad.parse::<Override>().is_err(), "{bad}");
+        }
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]

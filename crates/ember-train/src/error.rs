@@ -46,6 +46,30 @@ pub enum TrainError {
         /// Why.
         message: String,
     },
+    /// The run folder holds another run, or another process is training into it.
+    #[error("run folder {path}: {message}")]
+    RunFolder {
+        /// The run folder.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// A `--set section.key=value` override is malformed or names a key the config lacks.
+    #[error("--set {text}: {message}")]
+    Override {
+        /// The override as given.
+        text: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// Training was asked to stop (Ctrl-C, SIGTERM) and saved a checkpoint first.
+    #[error("interrupted at step {step}; saved {}", checkpoint.display())]
+    Interrupted {
+        /// Steps completed.
+        step: u64,
+        /// The checkpoint written at that step.
+        checkpoint: PathBuf,
+    },
     /// The loss stopped being a finite number.
     #[error(
         "loss is {loss} at step {step}: training diverged; the last good checkpoint is kept (try a lower training.lr or gradient clipping)"

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod optimizer;
 pub mod parallel;
 pub mod plot;
+pub mod run_folder;
 pub mod schedule;
 pub mod trainer;
 pub mod translation;

@@ -131,6 +131,9 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     if let Some(name) = &launch.device {
         config.training.device = name.clone();
     }
+    // Claimed before anything reads or writes it: locked for this process, and refused if it
+    // holds another run that this one would neither resume nor replace.
+    let folder = crate::run_folder::RunFolder::claim(&launch.out_dir, launch.reuse())?;
     let out_dir = launch.out_dir.clone();
     // Resuming continues the checkpoint's model with its tokenizer (so ids mean the same thing);
     // --init-from takes architecture, weights and tokenizer from another model.
@@ -192,6 +195,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         resume: launch.resume,
         stop_after: launch.stop_after,
         progress: launch.progress,
+        interrupt: launch.interrupt.clone(),
         title: format!(
             "{} on {}",
             "decoder-only LM",
@@ -208,5 +212,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         config,
         device,
     };
-    crate::trainer::train(&task, model, &options)
+    let summary = crate::trainer::train(&task, model, &options);
+    drop(folder);
+    summary
 }

@@ -3,6 +3,8 @@
 //! atomic checkpoints and resume.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -71,10 +73,14 @@ pub struct RunOptions {
     pub resume: bool,
     /// Stop (with a checkpoint) after this step, as if interrupted; for tests and benchmarks.
     pub stop_after: Option<u64>,
-    /// Draw a progress bar on stderr (only when it is a terminal).
+    /// Draw a progress bar on stderr (only when it is a terminal); without one, a plain line
+    /// is printed every `log_interval` steps instead.
     pub progress: bool,
     /// Title of the loss plot.
     pub title: String,
+    /// Set (by a signal handler, say) to stop at the end of the current step, with a
+    /// checkpoint: `train` then returns [`TrainError::Interrupted`].
+    pub interrupt: Option<Arc<AtomicBool>>,
 }
 
 /// How `ember train` starts a run: where, on what, and whether it continues an earlier one.
@@ -84,6 +90,9 @@ pub struct Launch {
     pub out_dir: PathBuf,
     /// Continue from the newest checkpoint in `out_dir`.
     pub resume: bool,
+    /// Remove a run that `out_dir` already holds first (otherwise such a folder is refused,
+    /// unless `resume`).
+    pub overwrite: bool,
     /// Device name overriding the config's `training.device`.
     pub device: Option<String>,
     /// Stop (with a checkpoint) after this step, as if interrupted.
@@ -92,6 +101,8 @@ pub struct Launch {
     pub progress: bool,
     /// Start from these weights instead of random ones (language models).
     pub init_from: Option<crate::init_from::InitFrom>,
+    /// Stop at the end of the current step, with a checkpoint, once this is set.
+    pub interrupt: Option<Arc<AtomicBool>>,
 }
 
 impl Launch {
@@ -100,6 +111,16 @@ impl Launch {
         Self {
             out_dir: out_dir.into(),
             ..Self::default()
+        }
+    }
+
+    /// What to do with a run the folder already holds.
+    pub fn reuse(&self) -> crate::run_folder::Reuse {
+        use crate::run_folder::Reuse;
+        match (self.resume, self.overwrite) {
+            (true, _) => Reuse::Resume,
+            (false, true) => Reuse::Overwrite,
+            (false, false) => Reuse::Refuse,
         }
     }
 }
@@ -121,6 +142,11 @@ pub struct RunSummary {
     pub ms_per_step: f64,
     /// The newest checkpoint.
     pub checkpoint: PathBuf,
+    /// The checkpoint with the lowest validation loss, and that loss.
+    pub best: Option<(PathBuf, f64)>,
+    /// Training ended before `max_steps` because the validation loss stopped improving
+    /// (`training.early_stop_patience`).
+    pub stopped_early: bool,
 }
 
 /// Salt that separates dropout seeds from batch seeds.
@@ -171,6 +197,20 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         optim = adamw(config, &model);
     }
     let metrics = Metrics::open(out, options.resume.then_some(state.step))?;
+    // The best validation loss so far and how many evaluations since have not beaten it; a
+    // resumed run takes both from the `best` checkpoint and the metrics kept up to its step.
+    let mut best = options
+        .resume
+        .then(|| checkpoint::best_val_loss(out))
+        .flatten();
+    let mut evals_since_best = match best {
+        Some((_, best_step)) => crate::metrics::read(metrics.path())
+            .iter()
+            .filter(|r| r.kind == "eval" && r.step > best_step)
+            .count() as u64,
+        None => 0,
+    };
+    let mut stopped_early = false;
     let device = param_device(&model);
     let bar = progress_bar(config.max_steps, state.step, options.progress);
 
@@ -198,8 +238,13 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         tokens_this_run += tokens as u64;
         window.push(loss, norm, tokens);
 
+        let interrupted = options
+            .interrupt
+            .as_ref()
+            .is_some_and(|flag| flag.load(Ordering::Relaxed));
         let done = state.step == stop;
-        let checkpoint_due = state.step.is_multiple_of(config.checkpoint_interval) || done;
+        let mut checkpoint_due =
+            state.step.is_multiple_of(config.checkpoint_interval) || done || interrupted;
         if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
             let elapsed = elapsed_before + start.elapsed().as_secs_f64();
             let record = window.flush(state.step, lr, elapsed)?;
@@ -208,8 +253,16 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
                 "loss {:.4} | {:.0} tok/s | lr {:.2e}",
                 record.train_loss, record.tokens_per_sec, lr
             ));
+            if bar.is_hidden() {
+                // Off a terminal (a pipe, a file, nohup): a plain line instead of the bar.
+                eprintln!(
+                    "step {:>6}/{}: loss {:.4}, lr {lr:.2e}, {:.0} tok/s, {elapsed:.1} s",
+                    state.step, config.max_steps, record.train_loss, record.tokens_per_sec
+                );
+            }
             metrics.append(&record)?;
         }
+        let mut improved = false;
         if state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps {
             let eval_model = model.valid();
             let train = task.eval_loss(&eval_model, Split::Train, config.eval_batches);
@@ -237,6 +290,30 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
             })?;
             (train_loss, val_loss) = (Some(train), Some(val));
             state.val_loss = val_loss;
+            // Every improvement is saved, so the best model is on disk however late the run
+            // overfits (nanoGPT's GPU config does after about 2000 of its 5000 steps).
+            improved = best.is_none_or(|(b, _)| val < b);
+            if improved {
+                best = Some((val, state.step));
+                evals_since_best = 0;
+                checkpoint_due = true;
+            } else {
+                evals_since_best += 1;
+            }
+            if let Some(patience) = config.early_stop_patience
+                && evals_since_best >= patience
+            {
+                let (b, at) = best.expect("an evaluation happened");
+                say(
+                    &bar,
+                    format!(
+                        "early stop: val loss has not improved on {b:.4} (step {at}) in {patience} evaluations"
+                    ),
+                );
+                stopped_early = true;
+                checkpoint_due = true;
+            }
+            draw_plot(&metrics, &options.title, out);
         }
         if checkpoint_due {
             ensure_finite(&model, state.step)?;
@@ -246,15 +323,25 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
                 save_weights(m, o, dir)?;
                 task.write_files(dir)
             })?;
+            if improved {
+                checkpoint::mark_best(out, &last_checkpoint)?;
+            }
+        }
+        if interrupted && !done {
+            bar.finish_and_clear();
+            draw_plot(&metrics, &options.title, out);
+            return Err(TrainError::Interrupted {
+                step: state.step,
+                checkpoint: last_checkpoint,
+            });
+        }
+        if stopped_early {
+            break;
         }
     }
     bar.finish_and_clear();
     let run_secs = start.elapsed().as_secs_f64();
-    let records = crate::metrics::read(metrics.path());
-    let plot = out.join("loss.png");
-    if let Err(e) = crate::plot::loss_curves(&records, &options.title, &plot) {
-        eprintln!("warning: no loss plot: {e}");
-    }
+    draw_plot(&metrics, &options.title, out);
     let steps = (state.step - start_step).max(1) as f64;
     Ok(RunSummary {
         step: state.step,
@@ -264,7 +351,20 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         tokens_per_sec: tokens_this_run as f64 / run_secs.max(1e-9),
         ms_per_step: 1000.0 * run_secs / steps,
         checkpoint: last_checkpoint,
+        best: checkpoint::resolve_best(out)
+            .ok()
+            .zip(best.map(|(loss, _)| loss)),
+        stopped_early,
     })
+}
+
+/// Redraws `loss.png` from the metrics so far (at every evaluation, so that a running or
+/// killed job has a current plot).
+fn draw_plot(metrics: &Metrics, title: &str, out: &Path) {
+    let records = crate::metrics::read(metrics.path());
+    if let Err(e) = crate::plot::loss_curves(&records, title, &out.join("loss.png")) {
+        eprintln!("warning: no loss plot: {e}");
+    }
 }
 
 /// Forward and backward over `n` micro-batches; the loss is their mean.

@@ -271,6 +271,9 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     if let Some(name) = &launch.device {
         config.training.device = name.clone();
     }
+    // Claimed before anything reads or writes it: locked for this process, and refused if it
+    // holds another run that this one would neither resume nor replace.
+    let folder = crate::run_folder::RunFolder::claim(&launch.out_dir, launch.reuse())?;
     let (out_dir, resume) = (launch.out_dir.clone(), launch.resume);
     let d = config.data.clone();
     let train_pairs = limit(
@@ -327,6 +330,7 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
         resume,
         stop_after: launch.stop_after,
         progress: launch.progress,
+        interrupt: launch.interrupt.clone(),
         title: format!("encoder-decoder on {}", d.train_src.display()),
     };
     let task = TranslationTask {
@@ -337,7 +341,9 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
         bleu_set,
         device,
     };
-    crate::trainer::train(&task, model, &options)
+    let summary = crate::trainer::train(&task, model, &options);
+    drop(folder);
+    summary
 }
 
 /// A trained translation model, ready for inference.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use ember_model::EncoderDecoderConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{TrainingConfig, in_file, parse_toml};
+use crate::config::{Override, TrainingConfig, blame, parse_with};
 use crate::error::{Result, value_err};
 
 /// A translation run.
@@ -92,8 +92,14 @@ impl Default for TranslationData {
 impl TranslationRunConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self> {
-        let config: Self = parse_toml(path)?;
-        config.validate().map_err(|e| in_file(path, e))?;
+        Self::load_with(path, &[])
+    }
+
+    /// Reads a config file, applies command-line overrides (in order), and validates the
+    /// result. Errors name the file or the override at fault.
+    pub fn load_with(path: &Path, overrides: &[Override]) -> Result<Self> {
+        let config: Self = parse_with(path, overrides)?;
+        config.validate().map_err(|e| blame(path, overrides, e))?;
         Ok(config)
     }
 
