@@ -1,9 +1,10 @@
 //! `ember generate`
 
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use ember_infer::{GenerateOptions, Sampling, generate};
 
@@ -12,9 +13,18 @@ use crate::stream::Stream;
 /// Arguments of `ember generate`.
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Text to continue.
-    #[arg(long)]
-    prompt: String,
+    /// Text to continue; `-` reads it from standard input, `FILE:path` from a file (nanoGPT's
+    /// convention).
+    #[arg(
+        long,
+        required_unless_present = "prompt_file",
+        conflicts_with = "prompt_file"
+    )]
+    prompt: Option<String>,
+    /// Several prompts, one per line (`-`: standard input): each is continued in turn and
+    /// printed whole, separated by a line of dashes.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
     /// Checkpoint folder, or a run folder (its newest checkpoint).
     #[arg(long, value_name = "DIR", default_value = "runs/small")]
     checkpoint: PathBuf,
@@ -33,15 +43,26 @@ pub struct GenerateArgs {
     /// Sample only among the most likely tokens covering probability P.
     #[arg(long, value_name = "P")]
     top_p: Option<f32>,
+    /// Penalise tokens already in the text (Hugging Face's definition: positive logits divided
+    /// by P, negative ones multiplied); 1 is off, 1.1-1.3 is typical.
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    repetition_penalty: f32,
     /// Seed of the sampler; the same seed gives the same text.
     #[arg(long, value_name = "S", default_value_t = 1337)]
     seed: u64,
     /// Always take the most likely token.
     #[arg(long)]
     greedy: bool,
-    /// Stop a sample when this text appears (it is not printed).
+    /// Stop a sample when this text appears (it is not printed); repeatable.
     #[arg(long, value_name = "STR")]
-    stop: Option<String>,
+    stop: Vec<String>,
+    /// Go on past the tokenizer's end-of-text token (e.g. GPT-2's `<|endoftext|>`) instead of
+    /// stopping there.
+    #[arg(long)]
+    ignore_eot: bool,
+    /// Print only the continuation, not the prompt before it.
+    #[arg(long)]
+    no_echo: bool,
     /// Independent samples to draw.
     #[arg(long, value_name = "N", default_value_t = 1)]
     num_samples: usize,
@@ -54,11 +75,48 @@ pub struct GenerateArgs {
     no_cache: bool,
 }
 
-pub fn run(args: GenerateArgs) -> Result<()> {
-    let checkpoint = crate::chosen_checkpoint(&args.checkpoint, args.best)?;
-    if args.prompt.is_empty() {
+/// The prompts to continue: `--prompt` (text, `-` or `FILE:path`) or `--prompt-file`'s lines.
+fn prompts(args: &GenerateArgs) -> Result<Vec<String>> {
+    let read = |path: &Path| -> Result<String> {
+        if path == Path::new("-") {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("cannot read the prompt from standard input")?;
+            Ok(text)
+        } else {
+            std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read prompt file {}", path.display()))
+        }
+    };
+    if let Some(file) = &args.prompt_file {
+        let text = read(file)?;
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+        if lines.is_empty() {
+            bail!("--prompt-file {} has no non-empty line", file.display());
+        }
+        return Ok(lines);
+    }
+    let prompt = args.prompt.as_deref().unwrap_or_default();
+    let text = if prompt == "-" {
+        read(Path::new("-"))?
+    } else if let Some(path) = prompt.strip_prefix("FILE:") {
+        read(Path::new(path))?
+    } else {
+        prompt.to_string()
+    };
+    if text.is_empty() {
         bail!("--prompt is empty: give some text to continue, e.g. --prompt \"ROMEO:\"");
     }
+    Ok(vec![text])
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let checkpoint = crate::chosen_checkpoint(&args.checkpoint, args.best)?;
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         bail!(
             "--temperature must be zero or positive, got {}",
@@ -70,28 +128,23 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     {
         bail!("--top-p must be in (0, 1], got {p}");
     }
+    if !(args.repetition_penalty.is_finite() && args.repetition_penalty > 0.0) {
+        bail!(
+            "--repetition-penalty must be a positive number (1 is off), got {}",
+            args.repetition_penalty
+        );
+    }
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1, got 0");
     }
     if args.top_k == Some(0) {
         bail!("--top-k must be at least 1, got 0");
     }
+    let prompts = prompts(&args)?;
     let device = ember_train::device::parse(&args.device)?;
     let lm = ember_train::load_lm(&checkpoint, &device)?;
-    let encoded = lm.tokenizer.encode(&args.prompt)?;
-    if encoded.unknown > 0 {
-        eprintln!(
-            "note: {} character(s) of the prompt are not in the model's vocabulary (mapped to unknown)",
-            encoded.unknown
-        );
-    }
     let context = lm.config.model.context_len;
-    if encoded.ids.len() > context {
-        eprintln!(
-            "note: the prompt has {} tokens; the model sees only the last {context}",
-            encoded.ids.len()
-        );
-    }
+    let end_of_text = lm.tokenizer.end_of_text_id().filter(|_| !args.ignore_eot);
     let options = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: Sampling {
@@ -99,6 +152,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             temperature: args.temperature,
             top_k: args.top_k,
             top_p: args.top_p,
+            repetition_penalty: args.repetition_penalty,
         },
         seed: args.seed,
         use_cache: !args.no_cache,
@@ -106,21 +160,45 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     eprintln!("checkpoint {} (step {})", lm.dir.display(), lm.step);
     let mut total_tokens = 0;
+    let mut first = true;
     let start = Instant::now();
-    for sample in 0..args.num_samples {
-        if sample > 0 {
-            println!("\n---------------");
+    for prompt in &prompts {
+        let encoded = lm.tokenizer.encode(prompt)?;
+        if encoded.ids.is_empty() {
+            bail!("the prompt {prompt:?} encodes to no tokens");
         }
-        print!("{}", args.prompt);
-        let mut stream = Stream::new(&lm.tokenizer, args.stop.as_deref());
-        let opts = GenerateOptions {
-            seed: args.seed.wrapping_add(sample as u64),
-            ..options
-        };
-        let ids = generate(&lm.model, &encoded.ids, &opts, |id| stream.push(id));
-        stream.finish();
-        total_tokens += ids.len();
-        println!();
+        if encoded.unknown > 0 {
+            eprintln!(
+                "note: {} character(s) of the prompt are not in the model's vocabulary (mapped to unknown)",
+                encoded.unknown
+            );
+        }
+        if encoded.ids.len() > context {
+            eprintln!(
+                "note: the prompt has {} tokens; the model sees only the last {context}",
+                encoded.ids.len()
+            );
+        }
+        for sample in 0..args.num_samples {
+            if !first {
+                println!("\n---------------");
+            }
+            first = false;
+            if !args.no_echo {
+                print!("{prompt}");
+            }
+            let mut stream = Stream::new(&lm.tokenizer, &args.stop);
+            let opts = GenerateOptions {
+                seed: args.seed.wrapping_add(sample as u64),
+                ..options
+            };
+            let ids = generate(&lm.model, &encoded.ids, &opts, |id| {
+                Some(id) != end_of_text && stream.push(id)
+            });
+            stream.finish();
+            total_tokens += ids.len();
+            println!();
+        }
     }
     let secs = start.elapsed().as_secs_f64();
     eprintln!(

@@ -1,5 +1,10 @@
-//! Printing generated text as it comes, holding back only what might be the start of the stop
+//! Printing generated text as it comes, holding back only what might be the start of a stop
 //! string or half of a multi-byte character.
+//!
+//! Each token is decoded together with the few tokens before it (Hugging Face's "prefix
+//! offset" method), not with the whole text: a BPE token's text can depend on its neighbours
+//! (a leading space, bytes of one character split over two tokens), and decoding everything
+//! again per token made a long sample quadratic.
 
 use std::io::Write;
 
@@ -8,50 +13,88 @@ use ember_data::Tokenizer;
 /// Decodes generated ids incrementally and writes the new text to stdout.
 pub struct Stream<'a> {
     tokenizer: &'a Tokenizer,
-    stop: Option<&'a str>,
+    stops: Vec<&'a str>,
     ids: Vec<u32>,
+    /// `ids[prefix..read]` were decoded last time as context; `ids[read..]` are not text yet.
+    prefix: usize,
+    read: usize,
     printed: usize,
-    /// The full text, cut at the stop string if it appeared.
+    /// The full text, cut at the first stop string if one appeared.
     pub text: String,
 }
 
 impl<'a> Stream<'a> {
-    pub fn new(tokenizer: &'a Tokenizer, stop: Option<&'a str>) -> Self {
+    pub fn new(tokenizer: &'a Tokenizer, stops: &'a [String]) -> Self {
         Self {
             tokenizer,
-            stop: stop.filter(|s| !s.is_empty()),
+            stops: stops
+                .iter()
+                .map(String::as_str)
+                .filter(|s| !s.is_empty())
+                .collect(),
             ids: Vec::new(),
+            prefix: 0,
+            read: 0,
             printed: 0,
             text: String::new(),
         }
     }
 
-    /// Adds a token; returns `false` once the stop string has appeared.
+    /// Adds a token; returns `false` once a stop string has appeared.
     pub fn push(&mut self, id: u32) -> bool {
         self.ids.push(id);
-        self.text = self.tokenizer.decode(&self.ids);
-        if let Some(stop) = self.stop
-            && let Some(at) = self.text.find(stop)
-        {
+        let searched_from = self.text.len();
+        self.decode_new(false);
+        if let Some(at) = self.first_stop(searched_from) {
             self.text.truncate(at);
             self.emit(at);
             return false;
         }
-        let mut safe = self.text.len();
-        if self.text.ends_with('\u{FFFD}') && !self.tokenizer.is_char() {
-            // Possibly the first bytes of a character the next token completes.
-            safe -= '\u{FFFD}'.len_utf8();
-        }
-        if let Some(stop) = self.stop {
-            safe = safe.min(self.text.len() - held_back(&self.text, stop));
-        }
-        self.emit(safe);
+        let held = self
+            .stops
+            .iter()
+            .map(|stop| held_back(&self.text, stop))
+            .max()
+            .unwrap_or(0);
+        self.emit(self.text.len() - held);
         true
     }
 
     /// Prints whatever is still held back.
     pub fn finish(&mut self) {
+        self.decode_new(true);
         self.emit(self.text.len());
+    }
+
+    /// Appends the text of the tokens not yet decoded, once it is whole (or anyway, at the end).
+    fn decode_new(&mut self, last: bool) {
+        let window = &self.ids[self.prefix..];
+        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read]);
+        let now = self.tokenizer.decode(window);
+        // A trailing U+FFFD may be the first bytes of a character the next token completes.
+        let unfinished = now.ends_with('\u{FFFD}') && !self.tokenizer.is_char();
+        if now.len() > before.len() && (last || !unfinished) {
+            if let Some(new) = now.get(before.len()..) {
+                self.text.push_str(new);
+                self.prefix = self.read;
+                self.read = self.ids.len();
+            }
+        }
+    }
+
+    /// Where the earliest stop string starts, looking only at text that could hold one that
+    /// was not there before `from`.
+    fn first_stop(&self, from: usize) -> Option<usize> {
+        self.stops
+            .iter()
+            .filter_map(|stop| {
+                let mut start = from.saturating_sub(stop.len());
+                while !self.text.is_char_boundary(start) {
+                    start -= 1;
+                }
+                self.text[start..].find(stop).map(|at| start + at)
+            })
+            .min()
     }
 
     fn emit(&mut self, upto: usize) {
@@ -77,12 +120,61 @@ fn held_back(text: &str, stop: &str) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::held_back;
+    use super::*;
 
     #[test]
     fn holds_back_a_possible_start_of_the_stop_string() {
         assert_eq!(held_back("hello\n\n", "\n\n\n"), 2);
         assert_eq!(held_back("hello", "\n\n"), 0);
         assert_eq!(held_back("ROMEO: I", "I say"), 1);
+    }
+
+    /// A byte-level BPE trained on a little text, so that tokens split words and characters.
+    fn bpe() -> Tokenizer {
+        let dir = std::env::temp_dir().join(format!("ember-stream-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let corpus = dir.join("corpus.txt");
+        std::fs::write(
+            &corpus,
+            "Grüße aus Köln, naïve café — the cat sat on the mat. ".repeat(40),
+        )
+        .unwrap();
+        Tokenizer::Bpe(Box::new(
+            ember_data::bpe::train_bpe(&[corpus.as_path()], 300, &[]).unwrap(),
+        ))
+    }
+
+    #[test]
+    fn incremental_text_equals_decoding_everything_at_once() {
+        let tokenizer = bpe();
+        let text = "Grüße — the naïve cat sat on the mat in Köln.";
+        let ids = tokenizer.encode(text).unwrap().ids;
+        assert!(ids.len() > 10);
+        let mut stream = Stream::new(&tokenizer, &[]);
+        for &id in &ids {
+            assert!(stream.push(id));
+            assert!(
+                tokenizer.decode(&ids).starts_with(&stream.text),
+                "{:?} is not a prefix",
+                stream.text
+            );
+        }
+        stream.finish();
+        assert_eq!(stream.text, tokenizer.decode(&ids));
+        assert_eq!(stream.text, text);
+    }
+
+    #[test]
+    fn the_first_of_several_stop_strings_ends_the_text() {
+        let tokenizer = bpe();
+        let ids = tokenizer
+            .encode("the cat sat on the mat. the cat")
+            .unwrap()
+            .ids;
+        let stops = vec!["on the".to_string(), "sat".to_string()];
+        let mut stream = Stream::new(&tokenizer, &stops);
+        let pushed = ids.iter().take_while(|&&id| stream.push(id)).count();
+        assert!(pushed < ids.len());
+        assert_eq!(stream.text, "the cat ");
     }
 }

@@ -322,8 +322,29 @@ fn translation_commands_train_translate_and_score() {
     let p = [500.0f64 / 6.0, 60.0, 25.0, 100.0 / 6.0];
     let want = (1.0f64 - 7.0 / 6.0).exp() * (p.iter().map(|x| x.ln()).sum::<f64>() / 4.0).exp();
     assert!(
-        (json["bleu"].as_f64().unwrap() - want).abs() < 1e-9,
+        (json["score"].as_f64().unwrap() - want).abs() < 1e-9,
         "{json}"
+    );
+    assert_eq!(json["name"], "BLEU");
+    let signature = json["signature"].as_str().unwrap();
+    assert!(
+        signature.starts_with("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:"),
+        "{signature}"
+    );
+    assert_eq!(json["tok"], "13a");
+    let out = ember_ok(&[
+        "bleu",
+        "--hyp",
+        hyp.to_str().unwrap(),
+        "--ref",
+        reference.to_str().unwrap(),
+        "--lowercase",
+    ]);
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        line.starts_with("BLEU|nrefs:1|case:lc|eff:no|tok:13a|smooth:exp|version:")
+            && line.contains(&format!(" = {want:.2} ")),
+        "{line}"
     );
     assert_eq!(json["hyp_len"], 6);
     assert_eq!(json["ref_len"], 7);

@@ -54,6 +54,33 @@ impl Tokenizer {
         }
     }
 
+    /// The id of the token that ends a text (GPT-2's `<|endoftext|>`, `</s>`, ...), if the
+    /// tokenizer has one as a special token; generation stops there. Character tokenizers have
+    /// none.
+    pub fn end_of_text_id(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Char(_) => None,
+            Tokenizer::Bpe(t) => {
+                let special: Vec<String> = t
+                    .get_added_tokens_decoder()
+                    .values()
+                    .filter(|token| token.special)
+                    .map(|token| token.content.clone())
+                    .collect();
+                [
+                    "<|endoftext|>",
+                    "<|end_of_text|>",
+                    "</s>",
+                    "<eos>",
+                    "<|eos|>",
+                ]
+                .iter()
+                .find(|name| special.iter().any(|s| s == *name))
+                .and_then(|name| t.token_to_id(name))
+            }
+        }
+    }
+
     /// How many of `ids` are the unknown id.
     pub fn unknown_count(&self, ids: &[u32]) -> usize {
         self.unknown_id()

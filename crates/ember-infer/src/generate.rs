@@ -5,7 +5,7 @@ use ember_model::{DecoderCache, DecoderOnly};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::sampling::{Sampling, sample};
+use crate::sampling::{Sampling, penalize_repeats, sample};
 
 /// Settings of one generation.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,12 +46,13 @@ pub fn generate(
     let mut window: Option<Window> = None;
     let mut produced = Vec::with_capacity(options.max_new_tokens);
     for _ in 0..options.max_new_tokens {
-        let logits = if options.use_cache {
+        let mut logits = if options.use_cache {
             next_logits_cached(model, &tokens, &mut window, ctx, &device)
         } else {
             let window = &tokens[tokens.len().saturating_sub(ctx)..];
             last_logits(model, window, None, &device)
         };
+        penalize_repeats(&mut logits, &tokens, options.sampling.repetition_penalty);
         let next = sample(&logits, &options.sampling, &mut rng);
         tokens.push(next);
         produced.push(next);

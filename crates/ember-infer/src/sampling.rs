@@ -14,6 +14,10 @@ pub struct Sampling {
     pub top_k: Option<usize>,
     /// Sample only among the most likely tokens whose probabilities sum to `p` (nucleus).
     pub top_p: Option<f32>,
+    /// Hugging Face's repetition penalty: the logit of every token already in the text (prompt
+    /// included) is divided by this when positive and multiplied when negative, before
+    /// anything else. 1 turns it off; above 1 discourages repeats.
+    pub repetition_penalty: f32,
 }
 
 impl Default for Sampling {
@@ -23,6 +27,24 @@ impl Default for Sampling {
             temperature: 1.0,
             top_k: None,
             top_p: None,
+            repetition_penalty: 1.0,
+        }
+    }
+}
+
+/// Applies the repetition penalty `penalty` to `logits` `[V]` for each distinct id in `seen`
+/// (as Hugging Face's `RepetitionPenaltyLogitsProcessor`: a repeated token is penalised once).
+pub fn penalize_repeats(logits: &mut [f32], seen: &[u32], penalty: f32) {
+    if penalty == 1.0 {
+        return;
+    }
+    let mut done = vec![false; logits.len()];
+    for &id in seen {
+        let i = id as usize;
+        if i < logits.len() && !done[i] {
+            done[i] = true;
+            let l = &mut logits[i];
+            *l = if *l < 0.0 { *l * penalty } else { *l / penalty };
         }
     }
 }
@@ -90,6 +112,16 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut StdRng) -> u32 {
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits_once() {
+        let mut logits = [2.0, -1.0, 0.5, 3.0];
+        penalize_repeats(&mut logits, &[0, 1, 0, 7], 2.0);
+        assert_eq!(logits, [1.0, -2.0, 0.5, 3.0]);
+        let mut same = [2.0, -1.0];
+        penalize_repeats(&mut same, &[0, 1], 1.0);
+        assert_eq!(same, [2.0, -1.0]);
+    }
 
     #[test]
     fn top_k_and_top_p_keep_the_right_tokens() {

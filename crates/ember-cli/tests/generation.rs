@@ -1,0 +1,201 @@
+//! `ember generate`'s controls through the binary, on the tiny Hugging Face GPT-2 fixture (a
+//! byte-level BPE with `<|endoftext|>`): end-of-text, several stop strings, no echo, the
+//! repetition penalty, prompts from stdin, a file and a file of lines; and the exit codes.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use common::{assert_clear_error, ember, ember_ok, repo, temp};
+
+const EOT: &str = "<|endoftext|>";
+
+fn fixture() -> String {
+    repo()
+        .join("crates/ember-train/tests/fixtures/tiny-gpt2")
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+/// stdout of a successful `ember generate` on the fixture with `args`.
+fn generate(args: &[&str]) -> String {
+    let fixture = fixture();
+    let mut all = vec!["generate", "--checkpoint", &fixture];
+    all.extend_from_slice(args);
+    String::from_utf8(ember_ok(&all).stdout).unwrap()
+}
+
+/// A hot sample (temperature 50: nearly uniform over 300 tokens) that meets `<|endoftext|>`.
+const HOT: [&str; 10] = [
+    "--prompt",
+    "Hello",
+    "--temperature",
+    "50",
+    "--max-tokens",
+    "1500",
+    "--seed",
+    "1",
+    "--no-echo",
+    "--no-cache",
+];
+
+#[test]
+fn generation_stops_at_end_of_text_unless_told_to_go_on() {
+    let on = generate(&[&HOT[..], &["--ignore-eot"]].concat());
+    let at = on.find(EOT).expect("the hot sample meets <|endoftext|>");
+    assert!(
+        on.len() > at + EOT.len() + 100,
+        "--ignore-eot went on past it"
+    );
+    let stopped = generate(&HOT);
+    assert_eq!(stopped.trim_end_matches('\n'), &on[..at]);
+    assert!(!stopped.contains(EOT));
+}
+
+#[test]
+fn several_stop_strings_cut_at_the_first_that_appears() {
+    let on = generate(&[&HOT[..], &["--ignore-eot"]].concat());
+    let chars: Vec<char> = on.chars().collect();
+    let piece = |from: usize| chars[from..from + 3].iter().collect::<String>();
+    let (late, early) = (piece(60), piece(30));
+    let want = on.find(&early).unwrap().min(on.find(&late).unwrap());
+    let cut = generate(
+        &[
+            &HOT[..],
+            &["--ignore-eot", "--stop", &late, "--stop", &early],
+        ]
+        .concat(),
+    );
+    assert_eq!(cut.trim_end_matches('\n'), &on[..want]);
+}
+
+#[test]
+fn echo_penalty_and_prompt_sources() {
+    let greedy = ["--greedy", "--max-tokens", "40"];
+    let echoed = generate(&[&greedy[..], &["--prompt", "The cat"]].concat());
+    let bare = generate(&[&greedy[..], &["--prompt", "The cat", "--no-echo"]].concat());
+    assert_eq!(echoed, format!("The cat{bare}"));
+
+    // The penalty off is the same as no flag; a strong one breaks greedy loops, so more
+    // distinct text appears.
+    let one = generate(
+        &[
+            &greedy[..],
+            &[
+                "--prompt",
+                "The cat",
+                "--no-echo",
+                "--repetition-penalty",
+                "1",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(one, bare);
+    let penalised = generate(
+        &[
+            &greedy[..],
+            &[
+                "--prompt",
+                "The cat",
+                "--no-echo",
+                "--repetition-penalty",
+                "1000",
+            ],
+        ]
+        .concat(),
+    );
+    let distinct = |s: &str| {
+        let mut c: Vec<char> = s.chars().collect();
+        c.sort();
+        c.dedup();
+        c.len()
+    };
+    assert!(
+        distinct(&penalised) > distinct(&bare),
+        "{penalised:?} vs {bare:?}"
+    );
+
+    // A prompt from a file (nanoGPT's FILE:) and from stdin is the same as on the command line.
+    let dir = temp("prompts");
+    let file = dir.join("prompt.txt");
+    std::fs::write(&file, "The cat").unwrap();
+    let from_file = generate(
+        &[
+            &greedy[..],
+            &["--prompt", &format!("FILE:{}", file.display())],
+        ]
+        .concat(),
+    );
+    assert_eq!(from_file, echoed);
+    let fixture = fixture();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(["generate", "--checkpoint", &fixture, "--prompt", "-"])
+        .args(greedy)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"The cat").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), echoed);
+
+    // A file of prompts: each continued in turn, whole, separated.
+    let lines = dir.join("lines.txt");
+    std::fs::write(&lines, "The cat\n\nA dog\n").unwrap();
+    let both = generate(&[&greedy[..], &["--prompt-file", lines.to_str().unwrap()]].concat());
+    let dog = generate(&[&greedy[..], &["--prompt", "A dog"]].concat());
+    assert_eq!(both, format!("{echoed}\n---------------\n{dog}"));
+
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "\n\n").unwrap();
+    assert_clear_error(
+        &ember(&[
+            "generate",
+            "--checkpoint",
+            &fixture,
+            "--prompt-file",
+            empty.to_str().unwrap(),
+        ]),
+        &["empty.txt", "no non-empty line"],
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn exit_codes_are_zero_one_and_two() {
+    let fixture = fixture();
+    let ok = ember(&[
+        "generate",
+        "--checkpoint",
+        &fixture,
+        "--prompt",
+        "a",
+        "--max-tokens",
+        "1",
+    ]);
+    assert_eq!(ok.status.code(), Some(0));
+    // A bad value: an error of ember's, 1.
+    let bad = ember(&[
+        "generate",
+        "--checkpoint",
+        &fixture,
+        "--prompt",
+        "a",
+        "--repetition-penalty",
+        "0",
+    ]);
+    assert_clear_error(&bad, &["--repetition-penalty", "positive"]);
+    assert_eq!(bad.status.code(), Some(1));
+    // A command line that does not parse: a usage error, 2.
+    for args in [
+        vec!["generate", "--no-such-flag"],
+        vec!["generate", "--checkpoint", &fixture],
+        vec!["frobnicate"],
+    ] {
+        assert_eq!(ember(&args).status.code(), Some(2), "{args:?}");
+    }
+}
