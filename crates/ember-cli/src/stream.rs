@@ -73,12 +73,13 @@ impl<'a> Stream<'a> {
         let now = self.tokenizer.decode(window);
         // A trailing U+FFFD may be the first bytes of a character the next token completes.
         let unfinished = now.ends_with('\u{FFFD}') && !self.tokenizer.is_char();
-        if now.len() > before.len() && (last || !unfinished) {
-            if let Some(new) = now.get(before.len()..) {
-                self.text.push_str(new);
-                self.prefix = self.read;
-                self.read = self.ids.len();
-            }
+        if now.len() > before.len()
+            && (last || !unfinished)
+            && let Some(new) = now.get(before.len()..)
+        {
+            self.text.push_str(new);
+            self.prefix = self.read;
+            self.read = self.ids.len();
         }
     }
 
