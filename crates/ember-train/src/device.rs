@@ -158,7 +158,85 @@ fn start(name: &str, index: usize) -> Result<Device> {
         "cuda" => Device::cuda,
         other => return Err(missing(other)),
     };
-    probe(name, move || make(index))
+    if name == "cuda" {
+        cuda::check_libdevice()?;
+    }
+    probe(name, move || make(index)).map_err(|e| match (name, e) {
+        ("cuda", TrainError::Device(message)) => TrainError::Device(cuda::explain(message)),
+        (_, e) => e,
+    })
+}
+
+/// What the CUDA device needs on the machine it runs on, checked before Burn's start-up (which
+/// fails on another thread and reports only that its channel closed).
+#[allow(dead_code)]
+mod cuda {
+    use std::path::{Path, PathBuf};
+
+    use crate::error::TrainError;
+
+    /// Where cubecl-llvm looks for the CUDA toolkit when `CUDA_PATH` is unset, in its order.
+    const CUDA_ROOTS: [&str; 4] = ["/usr/local/cuda", "/opt/cuda", "/usr/lib/cuda", "/usr"];
+
+    /// The toolkit's math library, which kernels using exp/log/erf/tanh link (every training
+    /// step does): looked up as cubecl-llvm does, so a missing one fails here with the path
+    /// instead of inside the first kernel.
+    pub fn check_libdevice() -> Result<(), TrainError> {
+        let root = match std::env::var_os("CUDA_PATH") {
+            Some(path) => Some(PathBuf::from(path)),
+            None => CUDA_ROOTS
+                .iter()
+                .map(Path::new)
+                .find(|root| root.join("nvvm/libdevice").is_dir())
+                .map(Path::to_path_buf),
+        };
+        let looked = match &root {
+            Some(root) => {
+                let file = root.join("nvvm/libdevice/libdevice.10.bc");
+                if file.is_file() {
+                    return Ok(());
+                }
+                file.display().to_string()
+            }
+            None => format!("nvvm/libdevice/libdevice.10.bc under {}", CUDA_ROOTS.join(", ")),
+        };
+        Err(TrainError::Device(format!(
+            "device `cuda` needs the CUDA toolkit's libdevice (not found: {looked}); install the \
+             toolkit or set CUDA_PATH to it"
+        )))
+    }
+
+    /// Folders where the NVIDIA driver's `libcuda.so.1` usually is.
+    fn driver_found() -> bool {
+        let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+            .map(|v| std::env::split_paths(&v).collect())
+            .unwrap_or_default();
+        for dir in [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib/aarch64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+            "/usr/local/nvidia/lib64",
+            "/usr/local/nvidia/lib",
+            "/usr/lib/wsl/lib",
+        ] {
+            dirs.push(PathBuf::from(dir));
+        }
+        dirs.iter().any(|d| d.join("libcuda.so.1").exists())
+            || Path::new("/proc/driver/nvidia/version").exists()
+    }
+
+    /// Replaces Burn's start-up failure (a closed channel) with what is missing, where that can
+    /// be told.
+    pub fn explain(message: String) -> String {
+        if driver_found() {
+            message
+        } else {
+            "device `cuda` is in this build but found no NVIDIA driver on this machine \
+             (no libcuda.so.1, no /proc/driver/nvidia); available here: flex"
+                .into()
+        }
+    }
 }
 
 /// Creates a device and runs one small computation on it. Backends panic when there is no
