@@ -198,7 +198,10 @@ mod cuda {
                 }
                 file.display().to_string()
             }
-            None => format!("nvvm/libdevice/libdevice.10.bc under {}", CUDA_ROOTS.join(", ")),
+            None => format!(
+                "nvvm/libdevice/libdevice.10.bc under {}",
+                CUDA_ROOTS.join(", ")
+            ),
         };
         Err(TrainError::Device(format!(
             "device `cuda` needs the CUDA toolkit's libdevice (not found: {looked}); install the \
@@ -275,14 +278,14 @@ fn probe(name: &str, make: impl FnOnce() -> Device + std::panic::UnwindSafe) -> 
 fn missing(name: &str) -> TrainError {
     let hint = match feature_of(name) {
         Some(feature) => {
-            // Burn's CUDA backend fetches a prebuilt LLVM from GitHub in a build script.
-            let first_build = match feature {
-                "cuda" => ", which needs github.com the first time; see README, Devices",
-                _ => "",
-            };
-            format!(
-                "rebuild with `cargo build --release -p ember-cli --features {feature}`{first_build}"
-            )
+            // Burn's CUDA backend builds against LLVM, which the setup script provides.
+            match feature {
+                "cuda" => "build it with `bash scripts/setup-cuda.sh --build`; see README, Devices"
+                    .to_string(),
+                _ => format!(
+                    "rebuild with `cargo build --release -p ember-cli --features {feature}`"
+                ),
+            }
         }
         None => "unknown".into(),
     };
@@ -317,7 +320,7 @@ mod tests {
         assert!(err.contains("one device"), "{err}");
         if !cfg!(feature = "cuda") {
             let err = check_name("cuda:1").unwrap_err().to_string();
-            assert!(err.contains("--features cuda"), "{err}");
+            assert!(err.contains("scripts/setup-cuda.sh --build"), "{err}");
         }
     }
 }
