@@ -91,7 +91,14 @@ fn next_logits_cached(
         (ctx / 2).max(1)
     };
     let start = tokens.len().saturating_sub(keep);
-    let mut cache = model.new_cache();
+    // Where ember's CPU kernels do not take the model (a GPU backend), attention reads the
+    // cache's whole buffer: one kernel shape per buffer size instead of one per token, each of
+    // which a GPU backend would compile and tune again.
+    let mut cache = if ember_model::linear::is_fast(&model.wte.weight.val()) {
+        model.new_cache()
+    } else {
+        model.new_whole_buffer_cache()
+    };
     let logits = last_logits(model, &tokens[start..], Some(&mut cache), device);
     *window = Some(Window { cache, start });
     logits

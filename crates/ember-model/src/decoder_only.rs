@@ -141,6 +141,12 @@ impl DecoderOnly {
         DecoderCache::new(self.blocks.len())
     }
 
+    /// A fresh cache whose attention reads whole buffers, so that decoding steps keep their
+    /// shapes between doublings (for GPU backends; see [`crate::KvCache::whole_buffer`]).
+    pub fn new_whole_buffer_cache(&self) -> DecoderCache {
+        DecoderCache::whole_buffer(self.blocks.len())
+    }
+
     /// Mean next-token cross-entropy of `tokens` against `targets`.
     ///
     /// # Shapes

@@ -9,6 +9,12 @@ use burn::tensor::Tensor;
 /// the projected encoder output, computed once per source batch. Self-attention keys and values
 /// live in buffers with room to spare (doubled when full), written in place, so a step does
 /// not copy everything cached so far.
+///
+/// Attention normally reads the valid positions only, so every decoding step has a new key
+/// length. A cache made [`KvCache::whole_buffer`] is read whole, the positions not yet written
+/// masked out: the step's shapes then change only when the buffer doubles (64, 128, 256, ...),
+/// which GPU backends that compile and tune a kernel per shape need; the masked positions cost
+/// arithmetic, so the CPU keeps the valid-rows reading.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     /// Keys `[B, H, capacity, K]` (already rotated when the model uses RoPE); the first `len`
@@ -18,6 +24,8 @@ pub struct KvCache {
     v: Option<Tensor<4>>,
     /// Valid positions.
     len: usize,
+    /// Attention reads the whole buffer, masked past `len`.
+    whole_buffer: bool,
 }
 
 /// Smallest buffer a self-attention cache allocates, in positions.
@@ -27,6 +35,19 @@ impl KvCache {
     /// An empty cache.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty cache that attention reads whole, the unwritten positions masked.
+    pub fn whole_buffer() -> Self {
+        Self {
+            whole_buffer: true,
+            ..Self::default()
+        }
+    }
+
+    /// True for a cache made with [`KvCache::whole_buffer`].
+    pub fn reads_whole_buffer(&self) -> bool {
+        self.whole_buffer
     }
 
     /// Number of cached positions `S`.
@@ -45,6 +66,19 @@ impl KvCache {
     /// - k, v: `[B, H, T, K]`
     /// - output: `[B, H, S + T, K]` each
     pub fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+        let (keys, values) = self.append_whole(k, v);
+        let [b, h, _, d] = keys.dims();
+        let valid = [0..b, 0..h, 0..self.len, 0..d];
+        (keys.slice(valid.clone()), values.slice(valid))
+    }
+
+    /// Appends new keys and values and returns the whole buffers: the first `len()` positions
+    /// are valid, the rest zeros to be masked.
+    ///
+    /// # Shapes
+    /// - k, v: `[B, H, T, K]`
+    /// - output: `[B, H, capacity, K]` each, `capacity >= S + T`
+    pub fn append_whole(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
         let [b, h, t, d] = k.dims();
         let end = self.len + t;
         let capacity = self.k.as_ref().map_or(0, |k| k.dims()[2]);
@@ -74,8 +108,7 @@ impl KvCache {
         self.len = end;
         self.k = Some(keys.clone());
         self.v = Some(values.clone());
-        let valid = [0..b, 0..h, 0..end, 0..d];
-        (keys.slice(valid.clone()), values.slice(valid))
+        (keys, values)
     }
 
     /// Replaces the contents (cross-attention: the projected encoder output).
@@ -114,6 +147,15 @@ impl DecoderCache {
     pub fn new(n_layers: usize) -> Self {
         Self {
             self_attn: vec![KvCache::new(); n_layers],
+            cross_attn: vec![KvCache::new(); n_layers],
+        }
+    }
+
+    /// An empty cache for `n_layers` layers whose self-attention reads whole buffers (see
+    /// [`KvCache::whole_buffer`]): decoding steps keep their shapes between doublings.
+    pub fn whole_buffer(n_layers: usize) -> Self {
+        Self {
+            self_attn: vec![KvCache::whole_buffer(); n_layers],
             cross_attn: vec![KvCache::new(); n_layers],
         }
     }

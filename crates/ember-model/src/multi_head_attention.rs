@@ -93,7 +93,8 @@ impl MultiHeadAttention {
     /// # Shapes
     /// - x: `[B, T, D]`
     /// - pad: `[B, S]` with `S = cache.len() + T`
-    /// - output: `[B, T, D]`, weights `[B, H, T, S]`
+    /// - output: `[B, T, D]`, weights `[B, H, T, S]` (`S` = the buffer's capacity with a
+    ///   [`KvCache::whole_buffer`] cache)
     pub fn forward_self(
         &self,
         x: Tensor<3>,
@@ -131,6 +132,15 @@ impl MultiHeadAttention {
             (q, k)
         };
         let (k, v) = match cache {
+            Some(cache) if cache.reads_whole_buffer() && causal && pad.is_none() => {
+                // Keys of the whole buffer: query i (at position start + i) sees keys up to
+                // start + i, which also hides every position not written yet.
+                let (k, v) = cache.append_whole(k, v);
+                let capacity = k.dims()[2];
+                let mask = Tensor::<2, Bool>::tril_mask([t, capacity], start as i64, &q.device())
+                    .reshape([1, 1, t, capacity]);
+                return self.attend(q, k, v, Some(mask), return_weights);
+            }
             Some(cache) => cache.append(k, v),
             None => (k, v),
         };

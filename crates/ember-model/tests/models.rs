@@ -185,6 +185,43 @@ fn kv_cache_gives_the_logits_of_full_recomputation_decoder_only() {
 }
 
 #[test]
+fn a_whole_buffer_cache_gives_the_logits_of_the_valid_rows_cache() {
+    // 70 positions: the buffers start at 64 and double once on the way, so the whole-buffer
+    // reading attends over 64, then 128 positions, most of them masked.
+    let device = Device::flex();
+    for positional in ALL_POSITIONS {
+        let model = DecoderOnlyConfig {
+            context_len: 80,
+            ..lm_config(positional, true)
+        }
+        .init(&device)
+        .unwrap();
+        let ids: Vec<i32> = (0..140).map(|i| (i * 7 + i / 3) % 11).collect();
+        let rows: [&[i32]; 2] = [&ids[..70], &ids[70..]];
+        let seq = tokens(&rows, &device);
+        let (mut valid, mut whole) = (model.new_cache(), model.new_whole_buffer_cache());
+        let mut run = |cache: &mut ember_model::DecoderCache| -> Vec<Tensor<3>> {
+            let mut out = vec![
+                model
+                    .forward_with(seq.clone().slice([0..2, 0..5]), None, Some(cache), false)
+                    .logits,
+            ];
+            for t in 5..70 {
+                let step = seq.clone().slice([0..2, t..t + 1]);
+                out.push(model.forward_with(step, None, Some(cache), false).logits);
+            }
+            out
+        };
+        let (a, b) = (run(&mut valid), run(&mut whole));
+        assert_eq!(whole.len(), 70);
+        for (t, (a, b)) in a.into_iter().zip(b).enumerate() {
+            let diff = max_diff(a, b);
+            assert!(diff < 1e-5, "{positional:?}, piece {t}: {diff}");
+        }
+    }
+}
+
+#[test]
 fn kv_cache_gives_the_logits_of_full_recomputation_encoder_decoder() {
     let device = Device::flex();
     for positional in ALL_POSITIONS {
