@@ -8,6 +8,8 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh full    # nanoGPT's 5000 iterations: time, val loss
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #
+# For CUDA: EMBER=./target/cuda/release/ember DEVICE=cuda (the binary `bash scripts/setup-cuda.sh
+# --build` makes; it travels as target/cuda/release/ember-cuda.xz, `xz -d` it there).
 # EMBER is the binary (default ./target/release/ember, built with
 # `cargo build --release -p ember-cli --features wgpu,vulkan,fusion`: fusion makes training
 # 2.2x faster and sampling 25x slower on an H100); EMBER_GEN the binary that samples (default
