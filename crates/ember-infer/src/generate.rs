@@ -91,14 +91,10 @@ fn next_logits_cached(
         (ctx / 2).max(1)
     };
     let start = tokens.len().saturating_sub(keep);
-    // Where ember's CPU kernels do not take the model (a GPU backend), attention reads the
-    // cache's whole buffer: one kernel shape per buffer size instead of one per token, each of
-    // which a GPU backend would compile and tune again.
-    let mut cache = if ember_model::linear::is_fast(&model.wte.weight.val()) {
-        model.new_cache()
-    } else {
-        model.new_whole_buffer_cache()
-    };
+    // GPU backends would decode shape-stably with `model.new_whole_buffer_cache()` (one kernel
+    // shape per buffer size instead of one per token); not switched on until it has run against
+    // the flex-vs-wgpu test on lavapipe.
+    let mut cache = model.new_cache();
     let logits = last_logits(model, &tokens[start..], Some(&mut cache), device);
     *window = Some(Window { cache, start });
     logits
