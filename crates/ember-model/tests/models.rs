@@ -200,7 +200,7 @@ fn a_whole_buffer_cache_gives_the_logits_of_the_valid_rows_cache() {
         let rows: [&[i32]; 2] = [&ids[..70], &ids[70..]];
         let seq = tokens(&rows, &device);
         let (mut valid, mut whole) = (model.new_cache(), model.new_whole_buffer_cache());
-        let mut run = |cache: &mut ember_model::DecoderCache| -> Vec<Tensor<3>> {
+        let run = |cache: &mut ember_model::DecoderCache| -> Vec<Tensor<3>> {
             let mut out = vec![
                 model
                     .forward_with(seq.clone().slice([0..2, 0..5]), None, Some(cache), false)
