@@ -131,8 +131,10 @@ mod tests {
     }
 
     /// A byte-level BPE trained on a little text, so that tokens split words and characters.
-    fn bpe() -> Tokenizer {
-        let dir = std::env::temp_dir().join(format!("ember-stream-{}", std::process::id()));
+    /// `test` names the folder: tests run in parallel threads of one process, and two of them
+    /// writing one corpus file let one read it half-written.
+    fn bpe(test: &str) -> Tokenizer {
+        let dir = std::env::temp_dir().join(format!("ember-stream-{}-{test}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let corpus = dir.join("corpus.txt");
         std::fs::write(
@@ -140,14 +142,14 @@ mod tests {
             "Grüße aus Köln, naïve café — the cat sat on the mat. ".repeat(40),
         )
         .unwrap();
-        Tokenizer::Bpe(Box::new(
-            ember_data::bpe::train_bpe(&[corpus.as_path()], 300, &[]).unwrap(),
-        ))
+        let tokenizer = ember_data::bpe::train_bpe(&[corpus.as_path()], 300, &[]).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        Tokenizer::Bpe(Box::new(tokenizer))
     }
 
     #[test]
     fn incremental_text_equals_decoding_everything_at_once() {
-        let tokenizer = bpe();
+        let tokenizer = bpe("incremental");
         let text = "Grüße — the naïve cat sat on the mat in Köln.";
         let ids = tokenizer.encode(text).unwrap().ids;
         assert!(ids.len() > 10);
@@ -167,7 +169,7 @@ mod tests {
 
     #[test]
     fn the_first_of_several_stop_strings_ends_the_text() {
-        let tokenizer = bpe();
+        let tokenizer = bpe("stops");
         let ids = tokenizer
             .encode("the cat sat on the mat. the cat")
             .unwrap()
