@@ -67,8 +67,8 @@ enum Command {
 fn main() -> ExitCode {
     keep_freed_memory();
     // CPU work then runs on this thread and the pool's others, without a hand-over and a
-    // wake-up per parallel operation (ember_model::threads).
-    ember_model::threads::join_global_pool();
+    // wake-up per parallel operation (ember_model::ops::flex::threads).
+    ember_model::ops::flex::threads::join_global_pool();
     // A bug in ember must still end in one readable line, not a backtrace.
     std::panic::set_hook(Box::new(|info| {
         let message = info

@@ -4,7 +4,7 @@
 #![cfg(feature = "flex")]
 
 use burn::tensor::{Device, Distribution, Tensor};
-use ember_model::threads::join_global_pool;
+use ember_model::ops::flex::threads::join_global_pool;
 
 #[test]
 fn the_calling_thread_becomes_thread_zero_and_parallel_work_still_runs() {
@@ -18,9 +18,9 @@ fn the_calling_thread_becomes_thread_zero_and_parallel_work_still_runs() {
     let device = Device::flex();
     let a = Tensor::<2>::random([256, 192], Distribution::Normal(0.0, 1.0), &device);
     let b = Tensor::<2>::random([192, 160], Distribution::Normal(0.0, 1.0), &device);
-    let full = ember_model::linear::matmul(a.clone(), b.clone());
+    let full = ember_model::ops::matmul(a.clone(), b.clone());
     for row in [0, 77, 255] {
-        let one = ember_model::linear::matmul(a.clone().slice([row..row + 1, 0..192]), b.clone());
+        let one = ember_model::ops::matmul(a.clone().slice([row..row + 1, 0..192]), b.clone());
         let diff = (full.clone().slice([row..row + 1, 0..160]) - one)
             .abs()
             .max();

@@ -11,7 +11,9 @@ use burn::backend::TensorMetadata;
 use burn::backend::flex::FlexTensor;
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::tensor::{Device, Tensor};
-use ember_model::flex_tensor::{as_flex, contiguous, from_flex, from_values, values, values_mut};
+use ember_model::ops::flex::tensor::{
+    as_flex, contiguous, from_flex, from_values, values, values_mut,
+};
 
 /// AdamW (decoupled weight decay, bias-corrected moments), fused on flex.
 #[derive(Clone)]

@@ -1,16 +1,15 @@
 //! Multi-head attention: `H` heads of width `K = D / H`, each a scaled dot-product attention
 //! over its own projections of the input, concatenated and projected back to `D`.
+//!
+//! The module and its parts live here; what it computes is in [`super::self_attention`]
+//! (masked self-attention) and [`super::cross_attention`] (encoder-decoder attention).
 
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
-use crate::attention::{
-    AttentionOutput, causal_attention, causal_mask, combine_masks, scaled_dot_product_attention,
-};
-use crate::kv_cache::KvCache;
-use crate::linear::{affine, linear};
-use crate::positional::apply_rotary;
+use super::scaled_dot_product::{AttentionOutput, scaled_dot_product_attention};
+use crate::ops::linear;
 
 /// Configuration of a [`MultiHeadAttention`].
 #[derive(Debug, Clone)]
@@ -84,131 +83,7 @@ pub struct MultiHeadAttention {
 pub type AttentionResult = (Tensor<3>, Option<Tensor<4>>);
 
 impl MultiHeadAttention {
-    /// Self-attention of `x` on itself (plus the cached past, if a cache is given).
-    ///
-    /// `causal` masks the future; `pad` is `true` at padded keys, `[B, S]` over all keys
-    /// including cached ones. With a cache, the new tokens sit at positions
-    /// `cache.len()..cache.len() + T` and their keys and values are appended to it.
-    ///
-    /// # Shapes
-    /// - x: `[B, T, D]`
-    /// - pad: `[B, S]` with `S = cache.len() + T`
-    /// - output: `[B, T, D]`, weights `[B, H, T, S]` (`S` = the buffer's capacity with a
-    ///   [`KvCache::whole_buffer`] cache)
-    pub fn forward_self(
-        &self,
-        x: Tensor<3>,
-        causal: bool,
-        pad: Option<Tensor<2, Bool>>,
-        cache: Option<&mut KvCache>,
-        return_weights: bool,
-    ) -> AttentionResult {
-        let [b, t, d] = x.dims();
-        let start = cache.as_ref().map_or(0, |c| c.len());
-        let qkv = linear(&self.c_attn, x); // [B, T, 3D]
-        // On flex, rotary positions turn queries and keys in one op on the fused projection
-        // (`flex_rotary`); elsewhere `rotate` turns them after the heads are split.
-        let (qkv, rotated) = self.rotate_fused(qkv, start);
-        let unrotated = self.rotary_base > 0.0 && !rotated;
-        #[cfg(feature = "flex")]
-        if cache.is_none()
-            && causal
-            && pad.is_none()
-            && self.attn_dropout.prob == 0.0
-            && !return_weights
-            && !unrotated
-            && let Some(context) =
-                crate::flex_attention::causal_self_attention(qkv.clone(), self.n_heads)
-        {
-            // On flex: the heads' attention in one op (see `flex_attention`).
-            return (linear(&self.c_proj, context), None);
-        }
-        let q = self.split_heads(qkv.clone().slice([0..b, 0..t, 0..d]));
-        let k = self.split_heads(qkv.clone().slice([0..b, 0..t, d..2 * d]));
-        let v = self.split_heads(qkv.slice([0..b, 0..t, 2 * d..3 * d]));
-        let (q, k) = if unrotated {
-            self.rotate(q, k, start)
-        } else {
-            (q, k)
-        };
-        let (k, v) = match cache {
-            Some(cache) if cache.reads_whole_buffer() && causal && pad.is_none() => {
-                // Keys of the whole buffer: query i (at position start + i) sees keys up to
-                // start + i, which also hides every position not written yet.
-                let (k, v) = cache.append_whole(k, v);
-                let capacity = k.dims()[2];
-                let mask = Tensor::<2, Bool>::tril_mask([t, capacity], start as i64, &q.device())
-                    .reshape([1, 1, t, capacity]);
-                return self.attend(q, k, v, Some(mask), return_weights);
-            }
-            Some(cache) => cache.append(k, v),
-            None => (k, v),
-        };
-        if causal && pad.is_none() {
-            let out = causal_attention(q, k, v, Some(&self.attn_dropout), return_weights);
-            return self.project(out);
-        }
-        let s = start + t;
-        let device = q.device();
-        let causal = (causal && t > 1).then(|| causal_mask(t, s, &device));
-        let mask = combine_masks(causal, pad.map(crate::attention::padding_mask));
-        self.attend(q, k, v, mask, return_weights)
-    }
-
-    /// Cross-attention of `x` (queries) on `memory` (keys and values), e.g. the encoder output.
-    ///
-    /// With a cache, the memory's keys and values are projected on the first call and reused
-    /// afterwards (`memory` is then ignored).
-    ///
-    /// # Shapes
-    /// - x: `[B, T, D]`
-    /// - memory: `[B, S, D]`
-    /// - memory_pad: `[B, S]`, `true` at padded source positions
-    /// - output: `[B, T, D]`, weights `[B, H, T, S]`
-    pub fn forward_cross(
-        &self,
-        x: Tensor<3>,
-        memory: Tensor<3>,
-        memory_pad: Option<Tensor<2, Bool>>,
-        cache: Option<&mut KvCache>,
-        return_weights: bool,
-    ) -> AttentionResult {
-        let d = x.dims()[2];
-        let weight = self.c_attn.weight.val(); // [D, 3D]
-        let bias = self.c_attn.bias.as_ref().map(|b| b.val()); // [3D]
-        let q = affine(
-            x,
-            weight.clone().slice([0..d, 0..d]),
-            bias.clone().map(|b| b.narrow(0, 0, d)),
-        );
-        let q = self.split_heads(q);
-        let project_memory = |memory: Tensor<3>| {
-            let kv = affine(
-                memory,
-                weight.clone().slice([0..d, d..3 * d]),
-                bias.clone().map(|b| b.narrow(0, d, 2 * d)),
-            ); // [B, S, 2D]
-            let [b, s, _] = kv.dims();
-            let k = self.split_heads(kv.clone().slice([0..b, 0..s, 0..d]));
-            let v = self.split_heads(kv.slice([0..b, 0..s, d..2 * d]));
-            (k, v)
-        };
-        let (k, v) = match cache {
-            Some(cache) => match cache.get() {
-                Some(kv) => kv,
-                None => {
-                    let (k, v) = project_memory(memory);
-                    cache.set(k.clone(), v.clone());
-                    (k, v)
-                }
-            },
-            None => project_memory(memory),
-        };
-        let mask = memory_pad.map(crate::attention::padding_mask);
-        self.attend(q, k, v, mask, return_weights)
-    }
-
-    fn attend(
+    pub(super) fn attend(
         &self,
         q: Tensor<4>,
         k: Tensor<4>,
@@ -222,40 +97,14 @@ impl MultiHeadAttention {
     }
 
     /// Merges the heads and projects back: context `[B, H, T, K]` -> `[B, T, D]`.
-    fn project(&self, out: AttentionOutput) -> AttentionResult {
+    pub(super) fn project(&self, out: AttentionOutput) -> AttentionResult {
         let [b, h, t, k] = out.context.dims();
         let context = out.context.swap_dims(1, 2).reshape([b, t, h * k]); // [B, T, D]
         (linear(&self.c_proj, context), out.weights)
     }
 
-    /// The fused projection `[B, T, 3D]` of positions `start..start + T`, with its queries and
-    /// keys rotated where one op does it (rotary positions on flex), and whether it did.
-    fn rotate_fused(&self, qkv: Tensor<3>, start: usize) -> (Tensor<3>, bool) {
-        #[cfg(feature = "flex")]
-        if self.rotary_base > 0.0
-            && let Some(turned) =
-                crate::flex_rotary::rotate_qk(qkv.clone(), self.n_heads, start, self.rotary_base)
-        {
-            return (turned, true);
-        }
-        #[cfg(not(feature = "flex"))]
-        let _ = start;
-        (qkv, false)
-    }
-
-    fn rotate(&self, q: Tensor<4>, k: Tensor<4>, start: usize) -> (Tensor<4>, Tensor<4>) {
-        if self.rotary_base > 0.0 {
-            (
-                apply_rotary(q, start, self.rotary_base),
-                apply_rotary(k, start, self.rotary_base),
-            )
-        } else {
-            (q, k)
-        }
-    }
-
     /// `[B, T, D] -> [B, H, T, K]`
-    fn split_heads(&self, x: Tensor<3>) -> Tensor<4> {
+    pub(super) fn split_heads(&self, x: Tensor<3>) -> Tensor<4> {
         let [b, t, d] = x.dims();
         x.reshape([b, t, self.n_heads, d / self.n_heads])
             .swap_dims(1, 2)

@@ -7,6 +7,8 @@ use burn::nn::Dropout;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 
+use crate::ops;
+
 /// The score given to masked positions before the softmax.
 ///
 /// Finite on purpose: a row whose keys are *all* masked then gets uniform weights and a
@@ -30,9 +32,8 @@ pub struct AttentionOutput {
 /// a causal mask can be `[1, 1, T, S]`, a padding mask `[B, 1, 1, S]`.
 /// `dropout` (if any) applies to the weights before they multiply `V`, as in the paper.
 ///
-/// On flex, one query position with no mask and no weights asked for (the decoding step with a
-/// KV cache) runs [`crate::attention_kernel`]'s loops over the keys where they lie instead of
-/// two one-row matrix multiplies.
+/// One query with no mask and no weights asked for (a decoding step with a KV cache) is
+/// [`ops::single_query_attention`].
 ///
 /// # Shapes
 /// - q: `[B, H, T, K]`
@@ -48,14 +49,10 @@ pub fn scaled_dot_product_attention(
     dropout: Option<&Dropout>,
     return_weights: bool,
 ) -> AttentionOutput {
-    // Decoding with a KV cache on flex: one query, loops over the cache in place.
-    #[cfg(feature = "flex")]
-    if mask.is_none()
-        && !return_weights
-        && let Some(context) = crate::decode_attention::single_query(&q, &k, &v)
-    {
+    if mask.is_none() && !return_weights && q.dims()[2] == 1 {
+        // A decoding step: one query that sees every key.
         return AttentionOutput {
-            context,
+            context: ops::single_query_attention(q, k, v, dropout),
             weights: None,
         };
     }
@@ -72,8 +69,7 @@ pub fn scaled_dot_product_attention(
 /// [`scaled_dot_product_attention`] with the causal mask and no other: query `t` sees keys
 /// `..= S - T + t` (the `S - T` cached ones and those up to itself).
 ///
-/// On flex the scaling, the mask and the softmax are one pass ([`crate::softmax_kernel`],
-/// with its own backward) and the masked scores are never exponentiated.
+/// The scaling, the mask and the softmax are one op, [`ops::causal_softmax`].
 ///
 /// # Shapes
 /// - q: `[B, H, T, K]`
@@ -86,24 +82,19 @@ pub fn causal_attention(
     dropout: Option<&Dropout>,
     return_weights: bool,
 ) -> AttentionOutput {
-    let [_, _, t, _] = q.dims();
-    let s = k.dims()[2];
+    let [_, _, t, head_size] = q.dims();
     if t == 1 {
         // One query sees every key: nothing to mask.
         return scaled_dot_product_attention(q, k, v, None, dropout, return_weights);
     }
-    #[cfg(feature = "flex")]
-    if crate::kernels_take(&q) {
-        let scale = 1.0 / (q.dims()[3] as f64).sqrt();
-        let scores = q.matmul(k.swap_dims(2, 3)); // [B, H, T, S]
-        let weights = crate::flex_softmax::causal_softmax(scores, scale as f32, |scores| {
-            let mask = causal_mask(t, s, &scores.device());
-            softmax(scores.mul_scalar(scale).mask_fill(mask, MASKED_SCORE), 3)
-        });
-        return weigh_values(weights, v, dropout, return_weights);
-    }
-    let mask = causal_mask(t, s, &q.device());
-    scaled_dot_product_attention(q, k, v, Some(mask), dropout, return_weights)
+    let scale = 1.0 / (head_size as f64).sqrt();
+    let scores = q.matmul(k.swap_dims(2, 3)); // [B, H, T, S]
+    weigh_values(
+        ops::causal_softmax(scores, scale),
+        v,
+        dropout,
+        return_weights,
+    )
 }
 
 /// `dropout(weights) @ v`, keeping the weights if asked.
@@ -123,42 +114,10 @@ fn weigh_values(
     }
 }
 
-/// The causal mask `[1, 1, T, S]`: query `t` (at absolute position `offset + t`) may look at
-/// keys `0..=offset + t`. `S = offset + T` is the number of keys including cached ones.
-pub fn causal_mask(t: usize, s: usize, device: &burn::tensor::Device) -> Tensor<4, Bool> {
-    let offset = s.saturating_sub(t) as i64;
-    // tril_mask is true strictly above diagonal `offset`: the future.
-    Tensor::<2, Bool>::tril_mask([t, s], offset, device).reshape([1, 1, t, s])
-}
-
-/// The padding mask `[B, 1, 1, S]` from a `[B, S]` mask that is `true` at padding.
-pub fn padding_mask(pad: Tensor<2, Bool>) -> Tensor<4, Bool> {
-    let [b, s] = pad.dims();
-    pad.reshape([b, 1, 1, s])
-}
-
-/// Combines two optional masks with a logical OR, broadcasting.
-pub fn combine_masks(
-    a: Option<Tensor<4, Bool>>,
-    b: Option<Tensor<4, Bool>>,
-) -> Option<Tensor<4, Bool>> {
-    match (a, b) {
-        (Some(a), Some(b)) => {
-            let shape = broadcast_shape(a.dims(), b.dims());
-            Some(a.expand(shape).bool_or(b.expand(shape)))
-        }
-        (a, None) => a,
-        (None, b) => b,
-    }
-}
-
-fn broadcast_shape(a: [usize; 4], b: [usize; 4]) -> [usize; 4] {
-    std::array::from_fn(|i| a[i].max(b[i]))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::{causal_mask, padding_mask};
     use burn::tensor::Device;
 
     fn tensor(rows: &[[f32; 2]], device: &Device) -> Tensor<4> {
@@ -244,93 +203,6 @@ mod tests {
     #[test]
     fn matches_hand_computed_values() {
         check(None, |_, _| false);
-    }
-
-    /// `causal_attention` (on flex, the fused softmax) against the general path with
-    /// `causal_mask`: forward, weights, and gradients of q, k, v with and without gradient
-    /// checkpointing; without a cache (T = S) and with 6 cached positions (T < S).
-    #[test]
-    fn causal_attention_equals_the_masked_general_path() {
-        use burn::tensor::{Distribution, TensorData};
-        let draw = |dims: [usize; 4]| {
-            Tensor::<4>::random(dims, Distribution::Normal(0.0, 2.0), &Device::flex()).into_data()
-        };
-        for (t, s) in [(7, 7), (5, 11)] {
-            let (q, k, v) = (
-                draw([2, 3, t, 16]),
-                draw([2, 3, s, 16]),
-                draw([2, 3, s, 16]),
-            );
-            let g = draw([2, 3, t, 16]);
-            for device in [
-                Device::flex(),
-                Device::flex().autodiff(),
-                Device::flex().autodiff().gradient_checkpointing(),
-            ] {
-                let tracked = device.is_autodiff();
-                let run = |fused: bool| {
-                    let load = |d: &TensorData| {
-                        let x = Tensor::<4>::from_data(d.clone(), &device);
-                        if tracked { x.require_grad() } else { x }
-                    };
-                    let (q, k, v) = (load(&q), load(&k), load(&v));
-                    #[cfg(feature = "flex")]
-                    assert!(crate::flex_tensor::takes_kernels(&q));
-                    let out = if fused {
-                        causal_attention(q.clone(), k.clone(), v.clone(), None, true)
-                    } else {
-                        let mask = causal_mask(t, s, &device);
-                        let (a, b, c) = (q.clone(), k.clone(), v.clone());
-                        scaled_dot_product_attention(a, b, c, Some(mask), None, true)
-                    };
-                    let weights = out.weights.unwrap();
-                    let mut result = vec![out.context.clone().inner(), weights.clone().inner()];
-                    if tracked {
-                        let w = Tensor::<4>::from_data(g.clone(), &device);
-                        let grads = (out.context * w).sum().backward();
-                        for x in [q, k, v] {
-                            result.push(x.grad(&grads).expect("a gradient"));
-                        }
-                    }
-                    result
-                };
-                let (fused, general) = (run(true), run(false));
-                assert_eq!(fused.len(), general.len());
-                for (i, (a, b)) in fused.into_iter().zip(general).enumerate() {
-                    let d = (a - b).abs().max().into_scalar::<f32>();
-                    assert!(d < 2e-5, "T = {t}, S = {s}, output {i}: differs by {d}");
-                }
-            }
-        }
-    }
-
-    /// One query over a cache-like view (the first 37 of 50 positions, as `KvCache` returns
-    /// them): the decoding path (on flex, ember's loops) against the general one.
-    #[test]
-    fn single_query_equals_the_general_path() {
-        use burn::tensor::Distribution;
-        let device = Device::flex();
-        let normal = Distribution::Normal(0.0, 1.0);
-        let buffer = |seed| {
-            device.seed(seed);
-            Tensor::<4>::random([2, 3, 50, 32], normal, &device)
-        };
-        let (k, v) = (buffer(1), buffer(2));
-        let (k, v) = (
-            k.slice([0..2, 0..3, 0..37, 0..32]),
-            v.slice([0..2, 0..3, 0..37, 0..32]),
-        );
-        let q = Tensor::<4>::random([2, 3, 1, 32], normal, &device) * 3.0;
-        #[cfg(feature = "flex")]
-        assert!(crate::decode_attention::single_query(&q, &k, &v).is_some());
-        let fast = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), None, None, false);
-        // Asking for the weights takes the general path.
-        let general = scaled_dot_product_attention(q, k, v, None, None, true);
-        let diff = (fast.context - general.context)
-            .abs()
-            .max()
-            .into_scalar::<f32>();
-        assert!(diff < 1e-5, "differs by {diff}");
     }
 
     #[test]

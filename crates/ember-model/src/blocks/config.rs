@@ -2,9 +2,9 @@
 
 use burn::tensor::Device;
 
-use crate::mlp::{Activation, Mlp};
-use crate::multi_head_attention::{MultiHeadAttention, MultiHeadAttentionConfig};
-use crate::residual::Residual;
+use crate::attention::multi_head::{MultiHeadAttention, MultiHeadAttentionConfig};
+use crate::blocks::mlp::{Activation, Mlp};
+use crate::blocks::residual::Residual;
 
 /// What every transformer block is made of; filled in by the model configs.
 #[derive(Debug, Clone)]

@@ -5,11 +5,11 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
-use crate::block_config::BlockConfig;
-use crate::kv_cache::KvCache;
-use crate::mlp::Mlp;
-use crate::multi_head_attention::MultiHeadAttention;
-use crate::residual::Residual;
+use crate::attention::kv_cache::KvCache;
+use crate::attention::multi_head::MultiHeadAttention;
+use crate::blocks::config::BlockConfig;
+use crate::blocks::mlp::Mlp;
+use crate::blocks::residual::Residual;
 
 /// What the decoder attends to in cross-attention: the encoder output and its padding.
 #[derive(Debug, Clone)]

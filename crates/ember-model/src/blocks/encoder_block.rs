@@ -5,10 +5,10 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
-use crate::block_config::BlockConfig;
-use crate::mlp::Mlp;
-use crate::multi_head_attention::MultiHeadAttention;
-use crate::residual::Residual;
+use crate::attention::multi_head::MultiHeadAttention;
+use crate::blocks::config::BlockConfig;
+use crate::blocks::mlp::Mlp;
+use crate::blocks::residual::Residual;
 
 /// One encoder layer.
 #[derive(Module, Debug)]

@@ -6,7 +6,7 @@ use burn::serde::{Deserialize, Serialize};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
-use crate::linear::linear;
+use crate::ops::linear;
 
 /// The MLP's non-linearity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -25,8 +25,8 @@ impl Activation {
     /// Applies the non-linearity element-wise.
     pub fn forward<const N: usize>(&self, x: Tensor<N>) -> Tensor<N> {
         match self {
-            Activation::Gelu => crate::activation::gelu(x),
-            Activation::GeluTanh => crate::activation::gelu_tanh(x),
+            Activation::Gelu => crate::ops::gelu(x),
+            Activation::GeluTanh => crate::ops::gelu_tanh(x),
             Activation::Relu => relu(x),
         }
     }

@@ -5,7 +5,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, LayerNorm, LayerNormConfig};
 use burn::tensor::{Device, Tensor};
 
-use crate::layer_norm::layer_norm;
+use crate::ops::layer_norm;
 
 /// A LayerNorm and where it sits relative to the residual sum.
 #[derive(Module, Debug)]

@@ -7,11 +7,11 @@ use burn::nn::{
 };
 use burn::tensor::{Bool, Device, Int, Tensor};
 
-use crate::decoder_block::{BlockWeights, DecoderBlock};
-use crate::decoder_only_config::DecoderOnlyConfig;
-use crate::kv_cache::DecoderCache;
-use crate::layer_norm::layer_norm;
-use crate::positional::AdditivePositions;
+use crate::attention::kv_cache::DecoderCache;
+use crate::blocks::decoder_block::{BlockWeights, DecoderBlock};
+use crate::models::decoder_only_config::DecoderOnlyConfig;
+use crate::ops::layer_norm;
+use crate::positions::AdditivePositions;
 
 /// A decoder-only transformer language model. Build it with [`DecoderOnlyConfig::init`].
 #[derive(Module, Debug)]
@@ -164,12 +164,12 @@ impl DecoderOnly {
     /// `[B, T, D] -> [B, T, V]`, through the head or the tied embedding.
     fn head(&self, x: Tensor<3>) -> Tensor<3> {
         match &self.lm_head {
-            Some(head) => crate::linear::linear(head, x),
+            Some(head) => crate::ops::linear(head, x),
             None => {
                 let [b, t, d] = x.dims();
                 let w = self.wte.weight.val(); // [V, D]
                 let v = w.dims()[0];
-                crate::linear::matmul(x.reshape([b * t, d]), w.transpose()).reshape([b, t, v])
+                crate::ops::matmul(x.reshape([b * t, d]), w.transpose()).reshape([b, t, v])
             }
         }
     }

@@ -3,11 +3,11 @@
 use burn::serde::{Deserialize, Serialize};
 use burn::tensor::Device;
 
-use crate::block_config::BlockConfig;
-use crate::decoder_only::DecoderOnly;
+use crate::blocks::config::BlockConfig;
+use crate::blocks::mlp::Activation;
 use crate::error::{ConfigError, epsilon, positive, probability};
-use crate::mlp::Activation;
-use crate::positional::{PositionInit, PositionalKind};
+use crate::models::decoder_only::DecoderOnly;
+use crate::positions::{PositionInit, PositionalKind};
 
 /// Every setting of a [`DecoderOnly`] model. Missing TOML keys take the defaults shown; unknown
 /// keys are rejected.

@@ -9,13 +9,13 @@ use burn::nn::{
 };
 use burn::tensor::{Bool, Device, Int, Tensor};
 
-use crate::decoder_block::{BlockWeights, DecoderBlock, Memory};
-use crate::decoder_only::DecoderOutput;
-use crate::encoder_block::EncoderBlock;
-use crate::encoder_decoder_config::EncoderDecoderConfig;
-use crate::kv_cache::DecoderCache;
-use crate::layer_norm::layer_norm;
-use crate::positional::{AdditivePositions, PositionInit};
+use crate::attention::kv_cache::DecoderCache;
+use crate::blocks::decoder_block::{BlockWeights, DecoderBlock, Memory};
+use crate::blocks::encoder_block::EncoderBlock;
+use crate::models::decoder_only::DecoderOutput;
+use crate::models::encoder_decoder_config::EncoderDecoderConfig;
+use crate::ops::layer_norm;
+use crate::positions::{AdditivePositions, PositionInit};
 
 /// An encoder-decoder transformer. Build it with [`EncoderDecoderConfig::init`].
 #[derive(Module, Debug)]
@@ -174,12 +174,12 @@ impl EncoderDecoder {
             x = layer_norm(norm, x, self.layer_norm_eps);
         }
         let logits = match &self.output {
-            Some(output) => crate::linear::linear(output, x),
+            Some(output) => crate::ops::linear(output, x),
             None => {
                 let [b, t, d] = x.dims();
                 let w = self.tgt_table().weight.val(); // [V, D]
                 let v = w.dims()[0];
-                crate::linear::matmul(x.reshape([b * t, d]), w.transpose()).reshape([b, t, v])
+                crate::ops::matmul(x.reshape([b * t, d]), w.transpose()).reshape([b, t, v])
             }
         };
         DecoderOutput { logits, weights }

@@ -3,12 +3,12 @@
 use burn::serde::{Deserialize, Serialize};
 use burn::tensor::Device;
 
-use crate::block_config::BlockConfig;
-use crate::decoder_only_config::validate_attention;
-use crate::encoder_decoder::EncoderDecoder;
+use crate::blocks::config::BlockConfig;
+use crate::blocks::mlp::Activation;
 use crate::error::{ConfigError, epsilon, positive, probability};
-use crate::mlp::Activation;
-use crate::positional::PositionalKind;
+use crate::models::decoder_only_config::validate_attention;
+use crate::models::encoder_decoder::EncoderDecoder;
+use crate::positions::PositionalKind;
 
 /// Every setting of an [`EncoderDecoder`] model. Defaults follow the original transformer's
 /// choices (sinusoidal positions, ReLU, scaled embeddings) at a small size.

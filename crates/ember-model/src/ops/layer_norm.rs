@@ -1,11 +1,11 @@
-//! LayerNorm that is fast on Burn's flex CPU backend.
+//! The LayerNorm op.
 //!
-//! On flex `f32` tensors (tracked by autodiff or not) [`layer_norm`] normalises and scales in
-//! one pass with its own backward pass (`flex_layer_norm`), then adds the bias as a tensor op;
-//! on every other backend it is Burn's `LayerNorm::forward`. Burn 0.22.1 builds LayerNorm
-//! under autodiff from nine tensor ops, each with a buffer and a backward: a tenth of a
-//! baby-GPT training step on flex. Burn's `LayerNorm` keeps its epsilon private, so the caller
-//! passes the one the module was built with.
+//! Reference: Burn's `LayerNorm::forward`. Kernel (flex `f32` tensors, tracked by autodiff or
+//! not): the normalisation and scale in one pass with its own backward pass
+//! ([`crate::ops::flex::layer_norm`]), then the bias as a tensor op. Burn 0.22.1 builds
+//! LayerNorm under autodiff from nine tensor ops, each with a buffer and a backward: a tenth of
+//! a baby-GPT training step on flex. Burn's `LayerNorm` keeps its epsilon private, so the
+//! caller passes the one the module was built with.
 
 use burn::nn::LayerNorm;
 use burn::tensor::Tensor;
@@ -18,14 +18,23 @@ use burn::tensor::Tensor;
 /// - output: `[..., D]`
 pub fn layer_norm<const N: usize>(norm: &LayerNorm, x: Tensor<N>, eps: f64) -> Tensor<N> {
     #[cfg(feature = "flex")]
-    {
-        crate::flex_layer_norm::layer_norm(norm, x, eps)
-    }
+    let x = match super::flex::layer_norm::normalize_and_scale(x, norm.gamma.val(), eps) {
+        Ok(y) => {
+            return match &norm.beta {
+                Some(beta) => y + beta.val().unsqueeze::<N>(),
+                None => y,
+            };
+        }
+        Err((x, _)) => x,
+    };
     #[cfg(not(feature = "flex"))]
-    {
-        let _ = eps;
-        norm.forward(x)
-    }
+    let _ = eps;
+    layer_norm_reference(norm, x)
+}
+
+/// [`layer_norm`] in Burn's tensor ops, on every backend.
+pub fn layer_norm_reference<const N: usize>(norm: &LayerNorm, x: Tensor<N>) -> Tensor<N> {
+    norm.forward(x)
 }
 
 #[cfg(test)]
@@ -64,11 +73,11 @@ mod tests {
                         base.clone()
                     };
                     let input = x.clone().swap_dims(1, 2); // not contiguous
-                    assert!(crate::kernels_take(&input));
+                    assert!(crate::ops::kernels_take(&input));
                     let y = if ours {
                         layer_norm(&norm, input, 1e-3)
                     } else {
-                        norm.forward(input)
+                        layer_norm_reference(&norm, input)
                     };
                     let mut out = vec![y.clone().reshape([-1])];
                     if tracked {

@@ -1,13 +1,14 @@
-//! Linear layers and matrix products that are fast on Burn's flex CPU backend.
+//! The linear op: `x @ W (+ b)` over the last axis, and the matrix product under it.
 //!
-//! On flex `f32` tensors (tracked by autodiff or not) [`linear`], [`affine`] and [`matmul`]
-//! multiply by
-//! `gemm` straight into a new buffer, with their own backward pass (see `flex_matmul`); a
-//! linear layer's rows from every leading axis go through one product, forward and backward.
-//! On every other backend they are Burn's `Linear::forward` and `matmul`.
+//! Reference: Burn's `module::linear` and `matmul`. Kernel (flex `f32` tensors, tracked by
+//! autodiff or not): `gemm` straight into a new buffer, with its own backward pass
+//! ([`crate::ops::flex::matmul`]); a linear layer's rows from every leading axis go through one
+//! product, forward and backward.
 
 use burn::nn::Linear;
 use burn::tensor::Tensor;
+
+use super::kernels_take;
 
 /// `layer.forward(x)`: `x @ W (+ b)` over the last axis.
 ///
@@ -30,9 +31,10 @@ pub fn affine<const D: usize>(
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
 ) -> Tensor<D> {
-    if D < 2 || !is_fast(&x) {
-        return burn::tensor::module::linear(x, weight, bias);
+    if D < 2 || !kernels_take(&x) {
+        return affine_reference(x, weight, bias);
     }
+    // All leading axes as the rows of one product.
     let dims = x.dims();
     let d_input = dims[D - 1];
     let rows = dims[..D - 1].iter().product();
@@ -53,19 +55,25 @@ pub fn affine<const D: usize>(
 /// - output: `[M, N]`
 pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
     #[cfg(feature = "flex")]
-    {
-        crate::flex_matmul::matmul(a, b)
-    }
-    #[cfg(not(feature = "flex"))]
-    {
-        a.matmul(b)
-    }
+    let (a, b) = match super::flex::matmul::matmul(a, b) {
+        Ok(y) => return y,
+        Err(ab) => ab,
+    };
+    matmul_reference(a, b)
 }
 
-/// Whether [`linear`] and [`matmul`] run ember's own product on `x` (flex `f32`, tracked or
-/// not) rather than Burn's. For tests and benchmarks.
-pub fn is_fast<const D: usize>(x: &Tensor<D>) -> bool {
-    crate::kernels_take(x)
+/// [`affine`] in Burn's tensor ops, on every backend.
+pub fn affine_reference<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
+    burn::tensor::module::linear(x, weight, bias)
+}
+
+/// [`matmul`] in Burn's tensor ops, on every backend.
+pub fn matmul_reference(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
+    a.matmul(b)
 }
 
 #[cfg(test)]
@@ -90,7 +98,7 @@ mod tests {
                     } else {
                         x.clone().reshape([3, 7, 24])
                     };
-                    assert!(is_fast(&input));
+                    assert!(kernels_take(&input));
                     let y = if ours {
                         linear(&layer, input)
                     } else {

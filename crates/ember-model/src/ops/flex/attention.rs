@@ -10,19 +10,18 @@
 //! writes the gradient of the projection's output the same way.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::FlexTensor;
-use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
+use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::flex_matmul::mm;
-use crate::flex_tensor::{Route, Tracked, contiguous, from_values, map_plain, map_tracked, route};
-use crate::softmax_kernel::{causal_softmax_backward_in_place, causal_softmax_in_place};
+use super::op;
+use super::tensor::{Tracked, contiguous, from_values};
+use crate::ops::flex::matmul::mm;
+use crate::ops::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
 
 /// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused projection
 /// `qkv`; `None` where this path does not apply (not a flex `f32` tensor).
@@ -39,20 +38,20 @@ pub(crate) fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Option<Tens
         d3 % 3 == 0 && (d3 / 3) % heads == 0,
         "fused attention: {d3} columns do not split into Q, K, V of {heads} heads"
     );
-    let tensor = qkv.into_dispatch();
-    let output = match route(&tensor) {
-        Route::Flex => map_plain(tensor, |t| forward(t, heads).0),
-        Route::Autodiff(GradientCheckpointingStrategy::Disabled) => {
-            map_tracked::<NoCheckpointing>(tensor, |t| tracked::<NoCheckpointing>(t, heads))
-        }
-        Route::Autodiff(GradientCheckpointingStrategy::Balanced) => {
-            map_tracked::<BalancedCheckpointing>(tensor, |t| {
-                tracked::<BalancedCheckpointing>(t, heads)
-            })
-        }
-        Route::Other => return None,
-    };
-    Some(Tensor::from_dispatch(output))
+    op::unary(qkv, Heads(heads)).ok()
+}
+
+/// The op on a fused projection of this many heads.
+struct Heads(usize);
+
+impl op::Unary for Heads {
+    fn plain(self, x: FlexTensor) -> FlexTensor {
+        forward(x, self.0).0
+    }
+
+    fn tracked<C: CheckpointStrategy>(self, x: Tracked) -> Tracked {
+        tracked::<C>(x, self.0)
+    }
 }
 
 /// The autodiff op; its backward needs the input and the weights.
@@ -276,7 +275,7 @@ fn at(xs: &[f32], offset: usize) -> *const f32 {
 mod tests {
     use super::*;
     use crate::attention::{causal_attention, causal_mask};
-    use crate::kernel_check::agrees_with_burn;
+    use crate::ops::flex::check::agrees_with_burn;
     use crate::scaled_dot_product_attention;
     use burn::tensor::{Device, Distribution};
 

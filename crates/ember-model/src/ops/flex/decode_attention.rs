@@ -1,11 +1,11 @@
 //! The decoding step's attention on flex: one query per batch row and head, through
-//! [`crate::attention_kernel`], reading the KV cache's buffers in place.
+//! [`crate::ops::kernels::attention`], reading the KV cache's buffers in place.
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{Shape, Tensor};
 
-use crate::attention_kernel::{HeadsView, single_query_attention};
-use crate::flex_tensor::{as_flex, contiguous, from_flex, from_values};
+use crate::ops::flex::tensor::{as_flex, contiguous, from_flex, from_values};
+use crate::ops::kernels::attention::{HeadsView, single_query_attention};
 
 /// `softmax(q k^T / sqrt(K)) v` for a single query position, or `None` where this path does not
 /// apply (more than one query, another backend, autodiff, another dtype, unusual strides).

@@ -1,58 +1,50 @@
-//! LayerNorm's normalisation and scale on flex through [`crate::layer_norm_kernel`], with its
+//! LayerNorm's normalisation and scale on flex through [`crate::ops::kernels::layer_norm`], with its
 //! own autodiff op. Under autodiff Burn 0.22.1 builds LayerNorm from nine tensor ops (mean,
 //! subtraction, square, mean, `+ eps`, square root, division, scale, shift), each with its own
 //! buffer and backward; here it is one pass forward and one backward.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
-use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
-use burn::nn::LayerNorm;
+use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::flex_tensor::{
-    Route, Tracked, contiguous, from_values, map_plain2, map_tracked2, route, values, values_mut,
-};
-use crate::layer_norm_kernel;
+use super::op;
+use super::tensor::{Tracked, contiguous, from_values, values, values_mut};
+use crate::ops::kernels::layer_norm as layer_norm_kernel;
 
-/// `norm`'s LayerNorm of `x` with epsilon `eps`: the normalisation and scale through this
-/// module's op, then the bias as a tensor op, where `x` and `gamma` are flex `f32` and both
-/// tracked by autodiff or both not; else Burn's `LayerNorm::forward`.
+/// `(x - mean) * rstd * gamma` over the last axis with epsilon `eps`, where `x` and `gamma`
+/// are flex `f32` and both tracked by autodiff or both not; otherwise both back.
 ///
 /// # Shapes
 /// - x: `[..., D]`
+/// - gamma: `[D]`
 /// - output: `[..., D]`
-pub(crate) fn layer_norm<const N: usize>(norm: &LayerNorm, x: Tensor<N>, eps: f64) -> Tensor<N> {
-    use GradientCheckpointingStrategy::{Balanced, Disabled};
-    let eps = eps as f32;
-    let (x, gamma) = (x.into_dispatch(), norm.gamma.val().into_dispatch());
-    let out = match (route(&x), route(&gamma)) {
-        (Route::Flex, Route::Flex) => map_plain2(x, gamma, |x, g| forward(x, &g, eps).0),
-        (Route::Autodiff(Disabled), Route::Autodiff(Disabled)) => {
-            map_tracked2::<NoCheckpointing>(x, gamma, |x, g| tracked::<NoCheckpointing>(x, g, eps))
-        }
-        (Route::Autodiff(Balanced), Route::Autodiff(Balanced)) => {
-            map_tracked2::<BalancedCheckpointing>(x, gamma, |x, g| {
-                tracked::<BalancedCheckpointing>(x, g, eps)
-            })
-        }
-        _ => return norm.forward(Tensor::from_dispatch(x)),
-    };
-    let y = Tensor::from_dispatch(out);
-    match &norm.beta {
-        Some(beta) => y + beta.val().unsqueeze::<N>(),
-        None => y,
+pub(crate) fn normalize_and_scale<const N: usize>(
+    x: Tensor<N>,
+    gamma: Tensor<1>,
+    eps: f64,
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
+    op::binary(x, gamma, ScaledNorm { eps: eps as f32 })
+}
+
+impl op::Binary for ScaledNorm {
+    fn plain(self, x: FlexTensor, gamma: FlexTensor) -> FlexTensor {
+        forward(x, &gamma, self.eps).0
+    }
+
+    fn tracked<C: CheckpointStrategy>(self, x: Tracked, gamma: Tracked) -> Tracked {
+        tracked::<C>(x, gamma, self.eps)
     }
 }
 
 /// The autodiff op; its backward needs the input, gamma and each row's mean and `rstd`.
 fn tracked<C: CheckpointStrategy>(x: Tracked, gamma: Tracked, eps: f32) -> Tracked {
-    match ScaledNorm
+    let op = ScaledNorm { eps };
+    match op
         .prepare::<C>([x.node(), gamma.node()])
         .compute_bound()
         .stateful()
@@ -69,7 +61,9 @@ fn tracked<C: CheckpointStrategy>(x: Tracked, gamma: Tracked, eps: f32) -> Track
 }
 
 #[derive(Debug)]
-struct ScaledNorm;
+struct ScaledNorm {
+    eps: f32,
+}
 
 impl Backward<Flex, 2> for ScaledNorm {
     /// The input (contiguous), gamma and `[mean, rstd]` per row.

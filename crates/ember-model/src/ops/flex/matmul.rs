@@ -9,16 +9,15 @@
 
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
 use burn::backend::flex::FlexTensor;
-use burn::backend::{DispatchTensor, Flex, GradientCheckpointingStrategy, TensorMetadata};
+use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{Shape, Tensor};
 
-use crate::flex_tensor::{Route, Tracked, from_values, map_plain2, map_tracked2, route};
+use super::op;
+use super::tensor::{Tracked, from_values};
 
 /// Products with at least this many multiply-adds (`m * n * k`) run on all of rayon's threads;
 /// smaller ones on the calling thread. Flex's own threshold.
@@ -31,24 +30,18 @@ const PARALLEL_WORK: usize = 192 * 192 * 192;
 /// - lhs: `[M, K]`
 /// - rhs: `[K, N]`
 /// - output: `[M, N]`, contiguous
-pub(crate) fn matmul(lhs: Tensor<2>, rhs: Tensor<2>) -> Tensor<2> {
-    use GradientCheckpointingStrategy::{Balanced, Disabled};
-    let (a, b) = (lhs.into_dispatch(), rhs.into_dispatch());
-    let out = match (route(&a), route(&b)) {
-        (Route::Flex, Route::Flex) => map_plain2(a, b, |a, b| product(&a, &b)),
-        (Route::Autodiff(Disabled), Route::Autodiff(Disabled)) => {
-            map_tracked2::<NoCheckpointing>(a, b, tracked::<NoCheckpointing>)
-        }
-        (Route::Autodiff(Balanced), Route::Autodiff(Balanced)) => {
-            map_tracked2::<BalancedCheckpointing>(a, b, tracked::<BalancedCheckpointing>)
-        }
-        _ => return fallback(a, b),
-    };
-    Tensor::from_dispatch(out)
+pub(crate) fn matmul(lhs: Tensor<2>, rhs: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>, Tensor<2>)> {
+    op::binary(lhs, rhs, FlexMatmul)
 }
 
-fn fallback(a: DispatchTensor, b: DispatchTensor) -> Tensor<2> {
-    Tensor::<2>::from_dispatch(a).matmul(Tensor::from_dispatch(b))
+impl op::Binary for FlexMatmul {
+    fn plain(self, a: FlexTensor, b: FlexTensor) -> FlexTensor {
+        product(&a, &b)
+    }
+
+    fn tracked<C: CheckpointStrategy>(self, a: Tracked, b: Tracked) -> Tracked {
+        tracked::<C>(a, b)
+    }
 }
 
 /// The autodiff op. Like Burn's matmul it keeps `lhs` only when `rhs` needs a gradient, and
@@ -249,6 +242,7 @@ pub(crate) unsafe fn mm(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::matmul;
     use burn::tensor::{Device, Distribution, TensorData};
 
     /// `a @ b` in f64 by the definition, from row-major data.
@@ -296,7 +290,7 @@ mod tests {
             let padded = Tensor::cat(vec![Tensor::zeros([1, n], &device), b.clone()], 0);
             let b_off = padded.slice([1..k + 1, 0..n]);
             for (x, y) in [(a.clone(), b.clone()), (a_t, b.clone()), (a.clone(), b_off)] {
-                assert!(crate::flex_tensor::takes_kernels(&x));
+                assert!(crate::ops::kernels_take(&x));
                 let got = values(matmul(x, y));
                 assert_eq!(got.len(), want.len());
                 for (g, w) in got.iter().zip(&want) {

@@ -1,24 +1,23 @@
 //! Rotary positions on the query and key parts of the fused `[Q | K | V]` projection, in one pass
 //! on Burn's flex backend, with its own backward pass (the inverse rotation).
 //!
-//! [`crate::positional::apply_rotary`] is nine tensor ops on each of Q and K (two slices, six
+//! [`crate::positions::apply_rotary`] is nine tensor ops on each of Q and K (two slices, six
 //! products and sums, a concatenation), each a node of the autodiff graph, and it needs the heads
-//! split first, which kept rotary models off the fused attention of `flex_attention`. Here the
+//! split first, which kept rotary models off the fused attention ([`super::attention`]). Here the
 //! rotation reads and writes `[B, T, 3D]` in place of the projection, so the fused attention
 //! takes the result as it takes an unrotated projection.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::FlexTensor;
-use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
+use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::Tensor;
 use rayon::prelude::*;
 
-use crate::flex_tensor::{Route, Tracked, contiguous, from_values, map_plain, map_tracked, route};
+use super::op;
+use super::tensor::{Tracked, contiguous, from_values};
 
 /// One rotation: the heads of the projection, the position of its first row, the RoPE base.
 #[derive(Debug, Clone, Copy)]
@@ -28,7 +27,7 @@ struct Rotation {
     base: f64,
 }
 
-/// `qkv` with each head's query and key rotated as [`crate::positional::apply_rotary`] rotates
+/// `qkv` with each head's query and key rotated as [`crate::positions::apply_rotary`] rotates
 /// them (pairs `i` and `i + K/2`, row `p` at position `start + p`), values unchanged; `None`
 /// where this path does not apply (not a flex `f32` tensor).
 ///
@@ -49,20 +48,17 @@ pub(crate) fn rotate_qk(
         "rotary: {d3} columns do not split into Q, K, V of {heads} heads of even size"
     );
     let rot = Rotation { heads, start, base };
-    let tensor = qkv.into_dispatch();
-    let output = match route(&tensor) {
-        Route::Flex => map_plain(tensor, |t| rotate(t, rot, false)),
-        Route::Autodiff(GradientCheckpointingStrategy::Disabled) => {
-            map_tracked::<NoCheckpointing>(tensor, |t| tracked::<NoCheckpointing>(t, rot))
-        }
-        Route::Autodiff(GradientCheckpointingStrategy::Balanced) => {
-            map_tracked::<BalancedCheckpointing>(tensor, |t| {
-                tracked::<BalancedCheckpointing>(t, rot)
-            })
-        }
-        Route::Other => return None,
-    };
-    Some(Tensor::from_dispatch(output))
+    op::unary(qkv, rot).ok()
+}
+
+impl op::Unary for Rotation {
+    fn plain(self, x: FlexTensor) -> FlexTensor {
+        rotate(x, self, false)
+    }
+
+    fn tracked<C: CheckpointStrategy>(self, x: Tracked) -> Tracked {
+        tracked::<C>(x, self)
+    }
 }
 
 /// The autodiff op; its backward needs only the rotation.
@@ -88,7 +84,7 @@ impl Backward<Flex, 1> for RotateQk {
 /// `cos` and `sin` of every (row, pair) angle, `[T * K/2]` each, as `positional::angles`
 /// computes them (`f32` position times `f32` frequency).
 fn tables(rot: Rotation, t: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
-    let freqs = crate::positional::frequencies(k / 2, rot.base, k as f64);
+    let freqs = crate::positions::sinusoidal::frequencies(k / 2, rot.base, k as f64);
     let angles = (0..t).flat_map(|p| freqs.iter().map(move |&f| (rot.start + p) as f32 * f));
     angles.map(|a| (a.cos(), a.sin())).unzip()
 }
@@ -145,8 +141,8 @@ fn rotate(x: FlexTensor, rot: Rotation, inverse: bool) -> FlexTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernel_check::agrees_with_burn;
-    use crate::positional::apply_rotary;
+    use crate::ops::flex::check::agrees_with_burn;
+    use crate::positions::apply_rotary;
     use burn::tensor::{Device, Distribution};
 
     /// Burn's ops: split the heads, `apply_rotary` on Q and K, merge back beside V.
@@ -196,7 +192,7 @@ mod tests {
     #[test]
     fn the_inverse_undoes_it_and_values_pass_through() {
         let x = Tensor::<3>::random([2, 5, 24], Distribution::Normal(0.0, 1.0), &Device::flex());
-        let flex = crate::flex_tensor::as_flex(&x).unwrap();
+        let flex = crate::ops::flex::tensor::as_flex(&x).unwrap();
         let rot = Rotation {
             heads: 2,
             start: 3,
@@ -205,9 +201,9 @@ mod tests {
         let there = rotate(flex.clone(), rot, false);
         let back = rotate(there.clone(), rot, true);
         let (x, there, back) = (
-            crate::flex_tensor::values(&contiguous(flex)).to_vec(),
-            crate::flex_tensor::values(&there).to_vec(),
-            crate::flex_tensor::values(&back).to_vec(),
+            crate::ops::flex::tensor::values(&contiguous(flex)).to_vec(),
+            crate::ops::flex::tensor::values(&there).to_vec(),
+            crate::ops::flex::tensor::values(&back).to_vec(),
         );
         for (i, ((a, b), c)) in x.iter().zip(&there).zip(&back).enumerate() {
             assert!((a - c).abs() < 1e-5, "element {i}: {a} -> {b} -> {c}");

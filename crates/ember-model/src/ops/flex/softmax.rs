@@ -1,54 +1,43 @@
-//! The causal attention softmax on flex through [`crate::softmax_kernel`], with its own
+//! The causal attention softmax on flex through [`crate::ops::kernels::softmax`], with its own
 //! autodiff op, in place of scaling, masking and Burn's softmax (three tensor ops, each with a
 //! backward, and a scalar `expf` per score, masked ones included).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::FlexTensor;
-use burn::backend::{Flex, GradientCheckpointingStrategy, TensorMetadata};
+use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::Tensor;
 
-use crate::flex_tensor::{Route, Tracked, contiguous, from_values, map_plain, map_tracked, route};
-use crate::softmax_kernel::{causal_softmax_backward_in_place, causal_softmax_in_place};
+use super::op;
+use super::tensor::{Tracked, contiguous, from_values};
+use crate::ops::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
 
 /// `softmax(scale * scores)` over the last axis with the causal mask (query `i` sees keys
-/// `..= S - T + i`); `fallback` computes it where this path does not apply.
+/// `..= S - T + i`) where ember's kernels take `scores`; otherwise `scores` back.
 ///
 /// # Shapes
 /// - scores: `[B, H, T, S]`, `T <= S`
 /// - output: `[B, H, T, S]`, zero at hidden keys
-pub(crate) fn causal_softmax(
-    scores: Tensor<4>,
-    scale: f32,
-    fallback: impl FnOnce(Tensor<4>) -> Tensor<4>,
-) -> Tensor<4> {
-    let tensor = scores.into_dispatch();
-    let output = match route(&tensor) {
-        Route::Flex => map_plain(tensor, |t| forward(t, scale)),
-        Route::Autodiff(GradientCheckpointingStrategy::Disabled) => {
-            map_tracked::<NoCheckpointing>(tensor, |t| tracked::<NoCheckpointing>(t, scale))
-        }
-        Route::Autodiff(GradientCheckpointingStrategy::Balanced) => {
-            map_tracked::<BalancedCheckpointing>(tensor, |t| {
-                tracked::<BalancedCheckpointing>(t, scale)
-            })
-        }
-        Route::Other => return fallback(Tensor::from_dispatch(tensor)),
-    };
-    Tensor::from_dispatch(output)
+pub(crate) fn causal_softmax(scores: Tensor<4>, scale: f32) -> Result<Tensor<4>, Tensor<4>> {
+    op::unary(scores, CausalSoftmax { scale })
+}
+
+impl op::Unary for CausalSoftmax {
+    fn plain(self, x: FlexTensor) -> FlexTensor {
+        forward(x, self.scale)
+    }
+
+    fn tracked<C: CheckpointStrategy>(self, x: Tracked) -> Tracked {
+        tracked::<C>(x, self.scale)
+    }
 }
 
 /// The autodiff op; its backward needs only the output.
 fn tracked<C: CheckpointStrategy>(t: Tracked, scale: f32) -> Tracked {
-    match CausalSoftmax
-        .prepare::<C>([t.node()])
-        .compute_bound()
-        .stateful()
-    {
+    let op = CausalSoftmax { scale };
+    match op.prepare::<C>([t.node()]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => {
             let y = forward(t.primitive().clone(), scale);
             prep.finish((y.clone(), scale), y)
@@ -58,7 +47,9 @@ fn tracked<C: CheckpointStrategy>(t: Tracked, scale: f32) -> Tracked {
 }
 
 #[derive(Debug)]
-struct CausalSoftmax;
+struct CausalSoftmax {
+    scale: f32,
+}
 
 impl Backward<Flex, 1> for CausalSoftmax {
     /// The output (the weights) and the scale.

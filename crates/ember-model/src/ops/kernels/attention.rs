@@ -2,7 +2,7 @@
 //! KV cache. A matrix multiply with one row (`[1, K] x [K, S]`) leaves most of a CPU idle and
 //! repacks the keys on every call; these loops read the cache where it lies, once.
 
-use crate::vector_math::{dot, exp, lanes_max, lanes_sum, madd, multiversion};
+use crate::ops::kernels::vector_math::{dot, exp, lanes_max, lanes_sum, madd, multiversion};
 
 /// A `[B, H, S, K]` view into a buffer whose last axis is contiguous: element `(b, h, s, k)`
 /// is `data[offset + b * strides[0] + h * strides[1] + s * strides[2] + k]`.

@@ -12,7 +12,7 @@
 
 use core::f32::consts::FRAC_1_SQRT_2;
 
-use crate::vector_math::{exp, madd, multiversion};
+use crate::ops::kernels::vector_math::{exp, madd, multiversion};
 
 /// `1 / sqrt(2 pi)`.
 const INV_SQRT_2PI: f32 = 0.398_942_3;

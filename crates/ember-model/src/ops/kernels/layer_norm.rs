@@ -3,7 +3,7 @@
 //! variance (what PyTorch and Burn compute). Rows are `gamma.len()` values long; `stats` holds
 //! `[mean, rstd]` per row, written by the forward pass for the backward pass.
 
-use crate::vector_math::{dot, lanes_sum, multiversion};
+use crate::ops::kernels::vector_math::{dot, lanes_sum, multiversion};
 
 multiversion! {
     /// `y <- (x - mean) * rstd * gamma` row by row, and each row's `[mean, rstd]` into `stats`.

@@ -5,7 +5,7 @@
 //! `softmax(scale * x)` over the visible keys and 0 over the rest: what masking the scores with
 //! a large negative value and taking an ordinary softmax gives, without the masked `exp`s.
 
-use crate::vector_math::{dot, exp, lanes_max, lanes_sum, madd, multiversion};
+use crate::ops::kernels::vector_math::{dot, exp, lanes_max, lanes_sum, madd, multiversion};
 
 /// Keys visible to row `row`: `offset + row % t + 1` (at most `s`, as `t <= s`).
 #[inline(always)]

@@ -1,0 +1,36 @@
+//! Attention masks: which keys a query may not look at. `true` means hidden.
+
+use burn::tensor::{Bool, Tensor};
+
+/// The causal mask `[1, 1, T, S]`: query `t` (at absolute position `offset + t`) may look at
+/// keys `0..=offset + t`. `S = offset + T` is the number of keys including cached ones.
+pub fn causal_mask(t: usize, s: usize, device: &burn::tensor::Device) -> Tensor<4, Bool> {
+    let offset = s.saturating_sub(t) as i64;
+    // tril_mask is true strictly above diagonal `offset`: the future.
+    Tensor::<2, Bool>::tril_mask([t, s], offset, device).reshape([1, 1, t, s])
+}
+
+/// The padding mask `[B, 1, 1, S]` from a `[B, S]` mask that is `true` at padding.
+pub fn padding_mask(pad: Tensor<2, Bool>) -> Tensor<4, Bool> {
+    let [b, s] = pad.dims();
+    pad.reshape([b, 1, 1, s])
+}
+
+/// Combines two optional masks with a logical OR, broadcasting.
+pub fn combine_masks(
+    a: Option<Tensor<4, Bool>>,
+    b: Option<Tensor<4, Bool>>,
+) -> Option<Tensor<4, Bool>> {
+    match (a, b) {
+        (Some(a), Some(b)) => {
+            let shape = broadcast_shape(a.dims(), b.dims());
+            Some(a.expand(shape).bool_or(b.expand(shape)))
+        }
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+fn broadcast_shape(a: [usize; 4], b: [usize; 4]) -> [usize; 4] {
+    std::array::from_fn(|i| a[i].max(b[i]))
+}

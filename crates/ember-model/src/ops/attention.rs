@@ -1,0 +1,114 @@
+//! Two attention ops: causal self-attention from the fused `[Q | K | V]` projection (training
+//! and a prompt's first pass), and the attention of one query over a KV cache (each decoding
+//! step).
+//!
+//! Kernels (flex `f32`): [`crate::ops::flex::attention`] runs every head of every sequence as
+//! one task that reads its columns where the projection wrote them, with its own backward
+//! pass; [`crate::ops::flex::decode_attention`] loops over the cached keys in place instead of
+//! two one-row matrix multiplies (plain tensors only: decoding is never differentiated).
+
+use burn::nn::Dropout;
+use burn::tensor::Tensor;
+use burn::tensor::activation::softmax;
+
+use crate::attention::causal_attention;
+
+/// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused
+/// projection (no dropout, no padding).
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
+/// - output: `[B, T, D]`
+pub fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
+    #[cfg(feature = "flex")]
+    if let Some(context) = super::flex::attention::causal_self_attention(qkv.clone(), heads) {
+        return context;
+    }
+    causal_self_attention_reference(qkv, heads)
+}
+
+/// [`causal_self_attention`] in Burn's tensor ops, on every backend: split the heads, attend,
+/// merge.
+pub fn causal_self_attention_reference(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    let d = d3 / 3;
+    let part = |i: usize| {
+        qkv.clone()
+            .slice([0..b, 0..t, i * d..(i + 1) * d])
+            .reshape([b, t, heads, d / heads])
+            .swap_dims(1, 2) // [B, H, T, K]
+    };
+    let out = causal_attention(part(0), part(1), part(2), None, false);
+    out.context.swap_dims(1, 2).reshape([b, t, d])
+}
+
+/// `softmax(q K^T / sqrt(K)) V` for one query position that sees every key, with `dropout` on
+/// the weights.
+///
+/// # Shapes
+/// - q: `[B, H, 1, K]`
+/// - k, v: `[B, H, S, K]`
+/// - output: `[B, H, 1, K]`
+pub fn single_query_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    dropout: Option<&Dropout>,
+) -> Tensor<4> {
+    // The kernel takes plain tensors only, on which dropout does nothing.
+    #[cfg(feature = "flex")]
+    if let Some(context) = super::flex::decode_attention::single_query(&q, &k, &v) {
+        return context;
+    }
+    single_query_attention_reference(q, k, v, dropout)
+}
+
+/// [`single_query_attention`] in Burn's tensor ops, on every backend.
+pub fn single_query_attention_reference(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    dropout: Option<&Dropout>,
+) -> Tensor<4> {
+    let scale = 1.0 / (q.dims()[3] as f64).sqrt();
+    let weights = softmax(q.matmul(k.swap_dims(2, 3)).mul_scalar(scale), 3); // [B, H, 1, S]
+    let weights = match dropout {
+        Some(dropout) => dropout.forward(weights),
+        None => weights,
+    };
+    weights.matmul(v)
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use crate::attention::scaled_dot_product_attention;
+    use burn::tensor::{Device, Tensor};
+
+    /// One query over a cache-like view (the first 37 of 50 positions, as `KvCache` returns
+    /// them): the decoding path (on flex, ember's loops) against the general one.
+    #[test]
+    fn single_query_equals_the_general_path() {
+        use burn::tensor::Distribution;
+        let device = Device::flex();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let buffer = |seed| {
+            device.seed(seed);
+            Tensor::<4>::random([2, 3, 50, 32], normal, &device)
+        };
+        let (k, v) = (buffer(1), buffer(2));
+        let (k, v) = (
+            k.slice([0..2, 0..3, 0..37, 0..32]),
+            v.slice([0..2, 0..3, 0..37, 0..32]),
+        );
+        let q = Tensor::<4>::random([2, 3, 1, 32], normal, &device) * 3.0;
+        assert!(crate::ops::flex::decode_attention::single_query(&q, &k, &v).is_some());
+        let fast = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), None, None, false);
+        // Asking for the weights takes the general path.
+        let general = scaled_dot_product_attention(q, k, v, None, None, true);
+        let diff = (fast.context - general.context)
+            .abs()
+            .max()
+            .into_scalar::<f32>();
+        assert!(diff < 1e-5, "differs by {diff}");
+    }
+}

@@ -1,0 +1,58 @@
+//! The op layer: every computation that has a faster path than its plain tensor maths.
+//!
+//! The model's concept files (`attention`, `positions`, `blocks`, `models`) call these ops and
+//! nothing below them. Each op is a public function with a reference implementation beside it
+//! (`*_reference`, Burn tensor ops, on every backend), and kernels that take over where they
+//! apply: today ember's flex CPU kernels, on `f32` flex tensors with or without autodiff.
+//!
+//! | op | reference | kernel (flex) |
+//! |---|---|---|
+//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward ([`flex::matmul`]) |
+//! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]) |
+//! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]) |
+//! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
+//! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head ([`flex::attention`]) |
+//! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection ([`flex::rotary`]) |
+//! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
+//!
+//! Layout: [`kernels`] holds the backend-free loops over `f32` slices; [`flex`] (feature
+//! `flex`) reaches flex tensors' buffers, wraps the loops as autodiff ops through one helper
+//! (`flex::op`), and checks each against its reference (output and gradients).
+//! [`kernels_take`] is the one answer to "does a kernel take this tensor".
+
+mod attention;
+mod gelu;
+mod layer_norm;
+mod linear;
+mod rotary;
+mod softmax;
+
+#[cfg(feature = "flex")]
+pub mod flex;
+pub mod kernels;
+
+pub use attention::{
+    causal_self_attention, causal_self_attention_reference, single_query_attention,
+    single_query_attention_reference,
+};
+pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
+pub use layer_norm::{layer_norm, layer_norm_reference};
+pub use linear::{affine, affine_reference, linear, matmul, matmul_reference};
+pub use rotary::{rotate_qk, rotate_qk_reference};
+pub use softmax::{causal_softmax, causal_softmax_reference};
+
+use burn::tensor::Tensor;
+
+/// Whether ember's kernels take `x` (a flex `f32` tensor, tracked by autodiff or not) rather
+/// than the reference implementations; always false without the `flex` feature.
+pub fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        flex::tensor::kernels_take(x)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = x;
+        false
+    }
+}

@@ -1,0 +1,39 @@
+//! The rotary-positions op on the fused `[Q | K | V]` projection: each head's query and key
+//! turned by their positions, values unchanged.
+//!
+//! Reference: split the heads and [`crate::positions::apply_rotary`] on each of Q and K (nine
+//! tensor ops each). Kernel (flex `f32`, tracked or not): one pass in place of the projection,
+//! with the inverse rotation as its backward ([`crate::ops::flex::rotary`]), so that
+//! [`crate::ops::causal_self_attention`] takes the result as it takes an unrotated projection.
+
+use burn::tensor::Tensor;
+
+use crate::positions::apply_rotary;
+
+/// `qkv` with every head's query and key rotated as [`apply_rotary`] rotates them (row `p` at
+/// position `start + p`, RoPE base `base`).
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head size `D / heads` even
+/// - output: `[B, T, 3D]`
+pub fn rotate_qk(qkv: Tensor<3>, heads: usize, start: usize, base: f64) -> Tensor<3> {
+    #[cfg(feature = "flex")]
+    if let Some(turned) = super::flex::rotary::rotate_qk(qkv.clone(), heads, start, base) {
+        return turned;
+    }
+    rotate_qk_reference(qkv, heads, start, base)
+}
+
+/// [`rotate_qk`] in Burn's tensor ops, on every backend.
+pub fn rotate_qk_reference(qkv: Tensor<3>, heads: usize, start: usize, base: f64) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    let d = d3 / 3;
+    let part = |i: usize| qkv.clone().slice([0..b, 0..t, i * d..(i + 1) * d]);
+    let turn = |x: Tensor<3>| {
+        let heads_split = x.reshape([b, t, heads, d / heads]).swap_dims(1, 2); // [B, H, T, K]
+        apply_rotary(heads_split, start, base)
+            .swap_dims(1, 2)
+            .reshape([b, t, d])
+    };
+    Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
+}
