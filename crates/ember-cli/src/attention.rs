@@ -2,10 +2,10 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::heatmap::{Heatmaps, draw};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use ember_infer::{AttentionMap, cross_attention, mean_over_heads, self_attention};
-use ember_train::heatmap::{Heatmaps, draw};
 
 /// Arguments of `ember attention`.
 #[derive(Args)]

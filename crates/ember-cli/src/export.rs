@@ -35,7 +35,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
     let lm = ember_train::load_lm(&checkpoint, &burn::tensor::Device::flex())?;
     match args.format {
         Format::Hf => {
-            ember_train::hf::export_hf(&lm, &args.out)?;
+            lm.export_hf(&args.out)?;
         }
     }
     eprintln!(

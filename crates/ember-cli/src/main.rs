@@ -31,6 +31,7 @@ mod bleu;
 mod eval;
 mod export;
 mod generate;
+mod heatmap;
 mod signals;
 mod stream;
 mod train;

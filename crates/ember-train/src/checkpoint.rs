@@ -8,6 +8,8 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError, write_err};
@@ -341,6 +343,86 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
         _ => {}
     }
     serde_json::from_value(value).map_err(|e| bad(format!("not a valid state file: {e}")))
+}
+
+/// Writes the model's weights and the optimizer state into checkpoint folder `dir`.
+pub(crate) fn save_weights<M: Module>(
+    model: &M,
+    optim: &ModuleOptimizer,
+    dir: &Path,
+) -> Result<()> {
+    let model_path = dir.join(MODEL_FILE);
+    model
+        .clone()
+        .save_file(&model_path)
+        .map_err(|e| write_err(&model_path, e))?;
+    let optim_path = dir.join(OPTIM_FILE);
+    optim
+        .save(&optim_path)
+        .map_err(|e| write_err(&optim_path, e))
+}
+
+/// Loads the optimizer state of checkpoint `dir`.
+pub(crate) fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> Result<ModuleOptimizer> {
+    let path = dir.join(OPTIM_FILE);
+    optim.load(&path).map_err(|e| TrainError::Checkpoint {
+        path: path.clone(),
+        message: format!("cannot load optimizer state: {e}"),
+    })
+}
+
+/// Loads the weights of checkpoint `dir` into a model built from the checkpoint's config.
+pub fn load_model<M: Module>(model: M, dir: &Path) -> Result<M> {
+    let path = dir.join(MODEL_FILE);
+    if !path.is_file() {
+        return Err(TrainError::Checkpoint {
+            path,
+            message: "missing model weights".into(),
+        });
+    }
+    model.try_load_file(&path).map_err(|e| {
+        let mut message = format!(
+            "cannot load model weights: {}",
+            summarize_record_error(&e.to_string())
+        );
+        if let Some(older) = older_complete(dir) {
+            message += &format!("; an older checkpoint is {}", older.display());
+        }
+        TrainError::Checkpoint { path, message }
+    })
+}
+
+/// Burn's record errors list every tensor at fault; keep the count and the first one.
+fn summarize_record_error(message: &str) -> String {
+    let kinds = [
+        ("Apply errors: ", "do not match this model"),
+        ("Missing tensors: ", "are missing"),
+        ("Unused tensors: ", "are not part of this model"),
+    ];
+    for (marker, what) in kinds {
+        let Some(at) = message.find(marker) else {
+            continue;
+        };
+        let list = message[at + marker.len()..]
+            .trim()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let items: Vec<&str> = list
+            .split("\", \"")
+            .map(|item| item.trim_matches('"'))
+            .filter(|item| !item.is_empty())
+            .collect();
+        let first = items
+            .first()
+            .unwrap_or(&"")
+            .replace("Shape { dims: ", "")
+            .replace(" }", "");
+        return format!(
+            "{} tensor(s) {what} (weights of another architecture, or a config.toml that does not belong to them?); first: {first}",
+            items.len()
+        );
+    }
+    message.to_string()
 }
 
 #[cfg(test)]

@@ -158,6 +158,12 @@ impl Default for TrainingConfig {
 }
 
 impl TrainingConfig {
+    /// The devices a run uses: `override_name` (`--device`) if given, else `device`; the first
+    /// holds the model.
+    pub fn devices(&self, override_name: Option<&str>) -> Result<Vec<burn::tensor::Device>> {
+        crate::device::parse_list(override_name.unwrap_or(&self.device))
+    }
+
     /// The learning-rate schedule these settings describe.
     pub fn schedule(&self) -> Schedule {
         Schedule {

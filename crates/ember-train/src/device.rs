@@ -101,15 +101,6 @@ pub fn parse_list(names: &str) -> Result<Vec<Device>> {
     split_list(names)?.into_iter().map(parse).collect()
 }
 
-/// The devices a training run uses: `--device` (`override_name`) if given, else the config's;
-/// the first holds the model.
-pub fn run_devices(
-    training: &crate::config::TrainingConfig,
-    override_name: Option<&str>,
-) -> Result<Vec<Device>> {
-    parse_list(override_name.unwrap_or(&training.device))
-}
-
 /// The device called `name`: `flex` (or `cpu`), `ndarray`, `wgpu`, `vulkan`, `cuda` or
 /// `cuda:N`, or `auto` (the first GPU this build has that answers, else `flex`). A name this
 /// build lacks is an error saying which cargo feature adds it; a GPU that does not answer is an

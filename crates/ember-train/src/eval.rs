@@ -7,7 +7,7 @@ use ember_data::corpus;
 
 use crate::error::{Result, TrainError};
 use crate::lm_source::LoadedLm;
-use crate::trainer::Split;
+use crate::task::Split;
 
 /// The score of a model on a text.
 #[derive(Debug, Clone, PartialEq)]

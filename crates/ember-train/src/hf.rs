@@ -16,7 +16,6 @@ use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, PositionalKind};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError, write_err};
-use crate::lm_source::LoadedLm;
 
 /// The model's hyper-parameters in a Hugging Face folder.
 pub const HF_CONFIG: &str = "config.json";
@@ -302,18 +301,27 @@ pub(crate) fn load_weights(mut model: DecoderOnly, path: &Path) -> Result<Decode
     Ok(model)
 }
 
-/// Writes `lm` as a GPT-2 folder in `out`: `config.json`, `model.safetensors` (biases of a
-/// bias-free model written as zeros), `tokenizer.json` (a char vocabulary becomes a
-/// word-level tokenizer over single characters) and `tokenizer_config.json`.
-pub fn export_hf(lm: &LoadedLm, out: &Path) -> Result<PathBuf> {
+/// Writes `model` (of architecture `config`, with `tokenizer`, read from checkpoint `source`) as
+/// a GPT-2 folder in `out`: `config.json`, `model.safetensors` (biases of a bias-free model
+/// written as zeros), `tokenizer.json` (a char vocabulary becomes a word-level tokenizer over
+/// single characters) and `tokenizer_config.json`. [`LoadedLm::export_hf`] is the usual door.
+///
+/// [`LoadedLm::export_hf`]: crate::LoadedLm::export_hf
+pub fn export_hf(
+    model: &DecoderOnly,
+    config: &DecoderOnlyConfig,
+    tokenizer: &Tokenizer,
+    source: &Path,
+    out: &Path,
+) -> Result<PathBuf> {
     let unsupported = |message: String| TrainError::Checkpoint {
-        path: lm.dir.clone(),
+        path: source.to_path_buf(),
         message: format!("cannot be exported as GPT-2: {message}"),
     };
-    let gpt2 = Gpt2Config::from_ember(&lm.config.model).map_err(unsupported)?;
+    let gpt2 = Gpt2Config::from_ember(config).map_err(unsupported)?;
     std::fs::create_dir_all(out).map_err(|e| write_err(out, e))?;
 
-    let model = with_biases(lm.model.clone());
+    let model = with_biases(model.clone());
     let weights = out.join(HF_WEIGHTS);
     let mut store = EMBER_TO_HF
         .iter()
@@ -328,7 +336,7 @@ pub fn export_hf(lm: &LoadedLm, out: &Path) -> Result<PathBuf> {
         .map_err(|e| write_err(&weights, e))?;
 
     // GPT2Config's defaults name token 50256 as BOS/EOS; say which token is, if any.
-    let eos = match &lm.tokenizer {
+    let eos = match tokenizer {
         Tokenizer::Char(_) => None,
         Tokenizer::Bpe(bpe) => ["<|endoftext|>", "<eos>", "</s>"]
             .iter()
@@ -345,7 +353,7 @@ pub fn export_hf(lm: &LoadedLm, out: &Path) -> Result<PathBuf> {
     std::fs::write(&config_path, text).map_err(|e| write_err(&config_path, e))?;
 
     let tokenizer_path = out.join(HF_TOKENIZER);
-    match &lm.tokenizer {
+    match tokenizer {
         Tokenizer::Char(chars) => std::fs::write(&tokenizer_path, char_tokenizer_json(chars))
             .map_err(|e| write_err(&tokenizer_path, e))?,
         Tokenizer::Bpe(bpe) => ember_data::bpe::save_bpe(bpe, &tokenizer_path)?,
@@ -354,7 +362,7 @@ pub fn export_hf(lm: &LoadedLm, out: &Path) -> Result<PathBuf> {
     // instead of using tokenizer.json as it is.
     let tokenizer_config = out.join(HF_TOKENIZER_CONFIG);
     let mut settings = serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast"});
-    if let Tokenizer::Char(_) = &lm.tokenizer {
+    if let Tokenizer::Char(_) = tokenizer {
         settings["unk_token"] = ember_data::hf_tokenizer::UNK_TOKEN.into();
     }
     std::fs::write(&tokenizer_config, settings.to_string())

@@ -10,7 +10,8 @@ use crate::checkpoint::CONFIG_FILE;
 use crate::config::{RunConfig, TokenizerKind};
 use crate::error::{Result, write_err};
 use crate::lm_source::open_lm;
-use crate::trainer::{Launch, RunOptions, RunSummary, Split, Task};
+use crate::task::{Split, Task};
+use crate::trainer::{Launch, RunOptions, RunSummary};
 
 /// Seed salt for evaluation batches: fixed, so every evaluation sees the same windows.
 const EVAL_SALT: u64 = 0xE7A1;
@@ -126,7 +127,7 @@ impl Task for LmTask {
 /// Everything `ember train` does for a language model: prepare data, build (or resume) the
 /// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
 pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
-    let devices = crate::device::run_devices(&config.training, launch.device.as_deref())?;
+    let devices = config.training.devices(launch.device.as_deref())?;
     let device = devices[0].clone();
     if let Some(name) = &launch.device {
         config.training.device = name.clone();

@@ -27,6 +27,19 @@ pub struct LoadedLm {
     pub step: u64,
 }
 
+impl LoadedLm {
+    /// Writes the model as a Hugging Face GPT-2 folder in `out` (see [`hf::export_hf`]).
+    pub fn export_hf(&self, out: &Path) -> Result<PathBuf> {
+        hf::export_hf(
+            &self.model,
+            &self.config.model,
+            &self.tokenizer,
+            &self.dir,
+            out,
+        )
+    }
+}
+
 /// An opened model folder: everything but the weights.
 pub struct LmSource {
     /// The run config (defaults but for `model` for a Hugging Face folder).
@@ -83,7 +96,7 @@ impl LmSource {
         if self.is_hf {
             hf::load_weights(model, &self.dir.join(hf::HF_WEIGHTS))
         } else {
-            crate::trainer::load_model(model, &self.dir)
+            crate::checkpoint::load_model(model, &self.dir)
         }
     }
 

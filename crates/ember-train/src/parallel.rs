@@ -14,7 +14,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 
 use crate::config::TrainingConfig;
-use crate::trainer::{DROPOUT_SALT, Task, combine};
+use crate::task::{DROPOUT_SALT, Task, combine};
 
 /// One micro-batch's share of a step: its index, loss (already divided by the number of
 /// micro-batches, detached, on the main device), tokens and gradients (on the main device).

@@ -14,7 +14,7 @@ use crate::metrics::Record;
 type Series<'a> = (&'a str, &'a Vec<(f64, f64)>, RGBColor);
 
 /// Registers the embedded DejaVu Sans as plotters' "sans-serif" (once).
-pub(crate) fn register_fonts() {
+pub fn register_fonts() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let _ = register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());

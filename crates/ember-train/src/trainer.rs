@@ -8,56 +8,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::checkpoint::{self, CheckpointState, FORMAT_VERSION, MODEL_FILE, OPTIM_FILE};
+use crate::checkpoint::{
+    self, CheckpointState, FORMAT_VERSION, load_model, load_optimizer, save_weights,
+};
 use crate::config::TrainingConfig;
 use crate::error::{Result, TrainError};
 use crate::metrics::{Metrics, Record};
 use crate::optimizer::{adamw, clip_global_norm};
-
-/// Which part of the data an evaluation reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Split {
-    /// The training split.
-    Train,
-    /// The held-out split.
-    Val,
-}
-
-/// What the loop needs from a task: losses, evaluations and the files of a checkpoint.
-pub trait Task: Sync {
-    /// The model being trained.
-    type Model: Module + Clone + Send;
-
-    /// Loss of micro-batch `micro` of optimizer step `step`, with the batch built on `device`
-    /// (the autodiff device `model` lives on), and the number of tokens it covers. The batch must
-    /// depend only on `(seed, step, micro)`.
-    fn train_loss(
-        &self,
-        model: &Self::Model,
-        step: u64,
-        micro: u64,
-        device: &Device,
-    ) -> (Tensor<1>, usize);
-
-    /// Mean loss over `batches` batches of `split`, on a model without autodiff. The same
-    /// batches every time, so evaluations are comparable.
-    fn eval_loss(&self, model: &Self::Model, split: Split, batches: usize) -> f64;
-
-    /// Extra figures printed at each evaluation (e.g. BLEU), as `(name, value)`.
-    fn extra_eval(&self, _model: &Self::Model) -> Vec<(String, f64)> {
-        Vec::new()
-    }
-
-    /// Writes the tokenizer(s) and the resolved config into a checkpoint folder.
-    fn write_files(&self, dir: &Path) -> Result<()>;
-
-    /// `decoder_only` or `encoder_decoder`, recorded in checkpoints.
-    fn model_kind(&self) -> &'static str;
-}
+use crate::task::{DROPOUT_SALT, Split, Task, accumulate, param_device};
 
 /// Where and how a run goes.
 #[derive(Debug, Clone)]
@@ -125,6 +87,15 @@ impl Launch {
     }
 }
 
+impl RunOptions {
+    /// Whether the interrupt flag (Ctrl-C, SIGTERM) is up.
+    fn interrupted(&self) -> bool {
+        self.interrupt
+            .as_ref()
+            .is_some_and(|flag| flag.load(Ordering::Relaxed))
+    }
+}
+
 /// What a finished (or stopped) run reports.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
@@ -149,77 +120,24 @@ pub struct RunSummary {
     pub stopped_early: bool,
 }
 
-/// Salt that separates dropout seeds from batch seeds.
-pub(crate) const DROPOUT_SALT: u64 = 0x0D20_0F00;
-
 /// Trains `model` (built on `device.autodiff()`) on `task`. On resume, weights, optimizer state
 /// and the step are read from the newest checkpoint in `options.out_dir`; batches, dropout and
 /// the learning rate depend only on `(seed, step)`, so the resumed run continues exactly.
-pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Result<RunSummary> {
+pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result<RunSummary> {
     let config = &options.training;
     let out = &options.out_dir;
     std::fs::create_dir_all(out).map_err(|e| crate::error::write_err(out, e))?;
     check_writable(out)?;
     let schedule = config.schedule();
-    let mut state = CheckpointState {
-        format_version: FORMAT_VERSION,
-        model_kind: task.model_kind().to_string(),
-        step: 0,
-        seed: config.seed,
-        tokens_seen: 0,
-        elapsed_secs: 0.0,
-        val_loss: None,
-    };
-    let mut last_checkpoint = PathBuf::new();
-    // The optimizer is built from the model it will update: its weight-decay groups are keyed
-    // by parameter id, and loading a checkpoint restores the ids its state was saved under.
-    let mut optim;
-    if options.resume {
-        let dir = checkpoint::resolve(out)?;
-        let saved = checkpoint::read_state(&dir)?;
-        if saved.model_kind != task.model_kind() {
-            return Err(TrainError::Checkpoint {
-                path: dir,
-                message: format!(
-                    "holds a {}, but this config trains a {}",
-                    checkpoint::describe_kind(&saved.model_kind),
-                    checkpoint::describe_kind(task.model_kind())
-                ),
-            });
-        }
-        model = load_model(model, &dir)?;
-        optim = load_optimizer(adamw(config, &model), &dir)?;
-        eprintln!("resuming from {} (step {})", dir.display(), saved.step);
-        state = saved;
-        state.seed = config.seed;
-        last_checkpoint = dir;
-    } else {
-        optim = adamw(config, &model);
-    }
+    let (mut state, mut model, mut optim, mut last_checkpoint) = start(task, model, options)?;
     let metrics = Metrics::open(out, options.resume.then_some(state.step))?;
-    // The best validation loss so far and how many evaluations since have not beaten it; a
-    // resumed run takes both from the `best` checkpoint and the metrics kept up to its step.
-    let mut best = options
-        .resume
-        .then(|| checkpoint::best_val_loss(out))
-        .flatten();
-    let mut evals_since_best = match best {
-        Some((_, best_step)) => crate::metrics::read(metrics.path())
-            .iter()
-            .filter(|r| r.kind == "eval" && r.step > best_step)
-            .count() as u64,
-        None => 0,
-    };
-    let mut stopped_early = false;
+    let mut best = Best::open(out, &metrics, options.resume);
     let device = param_device(&model);
     let bar = progress_bar(config.max_steps, state.step, options.progress);
-
-    let start = Instant::now();
-    let start_step = state.step;
-    let elapsed_before = state.elapsed_secs;
-    let mut tokens_this_run = 0u64;
+    let mut clock = Clock::new(&state);
     let mut window = LogWindow::new(state.step);
     let (mut train_loss, mut val_loss) = (None, state.val_loss);
+    let mut stopped_early = false;
     let stop = options.stop_after.unwrap_or(u64::MAX).min(config.max_steps);
 
     while state.step < stop {
@@ -235,89 +153,34 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         model = optim.step(lr, model, grads);
         state.step += 1;
         state.tokens_seen += tokens as u64;
-        tokens_this_run += tokens as u64;
+        clock.tokens += tokens as u64;
         window.push(loss, norm, tokens);
 
-        let interrupted = options
-            .interrupt
-            .as_ref()
-            .is_some_and(|flag| flag.load(Ordering::Relaxed));
+        let interrupted = options.interrupted();
         let done = state.step == stop;
         let mut checkpoint_due =
             state.step.is_multiple_of(config.checkpoint_interval) || done || interrupted;
         if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
-            let elapsed = elapsed_before + start.elapsed().as_secs_f64();
-            let record = window.flush(state.step, lr, elapsed)?;
-            bar.set_position(state.step);
-            bar.set_message(format!(
-                "loss {:.4} | {:.0} tok/s | lr {:.2e}",
-                record.train_loss, record.tokens_per_sec, lr
-            ));
-            if bar.is_hidden() {
-                // Off a terminal (a pipe, a file, nohup): a plain line instead of the bar.
-                eprintln!(
-                    "step {:>6}/{}: loss {:.4}, lr {lr:.2e}, {:.0} tok/s, {elapsed:.1} s",
-                    state.step, config.max_steps, record.train_loss, record.tokens_per_sec
-                );
-            }
+            let record = window.flush(state.step, lr, clock.elapsed())?;
+            log_line(&bar, &record, config.max_steps);
             metrics.append(&record)?;
         }
         let mut improved = false;
         if state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps {
-            let eval_model = model.valid();
-            let train = task.eval_loss(&eval_model, Split::Train, config.eval_batches);
-            let val = task.eval_loss(&eval_model, Split::Val, config.eval_batches);
-            let extra = task.extra_eval(&eval_model);
-            let extra: String = extra.iter().map(|(k, v)| format!(", {k} {v:.2}")).collect();
-            say(
-                &bar,
-                format!(
-                    "step {:>6}: train loss {train:.4}, val loss {val:.4} (perplexity {:.2}){extra}",
-                    state.step,
-                    val.exp()
-                ),
-            );
-            let elapsed = elapsed_before + start.elapsed().as_secs_f64();
-            metrics.append(&Record {
-                step: state.step,
-                lr,
-                train_loss: train,
-                val_loss: Some(val),
-                grad_norm: None,
-                tokens_per_sec: tokens_this_run as f64 / start.elapsed().as_secs_f64().max(1e-9),
-                elapsed_secs: elapsed,
-                kind: "eval".into(),
-            })?;
+            let (train, val) = evaluate(task, &model, config.eval_batches, state.step, &bar);
+            metrics.append(&clock.eval_record(state.step, lr, train, val))?;
             (train_loss, val_loss) = (Some(train), Some(val));
             state.val_loss = val_loss;
             // Every improvement is saved, so the best model is on disk however late the run
             // overfits (nanoGPT's GPU config does after about 2000 of its 5000 steps).
-            improved = best.is_none_or(|(b, _)| val < b);
-            if improved {
-                best = Some((val, state.step));
-                evals_since_best = 0;
-                checkpoint_due = true;
-            } else {
-                evals_since_best += 1;
-            }
-            if let Some(patience) = config.early_stop_patience
-                && evals_since_best >= patience
-            {
-                let (b, at) = best.expect("an evaluation happened");
-                say(
-                    &bar,
-                    format!(
-                        "early stop: val loss has not improved on {b:.4} (step {at}) in {patience} evaluations"
-                    ),
-                );
-                stopped_early = true;
-                checkpoint_due = true;
-            }
+            improved = best.record(val, state.step);
+            stopped_early = best.patience_spent(config.early_stop_patience, &bar);
+            checkpoint_due |= improved || stopped_early;
             draw_plot(&metrics, &options.title, out);
         }
         if checkpoint_due {
             ensure_finite(&model, state.step)?;
-            state.elapsed_secs = elapsed_before + start.elapsed().as_secs_f64();
+            state.elapsed_secs = clock.elapsed();
             let (m, o) = (&model, &optim);
             last_checkpoint = checkpoint::save(out, &state, config.keep_checkpoints, |dir| {
                 save_weights(m, o, dir)?;
@@ -340,79 +203,212 @@ pub fn train<T: Task>(task: &T, mut model: T::Model, options: &RunOptions) -> Re
         }
     }
     bar.finish_and_clear();
-    let run_secs = start.elapsed().as_secs_f64();
     draw_plot(&metrics, &options.title, out);
-    let steps = (state.step - start_step).max(1) as f64;
-    Ok(RunSummary {
-        step: state.step,
-        train_loss,
-        val_loss,
-        elapsed_secs: elapsed_before + run_secs,
-        tokens_per_sec: tokens_this_run as f64 / run_secs.max(1e-9),
-        ms_per_step: 1000.0 * run_secs / steps,
-        checkpoint: last_checkpoint,
-        best: checkpoint::resolve_best(out)
-            .ok()
-            .zip(best.map(|(loss, _)| loss)),
-        stopped_early,
-    })
+    let mut summary = clock.summary(state.step, last_checkpoint);
+    summary.train_loss = train_loss;
+    summary.val_loss = val_loss;
+    summary.best = checkpoint::resolve_best(out).ok().zip(best.loss());
+    summary.stopped_early = stopped_early;
+    Ok(summary)
 }
 
-/// Redraws `loss.png` from the metrics so far (at every evaluation, so that a running or
-/// killed job has a current plot).
+/// Training and validation loss of `model` over `batches` batches each (the task's extra
+/// figures too), printed as the evaluation line of `step`.
+fn evaluate<T: Task>(
+    task: &T,
+    model: &T::Model,
+    batches: usize,
+    step: u64,
+    bar: &ProgressBar,
+) -> (f64, f64) {
+    let eval_model = model.valid();
+    let train = task.eval_loss(&eval_model, Split::Train, batches);
+    let val = task.eval_loss(&eval_model, Split::Val, batches);
+    let extra = task.extra_eval(&eval_model);
+    let extra: String = extra.iter().map(|(k, v)| format!(", {k} {v:.2}")).collect();
+    say(
+        bar,
+        format!(
+            "step {step:>6}: train loss {train:.4}, val loss {val:.4} (perplexity {:.2}){extra}",
+            val.exp()
+        ),
+    );
+    (train, val)
+}
+
+/// The run's starting point: on resume the newest checkpoint's state, weights and optimizer
+/// (and its folder), else step 0 with a fresh optimizer.
+fn start<T: Task>(
+    task: &T,
+    model: T::Model,
+    options: &RunOptions,
+) -> Result<(CheckpointState, T::Model, ModuleOptimizer, PathBuf)> {
+    let config = &options.training;
+    let fresh = CheckpointState {
+        format_version: FORMAT_VERSION,
+        model_kind: task.model_kind().to_string(),
+        step: 0,
+        seed: config.seed,
+        tokens_seen: 0,
+        elapsed_secs: 0.0,
+        val_loss: None,
+    };
+    // The optimizer is built from the model it will update: its weight-decay groups are keyed
+    // by parameter id, and loading a checkpoint restores the ids its state was saved under.
+    if !options.resume {
+        let optim = adamw(config, &model);
+        return Ok((fresh, model, optim, PathBuf::new()));
+    }
+    let dir = checkpoint::resolve(&options.out_dir)?;
+    let mut saved = checkpoint::read_state(&dir)?;
+    if saved.model_kind != task.model_kind() {
+        return Err(TrainError::Checkpoint {
+            path: dir,
+            message: format!(
+                "holds a {}, but this config trains a {}",
+                checkpoint::describe_kind(&saved.model_kind),
+                checkpoint::describe_kind(task.model_kind())
+            ),
+        });
+    }
+    let model = load_model(model, &dir)?;
+    let optim = load_optimizer(adamw(config, &model), &dir)?;
+    eprintln!("resuming from {} (step {})", dir.display(), saved.step);
+    saved.seed = config.seed;
+    Ok((saved, model, optim, dir))
+}
+
+/// A log record on the progress bar, or as a plain line off a terminal (a pipe, a file, nohup).
+fn log_line(bar: &ProgressBar, record: &Record, max_steps: u64) {
+    bar.set_position(record.step);
+    bar.set_message(format!(
+        "loss {:.4} | {:.0} tok/s | lr {:.2e}",
+        record.train_loss, record.tokens_per_sec, record.lr
+    ));
+    if bar.is_hidden() {
+        eprintln!(
+            "step {:>6}/{max_steps}: loss {:.4}, lr {:.2e}, {:.0} tok/s, {:.1} s",
+            record.step, record.train_loss, record.lr, record.tokens_per_sec, record.elapsed_secs
+        );
+    }
+}
+
+/// The best validation loss so far with its step, and how many evaluations since have not
+/// beaten it.
+struct Best {
+    best: Option<(f64, u64)>,
+    evals_since: u64,
+}
+
+impl Best {
+    /// A fresh run starts with none; a resumed run takes the loss from its `best` checkpoint and
+    /// counts the evaluations after it in the metrics kept up to the resumed step.
+    fn open(out: &Path, metrics: &Metrics, resume: bool) -> Self {
+        let best = resume.then(|| checkpoint::best_val_loss(out)).flatten();
+        let evals_since = match best {
+            Some((_, best_step)) => crate::metrics::read(metrics.path())
+                .iter()
+                .filter(|r| r.kind == "eval" && r.step > best_step)
+                .count() as u64,
+            None => 0,
+        };
+        Self { best, evals_since }
+    }
+
+    /// Counts an evaluation; whether it beat the best.
+    fn record(&mut self, val: f64, step: u64) -> bool {
+        let improved = self.best.is_none_or(|(b, _)| val < b);
+        if improved {
+            self.best = Some((val, step));
+            self.evals_since = 0;
+        } else {
+            self.evals_since += 1;
+        }
+        improved
+    }
+
+    /// Whether `patience` evaluations have gone by without improvement (and says so).
+    fn patience_spent(&self, patience: Option<u64>, bar: &ProgressBar) -> bool {
+        let Some(patience) = patience else {
+            return false;
+        };
+        let Some((b, at)) = self.best.filter(|_| self.evals_since >= patience) else {
+            return false;
+        };
+        say(
+            bar,
+            format!(
+                "early stop: val loss has not improved on {b:.4} (step {at}) in {patience} evaluations"
+            ),
+        );
+        true
+    }
+
+    fn loss(&self) -> Option<f64> {
+        self.best.map(|(loss, _)| loss)
+    }
+}
+
+/// The time and tokens of this process's part of a run.
+struct Clock {
+    start: Instant,
+    start_step: u64,
+    /// Training seconds of earlier segments of a resumed run.
+    before: f64,
+    tokens: u64,
+}
+
+impl Clock {
+    fn new(state: &CheckpointState) -> Self {
+        Self {
+            start: Instant::now(),
+            start_step: state.step,
+            before: state.elapsed_secs,
+            tokens: 0,
+        }
+    }
+
+    /// Training seconds, earlier segments included.
+    fn elapsed(&self) -> f64 {
+        self.before + self.start.elapsed().as_secs_f64()
+    }
+
+    fn eval_record(&self, step: u64, lr: f64, train: f64, val: f64) -> Record {
+        Record {
+            step,
+            lr,
+            train_loss: train,
+            val_loss: Some(val),
+            grad_norm: None,
+            tokens_per_sec: self.tokens as f64 / self.start.elapsed().as_secs_f64().max(1e-9),
+            elapsed_secs: self.elapsed(),
+            kind: "eval".into(),
+        }
+    }
+
+    /// The summary's timings at `step`; the losses are the caller's to fill in.
+    fn summary(&self, step: u64, checkpoint: PathBuf) -> RunSummary {
+        let run_secs = self.start.elapsed().as_secs_f64();
+        let steps = (step - self.start_step).max(1) as f64;
+        RunSummary {
+            step,
+            train_loss: None,
+            val_loss: None,
+            elapsed_secs: self.before + run_secs,
+            tokens_per_sec: self.tokens as f64 / run_secs.max(1e-9),
+            ms_per_step: 1000.0 * run_secs / steps,
+            checkpoint,
+            best: None,
+            stopped_early: false,
+        }
+    }
+}
+
 fn draw_plot(metrics: &Metrics, title: &str, out: &Path) {
     let records = crate::metrics::read(metrics.path());
     if let Err(e) = crate::plot::loss_curves(&records, title, &out.join("loss.png")) {
         eprintln!("warning: no loss plot: {e}");
     }
-}
-
-/// Forward and backward over `n` micro-batches; the loss is their mean.
-fn accumulate<T: Task>(
-    task: &T,
-    model: &T::Model,
-    step: u64,
-    n: usize,
-) -> (Tensor<1>, usize, GradientsParams) {
-    let device = param_device(model);
-    if n == 1 {
-        let (loss, tokens) = task.train_loss(model, step, 0, &device);
-        let grads = GradientsParams::from_grads(loss.backward(), model);
-        return (loss.detach(), tokens, grads);
-    }
-    combine(
-        model,
-        (0..n as u64).map(|micro| {
-            let (loss, tokens) = task.train_loss(model, step, micro, &device);
-            let loss = loss.div_scalar(n as f64);
-            let grads = GradientsParams::from_grads(loss.backward(), model);
-            (loss.detach(), tokens, grads)
-        }),
-    )
-}
-
-/// Sums micro-batches' (loss, tokens, gradients), in the order given: the step's loss (each
-/// micro-batch loss already divided by their number), tokens and gradients.
-pub(crate) fn combine<M: Module>(
-    model: &M,
-    micros: impl IntoIterator<Item = (Tensor<1>, usize, GradientsParams)>,
-) -> (Tensor<1>, usize, GradientsParams) {
-    let mut acc = GradientsAccumulator::<M>::new();
-    let mut total: Option<Tensor<1>> = None;
-    let mut tokens = 0;
-    for (loss, t, grads) in micros {
-        acc.accumulate(model, grads);
-        total = Some(match total {
-            Some(sum) => sum + loss,
-            None => loss,
-        });
-        tokens += t;
-    }
-    (
-        total.expect("at least one micro-batch"),
-        tokens,
-        acc.grads(),
-    )
 }
 
 /// Losses and norms since the last log line, kept on the device until the log reads them all
@@ -495,89 +491,6 @@ fn ensure_finite<M: Module>(model: &M, step: u64) -> Result<()> {
     } else {
         Err(TrainError::Diverged { step, loss: total })
     }
-}
-
-fn param_device<M: Module>(model: &M) -> Device {
-    model
-        .devices()
-        .into_iter()
-        .next()
-        .expect("a model has parameters on some device")
-}
-
-fn save_weights<M: Module>(model: &M, optim: &ModuleOptimizer, dir: &Path) -> Result<()> {
-    let model_path = dir.join(MODEL_FILE);
-    model
-        .clone()
-        .save_file(&model_path)
-        .map_err(|e| crate::error::write_err(&model_path, e))?;
-    let optim_path = dir.join(OPTIM_FILE);
-    optim
-        .save(&optim_path)
-        .map_err(|e| crate::error::write_err(&optim_path, e))
-}
-
-/// Loads the optimizer state of checkpoint `dir`.
-fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> Result<ModuleOptimizer> {
-    let path = dir.join(OPTIM_FILE);
-    optim.load(&path).map_err(|e| TrainError::Checkpoint {
-        path: path.clone(),
-        message: format!("cannot load optimizer state: {e}"),
-    })
-}
-
-/// Loads the weights of checkpoint `dir` into a model built from the checkpoint's config.
-pub fn load_model<M: Module>(model: M, dir: &Path) -> Result<M> {
-    let path = dir.join(MODEL_FILE);
-    if !path.is_file() {
-        return Err(TrainError::Checkpoint {
-            path,
-            message: "missing model weights".into(),
-        });
-    }
-    model.try_load_file(&path).map_err(|e| {
-        let mut message = format!(
-            "cannot load model weights: {}",
-            summarize_record_error(&e.to_string())
-        );
-        if let Some(older) = crate::checkpoint::older_complete(dir) {
-            message += &format!("; an older checkpoint is {}", older.display());
-        }
-        TrainError::Checkpoint { path, message }
-    })
-}
-
-/// Burn's record errors list every tensor at fault; keep the count and the first one.
-fn summarize_record_error(message: &str) -> String {
-    let kinds = [
-        ("Apply errors: ", "do not match this model"),
-        ("Missing tensors: ", "are missing"),
-        ("Unused tensors: ", "are not part of this model"),
-    ];
-    for (marker, what) in kinds {
-        let Some(at) = message.find(marker) else {
-            continue;
-        };
-        let list = message[at + marker.len()..]
-            .trim()
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        let items: Vec<&str> = list
-            .split("\", \"")
-            .map(|item| item.trim_matches('"'))
-            .filter(|item| !item.is_empty())
-            .collect();
-        let first = items
-            .first()
-            .unwrap_or(&"")
-            .replace("Shape { dims: ", "")
-            .replace(" }", "");
-        return format!(
-            "{} tensor(s) {what} (weights of another architecture, or a config.toml that does not belong to them?); first: {first}",
-            items.len()
-        );
-    }
-    message.to_string()
 }
 
 /// Fails early, before any training, if the run folder cannot be written.

@@ -15,7 +15,8 @@ use ember_model::loss::cross_entropy;
 
 use crate::checkpoint::CONFIG_FILE;
 use crate::error::{Result, TrainError, write_err};
-use crate::trainer::{Launch, RunOptions, RunSummary, Split, Task};
+use crate::task::{Split, Task};
+use crate::trainer::{Launch, RunOptions, RunSummary};
 use crate::translation_config::TranslationRunConfig;
 
 /// File of the shared vocabulary inside a checkpoint.
@@ -266,7 +267,7 @@ fn limit<T>(mut v: Vec<T>, n: Option<usize>) -> Vec<T> {
 
 /// Everything `ember train` does for a translation config.
 pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> Result<RunSummary> {
-    let devices = crate::device::run_devices(&config.training, launch.device.as_deref())?;
+    let devices = config.training.devices(launch.device.as_deref())?;
     let device = devices[0].clone();
     if let Some(name) = &launch.device {
         config.training.device = name.clone();
@@ -366,7 +367,7 @@ pub fn load_translator(path: &Path, device: &Device) -> Result<LoadedTranslator>
     let config = TranslationRunConfig::load(&dir.join(CONFIG_FILE))?;
     let tokenizers = Tokenizers::load(&dir)?;
     let model = config.model.init(device)?;
-    let model = crate::trainer::load_model(model, &dir)?;
+    let model = crate::checkpoint::load_model(model, &dir)?;
     Ok(LoadedTranslator {
         model,
         tokenizers,

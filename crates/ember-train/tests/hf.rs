@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ember_infer::{GenerateOptions, Sampling, generate};
-use ember_train::hf::export_hf;
+
 use ember_train::{LoadedLm, load_lm};
 
 fn fixture() -> PathBuf {
@@ -104,7 +104,7 @@ fn export_then_import_gives_identical_logits() {
     let want = expected();
     let lm = load_lm(&fixture(), &Device::flex()).unwrap();
     let out = temp("roundtrip");
-    export_hf(&lm, &out).unwrap();
+    lm.export_hf(&out).unwrap();
     let again = load_lm(&out, &Device::flex()).unwrap();
     assert_eq!(
         logits(&lm, &want.input_ids),
@@ -138,7 +138,7 @@ fn a_bias_free_char_model_exports_with_zero_biases_and_its_vocabulary() {
         step: 0,
     };
     let out = temp("char");
-    export_hf(&lm, &out).unwrap();
+    lm.export_hf(&out).unwrap();
     let again = load_lm(&out, &device).unwrap();
     let text = "bad cab\nfig";
     let ids = lm.tokenizer.encode(text).unwrap().ids;

@@ -146,7 +146,7 @@ fn checkpoint_round_trip_reproduces_logits() {
     std::fs::create_dir_all(&dir).unwrap();
     lm.model.clone().save_file(dir.join("model.bpk")).unwrap();
     let fresh = lm.config.model.init(&device).unwrap();
-    let again = ember_train::trainer::load_model(fresh, &dir).unwrap();
+    let again = ember_train::checkpoint::load_model(fresh, &dir).unwrap();
     let x = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &device);
     let diff = (lm.model.forward(x.clone()) - again.forward(x))
         .abs()

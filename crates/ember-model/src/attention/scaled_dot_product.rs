@@ -7,14 +7,8 @@ use burn::nn::Dropout;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 
+use super::masks::MASKED_SCORE;
 use crate::ops;
-
-/// The score given to masked positions before the softmax.
-///
-/// Finite on purpose: a row whose keys are *all* masked then gets uniform weights and a
-/// finite output, where `-inf` would give `0/0 = NaN`. `exp(-1e9 - max)` underflows to exactly
-/// zero in f32, so a masked key next to any unmasked one gets weight 0.
-pub const MASKED_SCORE: f32 = -1.0e9;
 
 /// Output of [`scaled_dot_product_attention`].
 #[derive(Debug, Clone)]

@@ -11,7 +11,7 @@ use burn::nn::Dropout;
 use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
 
-use crate::attention::causal_attention;
+use super::causal_softmax;
 
 /// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused
 /// projection (no dropout, no padding).
@@ -27,19 +27,21 @@ pub fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
     causal_self_attention_reference(qkv, heads)
 }
 
-/// [`causal_self_attention`] in Burn's tensor ops, on every backend: split the heads, attend,
-/// merge.
+/// [`causal_self_attention`] in Burn's tensor ops, on every backend: split the heads, attend
+/// (as [`crate::attention::causal_attention`] does), merge.
 pub fn causal_self_attention_reference(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
     let [b, t, d3] = qkv.dims();
     let d = d3 / 3;
+    let scale = 1.0 / ((d / heads) as f64).sqrt();
     let part = |i: usize| {
         qkv.clone()
             .slice([0..b, 0..t, i * d..(i + 1) * d])
             .reshape([b, t, heads, d / heads])
             .swap_dims(1, 2) // [B, H, T, K]
     };
-    let out = causal_attention(part(0), part(1), part(2), None, false);
-    out.context.swap_dims(1, 2).reshape([b, t, d])
+    let (q, k, v) = (part(0), part(1), part(2));
+    let weights = causal_softmax(q.matmul(k.swap_dims(2, 3)), scale); // [B, H, T, T]
+    weights.matmul(v).swap_dims(1, 2).reshape([b, t, d])
 }
 
 /// `softmax(q K^T / sqrt(K)) V` for one query position that sees every key, with `dropout` on

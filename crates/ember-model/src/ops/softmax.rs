@@ -7,7 +7,7 @@
 use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
 
-use crate::attention::{MASKED_SCORE, causal_mask};
+use crate::attention::masks::{MASKED_SCORE, causal_mask};
 
 /// `softmax(scale * scores)` over the last axis with the causal mask: query `i` sees keys
 /// `..= S - T + i` (the `S - T` cached ones and those up to itself).

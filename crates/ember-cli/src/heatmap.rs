@@ -7,7 +7,7 @@ use ember_infer::AttentionMap;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::error::{Result, write_err};
+use ember_train::error::{Result, TrainError};
 
 /// What to draw: the maps, the labels of their rows and columns, a title.
 pub struct Heatmaps<'a> {
@@ -66,7 +66,7 @@ fn viridis(v: f64) -> RGBColor {
 
 /// Draws to `path`: SVG when it ends in `.svg`, PNG otherwise.
 pub fn draw(h: &Heatmaps, path: &Path) -> Result<()> {
-    crate::plot::register_fonts();
+    ember_train::plot::register_fonts();
     let cells = h.rows.len().max(h.columns.len()).max(1);
     let panel = (120 + 14 * cells).clamp(220, 900) as u32;
     let per_row = h.per_row.max(1);
@@ -85,7 +85,10 @@ pub fn draw(h: &Heatmaps, path: &Path) -> Result<()> {
     } else {
         render(h, BitMapBackend::new(path, size).into_drawing_area())
     };
-    result.map_err(|e| write_err(path, e))
+    result.map_err(|e| TrainError::Write {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
 }
 
 type DrawResult = std::result::Result<(), String>;

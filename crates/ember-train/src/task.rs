@@ -1,0 +1,111 @@
+//! What the training loop asks of a task (language modelling, translation), and the
+//! micro-batch arithmetic that one device and data-parallel training share.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{Device, Tensor};
+
+use crate::error::Result;
+
+/// Which part of the data an evaluation reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// The training split.
+    Train,
+    /// The held-out split.
+    Val,
+}
+
+/// What the loop needs from a task: losses, evaluations and the files of a checkpoint.
+pub trait Task: Sync {
+    /// The model being trained.
+    type Model: Module + Clone + Send;
+
+    /// Loss of micro-batch `micro` of optimizer step `step`, with the batch built on `device`
+    /// (the autodiff device `model` lives on), and the number of tokens it covers. The batch must
+    /// depend only on `(seed, step, micro)`.
+    fn train_loss(
+        &self,
+        model: &Self::Model,
+        step: u64,
+        micro: u64,
+        device: &Device,
+    ) -> (Tensor<1>, usize);
+
+    /// Mean loss over `batches` batches of `split`, on a model without autodiff. The same
+    /// batches every time, so evaluations are comparable.
+    fn eval_loss(&self, model: &Self::Model, split: Split, batches: usize) -> f64;
+
+    /// Extra figures printed at each evaluation (e.g. BLEU), as `(name, value)`.
+    fn extra_eval(&self, _model: &Self::Model) -> Vec<(String, f64)> {
+        Vec::new()
+    }
+
+    /// Writes the tokenizer(s) and the resolved config into a checkpoint folder.
+    fn write_files(&self, dir: &Path) -> Result<()>;
+
+    /// `decoder_only` or `encoder_decoder`, recorded in checkpoints.
+    fn model_kind(&self) -> &'static str;
+}
+
+/// Salt that separates dropout seeds from batch seeds.
+pub(crate) const DROPOUT_SALT: u64 = 0x0D20_0F00;
+
+/// Forward and backward over `n` micro-batches; the loss is their mean.
+pub(crate) fn accumulate<T: Task>(
+    task: &T,
+    model: &T::Model,
+    step: u64,
+    n: usize,
+) -> (Tensor<1>, usize, GradientsParams) {
+    let device = param_device(model);
+    if n == 1 {
+        let (loss, tokens) = task.train_loss(model, step, 0, &device);
+        let grads = GradientsParams::from_grads(loss.backward(), model);
+        return (loss.detach(), tokens, grads);
+    }
+    combine(
+        model,
+        (0..n as u64).map(|micro| {
+            let (loss, tokens) = task.train_loss(model, step, micro, &device);
+            let loss = loss.div_scalar(n as f64);
+            let grads = GradientsParams::from_grads(loss.backward(), model);
+            (loss.detach(), tokens, grads)
+        }),
+    )
+}
+
+/// Sums micro-batches' (loss, tokens, gradients), in the order given: the step's loss (each
+/// micro-batch loss already divided by their number), tokens and gradients.
+pub(crate) fn combine<M: Module>(
+    model: &M,
+    micros: impl IntoIterator<Item = (Tensor<1>, usize, GradientsParams)>,
+) -> (Tensor<1>, usize, GradientsParams) {
+    let mut acc = GradientsAccumulator::<M>::new();
+    let mut total: Option<Tensor<1>> = None;
+    let mut tokens = 0;
+    for (loss, t, grads) in micros {
+        acc.accumulate(model, grads);
+        total = Some(match total {
+            Some(sum) => sum + loss,
+            None => loss,
+        });
+        tokens += t;
+    }
+    (
+        total.expect("at least one micro-batch"),
+        tokens,
+        acc.grads(),
+    )
+}
+
+/// The device a model's parameters live on.
+pub(crate) fn param_device<M: Module>(model: &M) -> Device {
+    model
+        .devices()
+        .into_iter()
+        .next()
+        .expect("a model has parameters on some device")
+}
