@@ -8,8 +8,12 @@
 #
 #   bash scripts/bench-compare.sh                    # 3 rounds of 100 training steps
 #   ROUNDS=5 STEPS=200 THREADS=2 bash scripts/bench-compare.sh
+#   AGAINST=/path/to/older/ember bash scripts/bench-compare.sh   # ember against another build
 #
-# Needs PyTorch: python3 -m venv .venv && .venv/bin/pip install torch  (PYTHON=.venv/bin/python)
+# Needs PyTorch: python3 -m venv .venv && .venv/bin/pip install torch  (PYTHON=.venv/bin/python).
+# With AGAINST, another ember binary (e.g. an earlier commit's) takes PyTorch's place: it trains
+# the same config, generates from this build's checkpoint, and each round checks that both
+# builds reach the same validation loss and generate the same text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,13 +22,19 @@ STEPS=${STEPS:-100}
 TOKENS=${TOKENS:-500}
 THREADS=${THREADS:-2}
 PYTHON=${PYTHON:-python3}
+AGAINST=${AGAINST:-}
 EMBER=./target/release/ember
+REF=pytorch; [ -n "$AGAINST" ] && REF=baseline
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 cargo build --release --workspace --locked 2>&1 | tail -1
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
-echo "torch: $($PYTHON -c 'import torch; print(torch.__version__)'), threads $THREADS"
+if [ -n "$AGAINST" ]; then
+    echo "against: $AGAINST, threads $THREADS"
+else
+    echo "torch: $($PYTHON -c 'import torch; print(torch.__version__)'), threads $THREADS"
+fi
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # The baby config, shortened, evaluating and checkpointing only at the end.
@@ -44,41 +54,61 @@ for round in $(seq "$ROUNDS"); do
     echo "== round $round"
     rm -rf "$WORK/run"
     cmd="$EMBER train --config $WORK/baby.toml --out $WORK/run"
-    ms=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 | sed -n 's/.*(\([0-9.]*\) ms\/step.*/\1/p')
+    RAYON_NUM_THREADS=$THREADS $cmd > "$WORK/train.log" 2>&1
+    ms=$(sed -n 's/.*(\([0-9.]*\) ms\/step.*/\1/p' "$WORK/train.log")
     echo "ember   train: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/e_train"
     rm -rf "$WORK/run-dp"
     cmd="$EMBER train --config $WORK/baby-dp.toml --out $WORK/run-dp"
     ms=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 | sed -n 's/.*(\([0-9.]*\) ms\/step.*/\1/p')
     echo "ember   train, flex,flex: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/e_train_dp"
 
-    cmd="$PYTHON scripts/torch_reference.py train --steps $STEPS --threads $THREADS"
-    ms=$($cmd | $PYTHON -c 'import json,sys; print(json.load(sys.stdin)["ms_per_step_median"])')
-    echo "pytorch train: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/t_train"
+    if [ -n "$AGAINST" ]; then
+        rm -rf "$WORK/run-ref"
+        cmd="$AGAINST train --config $WORK/baby.toml --out $WORK/run-ref"
+        out=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1)
+        ms=$(echo "$out" | sed -n 's/.*(\([0-9.]*\) ms\/step.*/\1/p')
+        echo "baseline train: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/t_train"
+        # Same config, same seed: the same validation loss to the printed digit.
+        ours=$(sed -n 's/^done: .*val loss \([0-9.]*\).*/\1/p' "$WORK/train.log")
+        theirs=$(echo "$out" | sed -n 's/^done: .*val loss \([0-9.]*\).*/\1/p')
+        [ "$ours" = "$theirs" ] || { echo "val loss differs: $ours against $theirs"; exit 1; }
+    else
+        cmd="$PYTHON scripts/torch_reference.py train --steps $STEPS --threads $THREADS"
+        ms=$($cmd | $PYTHON -c 'import json,sys; print(json.load(sys.stdin)["ms_per_step_median"])')
+        echo "pytorch train: $ms ms/step   ($cmd)"; echo "$ms" >> "$WORK/t_train"
+    fi
 
     for mode in cache nocache; do
         flag=""; [ "$mode" = nocache ] && flag="--no-cache"
         cmd="$EMBER generate --checkpoint $WORK/run --prompt ROMEO: --max-tokens $TOKENS --seed 1 $flag"
-        tps=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 >/dev/null | sed -n 's/.*(\([0-9.]*\) tokens\/s.*/\1/p')
+        tps=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 >"$WORK/text-ours" | sed -n 's/.*(\([0-9.]*\) tokens\/s.*/\1/p')
         echo "ember   generate ($mode): $tps tokens/s   ($cmd)"; echo "$tps" >> "$WORK/e_$mode"
-        cmd="$PYTHON scripts/torch_reference.py generate --tokens $TOKENS --threads $THREADS $flag"
-        tps=$($cmd | $PYTHON -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_sec"])')
-        echo "pytorch generate ($mode): $tps tokens/s   ($cmd)"; echo "$tps" >> "$WORK/t_$mode"
+        if [ -n "$AGAINST" ]; then
+            cmd="$AGAINST generate --checkpoint $WORK/run --prompt ROMEO: --max-tokens $TOKENS --seed 1 $flag"
+            tps=$(RAYON_NUM_THREADS=$THREADS $cmd 2>&1 > "$WORK/text-theirs" | sed -n 's/.*(\([0-9.]*\) tokens\/s.*/\1/p')
+            echo "baseline generate ($mode): $tps tokens/s   ($cmd)"; echo "$tps" >> "$WORK/t_$mode"
+            cmp -s "$WORK/text-ours" "$WORK/text-theirs" || { echo "the generated texts differ"; exit 1; }
+        else
+            cmd="$PYTHON scripts/torch_reference.py generate --tokens $TOKENS --threads $THREADS $flag"
+            tps=$($cmd | $PYTHON -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_sec"])')
+            echo "pytorch generate ($mode): $tps tokens/s   ($cmd)"; echo "$tps" >> "$WORK/t_$mode"
+        fi
     done
 done
 
 echo "== medians over $ROUNDS rounds"
 tokens=$((12 * 64))
 et=$(median < "$WORK/e_train"); tt=$(median < "$WORK/t_train")
-awk -v e="$et" -v t="$tt" -v n="$tokens" 'BEGIN {
-    printf "train     ember %7.1f ms/step (%6.0f tok/s)  pytorch %7.1f ms/step (%6.0f tok/s)  ember/pytorch speed %.2f\n",
-        e, n / e * 1000, t, n / t * 1000, t / e }'
+awk -v e="$et" -v t="$tt" -v n="$tokens" -v r="$REF" 'BEGIN {
+    printf "train     ember %7.1f ms/step (%6.0f tok/s)  %s %7.1f ms/step (%6.0f tok/s)  ember/%s speed %.2f\n",
+        e, n / e * 1000, r, t, n / t * 1000, r, t / e }'
 ed=$(median < "$WORK/e_train_dp")
-awk -v e="$ed" -v t="$tt" -v n="$tokens" 'BEGIN {
-    printf "train, ember on flex,flex %7.1f ms/step (%6.0f tok/s)  ember/pytorch speed %.2f\n",
-        e, n / e * 1000, t / e }'
+awk -v e="$ed" -v t="$tt" -v n="$tokens" -v r="$REF" 'BEGIN {
+    printf "train, ember on flex,flex %7.1f ms/step (%6.0f tok/s)  ember/%s speed %.2f\n",
+        e, n / e * 1000, r, t / e }'
 for mode in cache nocache; do
     e=$(median < "$WORK/e_$mode"); t=$(median < "$WORK/t_$mode")
-    awk -v e="$e" -v t="$t" -v m="$mode" 'BEGIN {
-        printf "generate  %-8s ember %7.0f tok/s  pytorch %7.0f tok/s  ember/pytorch speed %.2f\n", m, e, t, e / t }'
+    awk -v e="$e" -v t="$t" -v m="$mode" -v r="$REF" 'BEGIN {
+        printf "generate  %-8s ember %7.0f tok/s  %s %7.0f tok/s  ember/%s speed %.2f\n", m, e, r, t, r, e / t }'
 done
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

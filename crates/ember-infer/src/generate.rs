@@ -63,6 +63,15 @@ pub fn generate(
     produced
 }
 
+/// Whether `device`'s backend compiles (and, with fusion, autotunes) a kernel per tensor shape:
+/// Burn's cubecl backends (wgpu, vulkan, cuda). They decode with a whole-buffer cache, whose
+/// attention keeps its shapes until the buffer doubles, instead of taking a new shape per token.
+/// CPU backends read only the valid rows, which is less work.
+fn compiles_per_shape(device: &Device) -> bool {
+    use burn::backend::{Backend, Dispatch};
+    Dispatch::name(device.as_dispatch()).contains("cubecl<")
+}
+
 /// A cache of the keys and values of `tokens[start..start + cache.len()]`.
 struct Window {
     cache: DecoderCache,
@@ -91,10 +100,11 @@ fn next_logits_cached(
         (ctx / 2).max(1)
     };
     let start = tokens.len().saturating_sub(keep);
-    // GPU backends would decode shape-stably with `model.new_whole_buffer_cache()` (one kernel
-    // shape per buffer size instead of one per token); not switched on until it has run against
-    // the flex-vs-wgpu test on lavapipe.
-    let mut cache = model.new_cache();
+    let mut cache = if compiles_per_shape(device) {
+        model.new_whole_buffer_cache()
+    } else {
+        model.new_cache()
+    };
     let logits = last_logits(model, &tokens[start..], Some(&mut cache), device);
     *window = Some(Window { cache, start });
     logits
