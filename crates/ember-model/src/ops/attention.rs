@@ -11,7 +11,7 @@ use burn::nn::Dropout;
 use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
 
-use super::causal_softmax;
+use super::causal_softmax_reference;
 
 /// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused
 /// projection (no dropout, no padding).
@@ -40,7 +40,7 @@ pub fn causal_self_attention_reference(qkv: Tensor<3>, heads: usize) -> Tensor<3
             .swap_dims(1, 2) // [B, H, T, K]
     };
     let (q, k, v) = (part(0), part(1), part(2));
-    let weights = causal_softmax(q.matmul(k.swap_dims(2, 3)), scale); // [B, H, T, T]
+    let weights = causal_softmax_reference(q.matmul(k.swap_dims(2, 3)), scale); // [B, H, T, T]
     weights.matmul(v).swap_dims(1, 2).reshape([b, t, d])
 }
 

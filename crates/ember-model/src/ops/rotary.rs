@@ -37,3 +37,27 @@ pub fn rotate_qk_reference(qkv: Tensor<3>, heads: usize, start: usize, base: f64
     };
     Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
 }
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use crate::ops::flex::check::agrees_with_burn;
+    use burn::tensor::{Device, Distribution};
+
+    /// The op (ember's kernel on flex) against its reference, output and gradient.
+    #[test]
+    fn equals_its_reference() {
+        let draw = |dims: [usize; 3]| {
+            Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &Device::flex()).into_data()
+        };
+        let (x, g) = (draw([2, 5, 3 * 12]), draw([2, 5, 3 * 12]));
+        agrees_with_burn(
+            &x,
+            &g,
+            |qkv| rotate_qk(qkv, 3, 4, 10000.0),
+            |qkv| rotate_qk_reference(qkv, 3, 4, 10000.0),
+            2e-6,
+            "3 heads of 4 from position 4",
+        );
+    }
+}

@@ -92,4 +92,29 @@ mod tests {
             }
         }
     }
+
+    /// The op against its reference, output and gradient, on flex with and without autodiff
+    /// (and checkpointing); without cached keys (T = S) and with 4 (T < S).
+    #[test]
+    fn equals_its_reference() {
+        use crate::ops::flex::check::agrees_with_burn;
+        use crate::ops::{causal_softmax, causal_softmax_reference};
+        use burn::tensor::Distribution;
+        for (t, s) in [(6, 6), (3, 7)] {
+            let draw = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &Device::flex())
+                    .into_data()
+            };
+            let (x, g) = (draw([4, t, s]), draw([4, t, s]));
+            let as4 = |x: Tensor<3>| x.reshape([2, 2, t, s]);
+            agrees_with_burn(
+                &x,
+                &g,
+                |x| causal_softmax(as4(x), 0.5).reshape([4, t, s]),
+                |x| causal_softmax_reference(as4(x), 0.5).reshape([4, t, s]),
+                1e-5,
+                &format!("T = {t}, S = {s}"),
+            );
+        }
+    }
 }

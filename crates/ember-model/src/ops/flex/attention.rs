@@ -295,9 +295,10 @@ mod tests {
         out.context.swap_dims(1, 2).reshape([b, t, d])
     }
 
-    /// Output and the projection's gradient against the general masked path, on flex, flex +
-    /// autodiff and flex + autodiff + checkpointing; head sizes 4 and 7, one position and
-    /// several; and against ember's other causal path (`causal_attention`) on the same heads.
+    /// Output and the projection's gradient against the general masked path and the op's
+    /// reference, on flex, flex + autodiff and flex + autodiff + checkpointing; head sizes 4 and
+    /// 7, one position and several; and against ember's other causal path (`causal_attention`)
+    /// on the same heads.
     #[test]
     fn equals_the_general_path() {
         for (b, t, heads, k) in [(2, 9, 3, 4), (1, 1, 2, 7), (3, 16, 1, 7)] {
@@ -314,6 +315,15 @@ mod tests {
                 |qkv| general(qkv, heads),
                 2e-5,
                 &format!("{b}x{t}, {heads} heads of {k}"),
+            );
+            // The op's reference implementation (what every other backend runs) as well.
+            agrees_with_burn(
+                &x,
+                &g,
+                |qkv| causal_self_attention(qkv, heads).expect("a flex tensor"),
+                |qkv| crate::ops::causal_self_attention_reference(qkv, heads),
+                2e-5,
+                &format!("reference, {b}x{t}, {heads} heads of {k}"),
             );
             // ember's other causal path on the same heads agrees as well.
             let qkv = Tensor::<3>::from_data(x.clone(), &Device::flex());

@@ -142,22 +142,7 @@ fn rotate(x: FlexTensor, rot: Rotation, inverse: bool) -> FlexTensor {
 mod tests {
     use super::*;
     use crate::ops::flex::check::agrees_with_burn;
-    use crate::positions::apply_rotary;
     use burn::tensor::{Device, Distribution};
-
-    /// Burn's ops: split the heads, `apply_rotary` on Q and K, merge back beside V.
-    fn general(qkv: Tensor<3>, heads: usize, start: usize) -> Tensor<3> {
-        let [b, t, d3] = qkv.dims();
-        let d = d3 / 3;
-        let part = |i: usize| qkv.clone().slice([0..b, 0..t, i * d..(i + 1) * d]);
-        let turn = |x: Tensor<3>| {
-            let heads = x.reshape([b, t, heads, d / heads]).swap_dims(1, 2);
-            apply_rotary(heads, start, 10000.0)
-                .swap_dims(1, 2)
-                .reshape([b, t, d])
-        };
-        Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
-    }
 
     /// Output and gradient against `apply_rotary` on flex, flex + autodiff and flex + autodiff +
     /// checkpointing; several shapes, start positions, and sizes above and below the threshold
@@ -180,7 +165,7 @@ mod tests {
                 &x,
                 &g,
                 |qkv| rotate_qk(qkv, heads, start, 10000.0).expect("a flex tensor"),
-                |qkv| general(qkv, heads, start),
+                |qkv| crate::ops::rotate_qk_reference(qkv, heads, start, 10000.0),
                 2e-6,
                 &format!("{b}x{t}, {heads} heads of {k}, from {start}"),
             );
