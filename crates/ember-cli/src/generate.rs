@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use ember_infer::{GenerateOptions, Sampling, generate};
+use ember_infer::{GenerateOptions, Sampling, generate, generate_batch};
 
 use crate::stream::Stream;
 
@@ -21,8 +21,8 @@ pub struct GenerateArgs {
         conflicts_with = "prompt_file"
     )]
     prompt: Option<String>,
-    /// Several prompts, one per line (`-`: standard input): each is continued in turn and
-    /// printed whole, separated by a line of dashes.
+    /// Several prompts, one per line (`-`: standard input): continued together in batches of
+    /// `--batch-size`, each printed whole, separated by a line of dashes.
     #[arg(long, value_name = "FILE")]
     prompt_file: Option<PathBuf>,
     /// Checkpoint folder, or a run folder (its newest checkpoint).
@@ -66,6 +66,11 @@ pub struct GenerateArgs {
     /// Independent samples to draw.
     #[arg(long, value_name = "N", default_value_t = 1)]
     num_samples: usize,
+    /// Samples generated together in one batch (each prompt of `--prompt-file` times
+    /// `--num-samples`, prompts left-padded to one length); 1 continues them one at a time,
+    /// streaming each as it comes.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    batch_size: usize,
     /// Compute device: flex (CPU), ndarray, wgpu, vulkan, cuda[:N] (GPU ones need their cargo
     /// feature), or auto (a GPU if one answers, else flex).
     #[arg(long, value_name = "NAME", default_value = "flex")]
@@ -140,6 +145,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.top_k == Some(0) {
         bail!("--top-k must be at least 1, got 0");
     }
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1, got 0");
+    }
     let prompts = prompts(&args)?;
     let device = ember_train::device::parse(&args.device)?;
     let lm = ember_train::load_lm(&checkpoint, &device)?;
@@ -159,46 +167,29 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         context_len: context,
     };
     eprintln!("checkpoint {} (step {})", lm.dir.display(), lm.step);
-    let mut total_tokens = 0;
-    let mut first = true;
-    let start = Instant::now();
+    // One row per prompt and sample, each with its own seed.
+    let mut rows = Vec::new();
     for prompt in &prompts {
-        let encoded = lm.tokenizer.encode(prompt)?;
-        if encoded.ids.is_empty() {
-            bail!("the prompt {prompt:?} encodes to no tokens");
-        }
-        if encoded.unknown > 0 {
-            eprintln!(
-                "note: {} character(s) of the prompt are not in the model's vocabulary (mapped to unknown)",
-                encoded.unknown
-            );
-        }
-        if encoded.ids.len() > context {
-            eprintln!(
-                "note: the prompt has {} tokens; the model sees only the last {context}",
-                encoded.ids.len()
-            );
-        }
+        let ids = encode(&lm.tokenizer, prompt, context)?;
         for sample in 0..args.num_samples {
-            if !first {
-                println!("\n---------------");
-            }
-            first = false;
-            if !args.no_echo {
-                print!("{prompt}");
-            }
-            let mut stream = Stream::new(&lm.tokenizer, &args.stop);
-            let opts = GenerateOptions {
+            rows.push(Row {
+                prompt,
+                ids: ids.clone(),
                 seed: args.seed.wrapping_add(sample as u64),
-                ..options
-            };
-            let ids = generate(&lm.model, &encoded.ids, &opts, |id| {
-                Some(id) != end_of_text && stream.push(id)
             });
-            stream.finish();
-            total_tokens += ids.len();
-            println!();
         }
+    }
+    let start = Instant::now();
+    let mut total_tokens = 0;
+    for (n, chunk) in rows.chunks(args.batch_size).enumerate() {
+        if n > 0 {
+            println!("\n---------------");
+        }
+        total_tokens += if chunk.len() == 1 {
+            stream_one(&lm, &chunk[0], &args, &options, end_of_text)
+        } else {
+            print_batch(&lm, chunk, &args, &options, end_of_text)
+        };
     }
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
@@ -211,4 +202,89 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     );
     Ok(())
+}
+
+/// One sample to generate: its prompt, the prompt's ids and the sampler's seed.
+struct Row<'a> {
+    prompt: &'a str,
+    ids: Vec<u32>,
+    seed: u64,
+}
+
+/// The prompt's ids, with a note on stderr for unknown characters or a prompt longer than the
+/// context.
+fn encode(tokenizer: &ember_data::Tokenizer, prompt: &str, context: usize) -> Result<Vec<u32>> {
+    let encoded = tokenizer.encode(prompt)?;
+    if encoded.ids.is_empty() {
+        bail!("the prompt {prompt:?} encodes to no tokens");
+    }
+    if encoded.unknown > 0 {
+        eprintln!(
+            "note: {} character(s) of the prompt are not in the model's vocabulary (mapped to unknown)",
+            encoded.unknown
+        );
+    }
+    if encoded.ids.len() > context {
+        eprintln!(
+            "note: the prompt has {} tokens; the model sees only the last {context}",
+            encoded.ids.len()
+        );
+    }
+    Ok(encoded.ids)
+}
+
+/// Generates one sample, printing it as it comes; returns the tokens generated.
+fn stream_one(
+    lm: &ember_train::LoadedLm,
+    row: &Row,
+    args: &GenerateArgs,
+    options: &GenerateOptions,
+    end_of_text: Option<u32>,
+) -> usize {
+    if !args.no_echo {
+        print!("{}", row.prompt);
+    }
+    let mut stream = Stream::new(&lm.tokenizer, &args.stop);
+    let opts = GenerateOptions {
+        seed: row.seed,
+        ..*options
+    };
+    let ids = generate(&lm.model, &row.ids, &opts, |id| {
+        Some(id) != end_of_text && stream.push(id)
+    });
+    stream.finish();
+    println!();
+    ids.len()
+}
+
+/// Generates several samples as one batch and prints each whole, separated; returns the tokens
+/// generated.
+fn print_batch(
+    lm: &ember_train::LoadedLm,
+    rows: &[Row],
+    args: &GenerateArgs,
+    options: &GenerateOptions,
+    end_of_text: Option<u32>,
+) -> usize {
+    let mut streams: Vec<Stream> = rows
+        .iter()
+        .map(|_| Stream::silent(&lm.tokenizer, &args.stop))
+        .collect();
+    let prompts: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
+    let seeds: Vec<u64> = rows.iter().map(|r| r.seed).collect();
+    let ids = generate_batch(&lm.model, &prompts, &seeds, options, |i, id| {
+        Some(id) != end_of_text && streams[i].push(id)
+    });
+    for (i, (row, stream)) in rows.iter().zip(&mut streams).enumerate() {
+        stream.finish();
+        if i > 0 {
+            println!("\n---------------");
+        }
+        if !args.no_echo {
+            print!("{}", row.prompt);
+        }
+        print!("{}", stream.text);
+        println!();
+    }
+    ids.iter().map(Vec::len).sum()
 }

@@ -19,6 +19,8 @@ pub struct Stream<'a> {
     prefix: usize,
     read: usize,
     printed: usize,
+    /// Writes to stdout as text comes (off: the caller prints `text` at the end).
+    printing: bool,
     /// The full text, cut at the first stop string if one appeared.
     pub text: String,
 }
@@ -36,7 +38,16 @@ impl<'a> Stream<'a> {
             prefix: 0,
             read: 0,
             printed: 0,
+            printing: true,
             text: String::new(),
+        }
+    }
+
+    /// A stream that only collects the text (a sample of a batch, printed whole at the end).
+    pub fn silent(tokenizer: &'a Tokenizer, stops: &'a [String]) -> Self {
+        Self {
+            printing: false,
+            ..Self::new(tokenizer, stops)
         }
     }
 
@@ -99,7 +110,8 @@ impl<'a> Stream<'a> {
     }
 
     fn emit(&mut self, upto: usize) {
-        if upto > self.printed
+        if self.printing
+            && upto > self.printed
             && self.text.is_char_boundary(upto)
             && self.text.is_char_boundary(self.printed)
         {

@@ -199,3 +199,38 @@ fn exit_codes_are_zero_one_and_two() {
         assert_eq!(ember(&args).status.code(), Some(2), "{args:?}");
     }
 }
+
+/// `--prompt-file` with several samples each runs as batches: the text equals generating every
+/// sample one at a time (`--batch-size 1`), sampled or greedy, with a stop string ending some
+/// samples early and a batch size that splits the rows unevenly.
+#[test]
+fn batched_prompts_print_what_one_at_a_time_prints() {
+    let dir = temp("batch");
+    let lines = dir.join("lines.txt");
+    std::fs::write(&lines, "The cat\nA\nOnce upon a time there\n").unwrap();
+    let file = lines.to_str().unwrap();
+    for extra in [
+        &["--greedy"][..],
+        &["--temperature", "1.5", "--num-samples", "2"][..],
+        &["--temperature", "1.5", "--stop", "e", "--no-echo"][..],
+    ] {
+        let args = [&["--prompt-file", file, "--max-tokens", "30"][..], extra].concat();
+        let alone = generate(&[&args[..], &["--batch-size", "1"]].concat());
+        for batch in ["2", "8"] {
+            let together = generate(&[&args[..], &["--batch-size", batch]].concat());
+            assert_eq!(together, alone, "{extra:?}, --batch-size {batch}");
+        }
+        assert!(alone.matches("---------------").count() >= 2, "{alone}");
+    }
+    let out = ember(&[
+        "generate",
+        "--checkpoint",
+        &fixture(),
+        "--prompt-file",
+        file,
+        "--batch-size",
+        "0",
+    ]);
+    assert_clear_error(&out, &["--batch-size", "at least 1"]);
+    let _ = std::fs::remove_dir_all(dir);
+}

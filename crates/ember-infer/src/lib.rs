@@ -3,9 +3,11 @@
 //! Autoregressive decoding for ember models: greedy, temperature, top-k and top-p sampling,
 //! with the KV cache.
 
+pub mod batch;
 pub mod generate;
 pub mod sampling;
 
+pub use batch::generate_batch;
 pub use generate::{GenerateOptions, generate};
 pub use sampling::{Sampling, argmax, distribution, sample};
 pub mod beam_search;

@@ -2,7 +2,7 @@
 
 use burn::module::Param;
 use burn::tensor::{Device, Distribution, Tensor};
-use ember_infer::{GenerateOptions, Sampling, generate};
+use ember_infer::{GenerateOptions, Sampling, generate, generate_batch};
 use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind};
 
 /// A random model with unit-scale embeddings, so its logits are far apart and greedy choices
@@ -94,4 +94,76 @@ fn the_callback_can_stop_generation() {
         seen < 5
     });
     assert_eq!(out.len(), 5);
+}
+
+/// Three prompts of different lengths in one left-padded batch: each row gets the tokens the
+/// prompt gets alone with the row's seed (greedy and sampled, with and without the cache, for
+/// learned, sinusoidal and rotary positions), and a row that stops early stops alone.
+#[test]
+fn a_batch_of_prompts_gives_each_prompt_its_own_tokens() {
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![9], vec![4, 4, 8, 2, 11]];
+    let seeds = [5, 6, 7];
+    let hot = Sampling {
+        temperature: 2.0,
+        ..Default::default()
+    };
+    let greedy = Sampling {
+        greedy: true,
+        ..Default::default()
+    };
+    for positional in [
+        PositionalKind::Learned,
+        PositionalKind::Sinusoidal,
+        PositionalKind::Rotary,
+    ] {
+        let m = model(positional);
+        for (sampling, use_cache) in [(greedy, true), (greedy, false), (hot, true), (hot, false)] {
+            // The longest prompt (5) + 11 new = 16 tokens: all inside the context.
+            let opts = options(use_cache, sampling, 11);
+            let batch = generate_batch(&m, &prompts, &seeds, &opts, |_, _| true);
+            for (i, prompt) in prompts.iter().enumerate() {
+                let alone = generate(
+                    &m,
+                    prompt,
+                    &GenerateOptions {
+                        seed: seeds[i],
+                        ..opts
+                    },
+                    |_| true,
+                );
+                assert_eq!(
+                    batch[i], alone,
+                    "{positional:?}, {sampling:?}, cache {use_cache}, prompt {i}"
+                );
+            }
+        }
+        // Row 1 stops after its third token; the others go on.
+        let mut seen = [0; 3];
+        let opts = options(true, greedy, 8);
+        let batch = generate_batch(&m, &prompts, &seeds, &opts, |row, _| {
+            seen[row] += 1;
+            !(row == 1 && seen[row] == 3)
+        });
+        assert_eq!(batch.iter().map(Vec::len).collect::<Vec<_>>(), [8, 3, 8]);
+    }
+}
+
+/// Past the context the batch rebuilds its window and goes on, within the model's positions.
+#[test]
+fn a_batch_runs_past_the_context() {
+    let m = model(PositionalKind::Learned);
+    let prompts: Vec<Vec<u32>> = vec![(0..20).map(|i| i % 17).collect(), vec![3]];
+    for use_cache in [true, false] {
+        let out = generate_batch(
+            &m,
+            &prompts,
+            &[1, 2],
+            &options(use_cache, Sampling::default(), 40),
+            |_, _| true,
+        );
+        assert!(
+            out.iter()
+                .all(|r| r.len() == 40 && r.iter().all(|&t| t < 17))
+        );
+    }
 }

@@ -221,6 +221,64 @@ fn a_whole_buffer_cache_gives_the_logits_of_the_valid_rows_cache() {
     }
 }
 
+/// Prompts of different lengths left-padded into one batch, decoded with a
+/// `DecoderCache::left_padded` cache: each row's logits, at the prompt's last position and at
+/// every step after, equal those of the prompt decoded alone (for every kind of position).
+#[test]
+fn a_left_padded_batch_gives_each_prompt_its_own_logits() {
+    let device = Device::flex();
+    for positional in ALL_POSITIONS {
+        let model = DecoderOnlyConfig {
+            context_len: 20,
+            ..lm_config(positional, true)
+        }
+        .init(&device)
+        .unwrap();
+        let prompts: [&[i32]; 3] = [&[3, 1, 4, 1, 5], &[9, 2], &[6, 5, 3, 5]];
+        let longest = 5;
+        let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
+        // The padding's token id does not matter; 7 shows it.
+        let padded: Vec<Vec<i32>> = prompts
+            .iter()
+            .map(|p| [vec![7; longest - p.len()], p.to_vec()].concat())
+            .collect();
+        let rows: Vec<&[i32]> = padded.iter().map(Vec::as_slice).collect();
+        let mut cache = ember_model::DecoderCache::left_padded(2, pads);
+        let first = model
+            .forward_with(tokens(&rows, &device), None, Some(&mut cache), false)
+            .logits
+            .slice([0..3, longest - 1..longest, 0..11]);
+        let next: [i32; 3] = [2, 8, 0];
+        let steps: Vec<Tensor<3>> = (0..6)
+            .map(|_| {
+                let step: Vec<&[i32]> = next.iter().map(std::slice::from_ref).collect();
+                model
+                    .forward_with(tokens(&step, &device), None, Some(&mut cache), false)
+                    .logits
+            })
+            .collect();
+        for (row, prompt) in prompts.iter().enumerate() {
+            let mut alone = model.new_cache();
+            let want = model
+                .forward_with(tokens(&[prompt], &device), None, Some(&mut alone), false)
+                .logits;
+            let t = prompt.len();
+            let got = first.clone().slice([row..row + 1, 0..1, 0..11]);
+            let diff = max_diff(got, want.slice([0..1, t - 1..t, 0..11]));
+            assert!(diff < 1e-5, "{positional:?}, row {row}, prompt: {diff}");
+            for (s, step) in steps.iter().enumerate() {
+                let token = [next[row]];
+                let want = model
+                    .forward_with(tokens(&[&token], &device), None, Some(&mut alone), false)
+                    .logits;
+                let got = step.clone().slice([row..row + 1, 0..1, 0..11]);
+                let diff = max_diff(got, want);
+                assert!(diff < 1e-5, "{positional:?}, row {row}, step {s}: {diff}");
+            }
+        }
+    }
+}
+
 #[test]
 fn kv_cache_gives_the_logits_of_full_recomputation_encoder_decoder() {
     let device = Device::flex();

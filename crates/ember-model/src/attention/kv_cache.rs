@@ -26,6 +26,9 @@ pub struct KvCache {
     len: usize,
     /// Attention reads the whole buffer, masked past `len`.
     whole_buffer: bool,
+    /// Per batch row, how many positions of padding come before its sequence (a batch of
+    /// prompts of different lengths, left-padded to one length); empty when none.
+    left_padding: Vec<usize>,
 }
 
 /// Smallest buffer a self-attention cache allocates, in positions.
@@ -43,6 +46,29 @@ impl KvCache {
             whole_buffer: true,
             ..Self::default()
         }
+    }
+
+    /// An empty cache for a batch whose row `b` starts with `left_padding[b]` positions of
+    /// padding: attention masks them, and row `b`'s tokens sit at positions counted from the end
+    /// of its padding.
+    pub fn left_padded(left_padding: Vec<usize>) -> Self {
+        Self {
+            left_padding,
+            ..Self::default()
+        }
+    }
+
+    /// The padding before each row's sequence, for a [`KvCache::left_padded`] cache.
+    pub fn left_padding(&self) -> Option<&[usize]> {
+        (!self.left_padding.is_empty()).then_some(self.left_padding.as_slice())
+    }
+
+    /// The position of each row's first new token: the cached length less its padding, which
+    /// is negative while the padding itself is fed.
+    pub fn row_starts(&self) -> Option<Vec<i64>> {
+        let len = self.len as i64;
+        self.left_padding()
+            .map(|pads| pads.iter().map(|&p| len - p as i64).collect())
     }
 
     /// True for a cache made with [`KvCache::whole_buffer`].
@@ -128,6 +154,14 @@ impl KvCache {
 
     /// Keeps only the batch rows `indices` (beam search reorders hypotheses).
     pub fn select_batch(&mut self, indices: burn::tensor::Tensor<1, burn::tensor::Int>) {
+        if !self.left_padding.is_empty() {
+            let rows = indices.clone().into_data().convert::<i64>();
+            let rows = rows.try_into_vec::<i64>().expect("integer indices");
+            self.left_padding = rows
+                .iter()
+                .map(|&r| self.left_padding[r as usize])
+                .collect();
+        }
         self.k = self.k.take().map(|k| k.select(0, indices.clone()));
         self.v = self.v.take().map(|v| v.select(0, indices));
     }
@@ -158,6 +192,20 @@ impl DecoderCache {
             self_attn: vec![KvCache::whole_buffer(); n_layers],
             cross_attn: vec![KvCache::new(); n_layers],
         }
+    }
+
+    /// An empty cache for `n_layers` layers of a left-padded batch (see
+    /// [`KvCache::left_padded`]): row `b` starts with `left_padding[b]` positions of padding.
+    pub fn left_padded(n_layers: usize, left_padding: Vec<usize>) -> Self {
+        Self {
+            self_attn: vec![KvCache::left_padded(left_padding); n_layers],
+            cross_attn: vec![KvCache::new(); n_layers],
+        }
+    }
+
+    /// The padding before each row's sequence, for a [`DecoderCache::left_padded`] cache.
+    pub fn left_padding(&self) -> Option<&[usize]> {
+        self.self_attn.first().and_then(KvCache::left_padding)
     }
 
     /// Number of target positions already processed (the offset of the next token).

@@ -34,8 +34,12 @@ impl MultiHeadAttention {
         let start = cache.as_ref().map_or(0, |c| c.len());
         let qkv = linear(&self.c_attn, x); // [B, T, 3D]
         let qkv = if self.rotary_base > 0.0 {
-            // Rotary positions turn each head's query and key by their positions.
-            ops::rotate_qk(qkv, self.n_heads, start, self.rotary_base)
+            // Rotary positions turn each head's query and key by their positions (in a
+            // left-padded batch, each row's own).
+            match cache.as_ref().and_then(|c| c.row_starts()) {
+                Some(starts) => ops::rotate_qk_rows(qkv, self.n_heads, &starts, self.rotary_base),
+                None => ops::rotate_qk(qkv, self.n_heads, start, self.rotary_base),
+            }
         } else {
             qkv
         };

@@ -113,9 +113,21 @@ impl DecoderOnly {
             start + t,
             self.max_positions
         );
+        // A left-padded batch: each row's positions count from the end of its padding, and
+        // attention never sees the padding.
+        let row_starts = cache
+            .as_ref()
+            .and_then(|c| c.self_attn.first()?.row_starts());
+        let pad = match cache.as_ref().and_then(|c| c.left_padding()) {
+            Some(pads) => combine_pads(pad, left_padding_mask(pads, start + t, &device)),
+            None => pad,
+        };
         let mut x = self.wte.forward(tokens); // [B, T, D]
         if let Some(wpe) = &self.wpe {
-            x = x + wpe.forward(start, t, &device);
+            x = x + match &row_starts {
+                Some(starts) => wpe.forward_rows(starts, t, &device),
+                None => wpe.forward(start, t, &device),
+            };
         }
         let mut weights = Vec::new();
         for (i, block) in self.blocks.iter().enumerate() {
@@ -173,4 +185,24 @@ impl DecoderOnly {
             }
         }
     }
+}
+
+/// `true` at the first `pads[b]` of `s` positions of each row `b`.
+///
+/// # Shapes
+/// - output: `[B, S]` with `B = pads.len()`
+fn left_padding_mask(pads: &[usize], s: usize, device: &Device) -> Tensor<2, Bool> {
+    let positions = Tensor::<1, Int>::arange(0..s as i64, device).reshape([1, s]);
+    let b = pads.len();
+    let pads: Vec<i64> = pads.iter().map(|&p| p as i64).collect();
+    let pads = Tensor::<1, Int>::from_ints(pads.as_slice(), device).reshape([b, 1]);
+    positions.expand([b, s]).lower(pads.expand([b, s]))
+}
+
+/// The union of two padding masks.
+fn combine_pads(a: Option<Tensor<2, Bool>>, b: Tensor<2, Bool>) -> Option<Tensor<2, Bool>> {
+    Some(match a {
+        Some(a) => a.bool_or(b),
+        None => b,
+    })
 }

@@ -38,7 +38,7 @@ pub use attention::{
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::{affine, affine_reference, linear, matmul, matmul_reference};
-pub use rotary::{rotate_qk, rotate_qk_reference};
+pub use rotary::{rotate_qk, rotate_qk_reference, rotate_qk_rows};
 pub use softmax::{causal_softmax, causal_softmax_reference};
 
 use burn::tensor::Tensor;

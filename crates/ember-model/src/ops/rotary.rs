@@ -9,6 +9,7 @@
 use burn::tensor::Tensor;
 
 use crate::positions::apply_rotary;
+use crate::positions::rotary::apply_rotary_from;
 
 /// `qkv` with every head's query and key rotated as [`apply_rotary`] rotates them (row `p` at
 /// position `start + p`, RoPE base `base`).
@@ -36,6 +37,30 @@ pub fn rotate_qk_reference(qkv: Tensor<3>, heads: usize, start: usize, base: f64
             .reshape([b, t, d])
     };
     Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
+}
+
+/// [`rotate_qk`] with row `b` of the batch at positions `starts[b]..` (a left-padded batch,
+/// whose padding has negative positions). Burn's tensor ops only: batched decoding of
+/// several prompts is the one user.
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]` with `B = starts.len()`
+/// - output: `[B, T, 3D]`
+pub fn rotate_qk_rows(qkv: Tensor<3>, heads: usize, starts: &[i64], base: f64) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    assert_eq!(b, starts.len(), "one start position per batch row");
+    let d = d3 / 3;
+    let rows = starts.iter().enumerate().map(|(row, &start)| {
+        let part = |i: usize| qkv.clone().slice([row..row + 1, 0..t, i * d..(i + 1) * d]);
+        let turn = |x: Tensor<3>| {
+            let heads_split = x.reshape([1, t, heads, d / heads]).swap_dims(1, 2);
+            apply_rotary_from(heads_split, start, base)
+                .swap_dims(1, 2)
+                .reshape([1, t, d])
+        };
+        Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
+    });
+    Tensor::cat(rows.collect(), 0)
 }
 
 #[cfg(all(test, feature = "flex"))]

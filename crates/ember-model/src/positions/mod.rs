@@ -88,4 +88,34 @@ impl AdditivePositions {
             None => sinusoidal_table(start, t, self.sinusoidal_width, device).unsqueeze(),
         }
     }
+
+    /// The encodings of positions `starts[b]..starts[b] + T` for each row `b` of a batch whose
+    /// rows start at different positions (left-padded prompts). Positions before 0 are padding,
+    /// which attention masks out; they get position 0's encoding (learned) or their own
+    /// (sinusoidal).
+    ///
+    /// # Shapes
+    /// - output: `[B, T, D]` with `B = starts.len()`
+    pub fn forward_rows(&self, starts: &[i64], t: usize, device: &Device) -> Tensor<3> {
+        let b = starts.len();
+        match &self.wpe {
+            Some(wpe) => {
+                let positions: Vec<i64> = starts
+                    .iter()
+                    .flat_map(|&s| (s..s + t as i64).map(|p| p.max(0)))
+                    .collect();
+                let positions = Tensor::<1, Int>::from_ints(positions.as_slice(), device);
+                wpe.forward(positions.reshape([b, t]))
+            }
+            None => Tensor::stack(
+                starts
+                    .iter()
+                    .map(|&s| {
+                        sinusoidal::sinusoidal_table_from(s, t, self.sinusoidal_width, device)
+                    })
+                    .collect(),
+                0,
+            ),
+        }
+    }
 }

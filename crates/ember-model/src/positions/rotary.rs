@@ -15,6 +15,12 @@ use super::sinusoidal::angles;
 /// - x: `[B, H, T, K]` (K even), holding positions `start..start + T`
 /// - output: `[B, H, T, K]`
 pub fn apply_rotary(x: Tensor<4>, start: usize, base: f64) -> Tensor<4> {
+    apply_rotary_from(x, start as i64, base)
+}
+
+/// [`apply_rotary`] from a position that may be negative (the padding before a left-padded
+/// sequence, which attention masks out).
+pub(crate) fn apply_rotary_from(x: Tensor<4>, start: i64, base: f64) -> Tensor<4> {
     let [b, h, t, k] = x.dims();
     let half = k / 2;
     let device = x.device();

@@ -9,6 +9,17 @@ use burn::tensor::{Device, Int, Tensor};
 /// # Shapes
 /// - output: `[T, D]`
 pub fn sinusoidal_table(start: usize, t: usize, d_model: usize, device: &Device) -> Tensor<2> {
+    sinusoidal_table_from(start as i64, t, d_model, device)
+}
+
+/// [`sinusoidal_table`] from a position that may be negative (the padding before a left-padded
+/// sequence, which attention masks out).
+pub(crate) fn sinusoidal_table_from(
+    start: i64,
+    t: usize,
+    d_model: usize,
+    device: &Device,
+) -> Tensor<2> {
     let half = d_model.div_ceil(2);
     let angles = angles(start, t, half, 10000.0, d_model as f64, device); // [T, half]
     // Interleave: stack sin and cos on a last axis, then flatten pairs into the width.
@@ -21,14 +32,14 @@ pub fn sinusoidal_table(start: usize, t: usize, d_model: usize, device: &Device)
 /// # Shapes
 /// - output: `[T, half]`
 pub(crate) fn angles(
-    start: usize,
+    start: i64,
     t: usize,
     half: usize,
     base: f64,
     width: f64,
     device: &Device,
 ) -> Tensor<2> {
-    let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, device)
+    let positions = Tensor::<1, Int>::arange(start..start + t as i64, device)
         .float()
         .reshape([t, 1]);
     let freqs = frequencies(half, base, width);
