@@ -7,12 +7,12 @@
 //!
 //! | op | reference | kernel (flex) |
 //! |---|---|---|
-//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward ([`flex::matmul`]) |
+//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]) |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]) |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
-//! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head ([`flex::attention`]) |
-//! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection ([`flex::rotary`]) |
+//! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`) |
+//! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
 //!
 //! Layout: [`kernels`] holds the backend-free loops over `f32` slices; [`flex`] (feature
