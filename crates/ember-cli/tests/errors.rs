@@ -277,6 +277,20 @@ const CASES: &[Case] = &[
     ),
     case(
         "prompt",
+        "`--batch-size 0`",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--batch-size",
+            "0",
+        ],
+        &["--batch-size", "at least 1"],
+    ),
+    case(
+        "prompt",
         "`--prompt FILE:` of a missing file",
         &[
             "generate",
