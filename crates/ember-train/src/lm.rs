@@ -9,7 +9,7 @@ use ember_model::DecoderOnly;
 use crate::checkpoint::CONFIG_FILE;
 use crate::config::{RunConfig, TokenizerKind};
 use crate::error::{Result, write_err};
-use crate::lm_source::open_lm;
+use crate::lm_source::{LmSource, open_lm};
 use crate::task::{Split, Task};
 use crate::trainer::{Launch, RunOptions, RunSummary};
 
@@ -124,6 +124,35 @@ impl Task for LmTask {
     }
 }
 
+/// The tokenizer and model a run starts from, other than a fresh one: on resume the
+/// checkpoint's (so ids mean the same thing, and `config.model` becomes the saved one); with
+/// `--init-from` another model's architecture, weights and tokenizer.
+fn model_source(
+    config: &mut RunConfig,
+    launch: &Launch,
+) -> Result<(Option<Tokenizer>, Option<LmSource>)> {
+    if launch.resume {
+        let saved = open_lm(&launch.out_dir)?;
+        let mut ours = config.model.clone();
+        ours.vocab_size = saved.config.model.vocab_size;
+        if ours != saved.config.model {
+            eprintln!("note: resuming the model saved in {}", saved.dir.display());
+        }
+        config.model = saved.config.model;
+        Ok((Some(saved.tokenizer), None))
+    } else if let Some(init) = &launch.init_from {
+        let opened = open_lm(&init.dir)?;
+        config.model = init.model_config(&opened.config.model)?;
+        eprintln!(
+            "starting from {} (its architecture and tokenizer)",
+            opened.dir.display()
+        );
+        Ok((Some(opened.tokenizer.clone()), Some(opened)))
+    } else {
+        Ok((None, None))
+    }
+}
+
 /// Everything `ember train` does for a language model: prepare data, build (or resume) the
 /// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
 pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
@@ -136,28 +165,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     // holds another run that this one would neither resume nor replace.
     let folder = crate::run_folder::RunFolder::claim(&launch.out_dir, launch.reuse())?;
     let out_dir = launch.out_dir.clone();
-    // Resuming continues the checkpoint's model with its tokenizer (so ids mean the same thing);
-    // --init-from takes architecture, weights and tokenizer from another model.
-    let (tokenizer, source) = if launch.resume {
-        let saved = open_lm(&out_dir)?;
-        let mut ours = config.model.clone();
-        ours.vocab_size = saved.config.model.vocab_size;
-        if ours != saved.config.model {
-            eprintln!("note: resuming the model saved in {}", saved.dir.display());
-        }
-        config.model = saved.config.model;
-        (Some(saved.tokenizer), None)
-    } else if let Some(init) = &launch.init_from {
-        let opened = open_lm(&init.dir)?;
-        config.model = init.model_config(&opened.config.model)?;
-        eprintln!(
-            "starting from {} (its architecture and tokenizer)",
-            opened.dir.display()
-        );
-        (Some(opened.tokenizer.clone()), Some(opened))
-    } else {
-        (None, None)
-    };
+    let (tokenizer, source) = model_source(&mut config, launch)?;
     let data = prepare(&config, tokenizer)?;
     if data.unknown > 0 {
         eprintln!(
