@@ -152,10 +152,25 @@ fn start(name: &str, index: usize) -> Result<Device> {
     if name == "cuda" {
         cuda::check_libdevice()?;
     }
+    #[cfg(feature = "fusion")]
+    cache_compiled_kernels();
     probe(name, move || make(index)).map_err(|e| match (name, e) {
         ("cuda", TrainError::Device(message)) => TrainError::Device(cuda::explain(message)),
         (_, e) => e,
     })
+}
+
+/// Keeps the kernels cubecl compiles between runs, beside its autotune results (cubecl's
+/// compilation cache, off by default): a run then starts without compiling them again
+/// (measured on lavapipe with fusion: 200 tokens in 9.2 s instead of 13.5 s). Settings of a
+/// `cubecl.toml` in the working directory and `CUBECL_*` variables still apply. Called before
+/// the first device starts; a configuration already read is left as it is.
+#[cfg(feature = "fusion")]
+fn cache_compiled_kernels() {
+    use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config.compilation.cache = true;
+    let _ = CubeClRuntimeConfig::try_set(config);
 }
 
 /// What the CUDA device needs on the machine it runs on, checked before Burn's start-up (which
