@@ -21,9 +21,10 @@ use super::causal_softmax_reference;
 /// - output: `[B, T, D]`
 pub fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
     #[cfg(feature = "flex")]
-    if let Some(context) = super::flex::attention::causal_self_attention(qkv.clone(), heads) {
-        return context;
-    }
+    let qkv = match super::flex::attention::causal_self_attention(qkv, heads) {
+        Ok(context) => return context,
+        Err(qkv) => qkv,
+    };
     causal_self_attention_reference(qkv, heads)
 }
 

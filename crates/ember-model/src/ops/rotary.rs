@@ -19,24 +19,16 @@ use crate::positions::rotary::apply_rotary_from;
 /// - output: `[B, T, 3D]`
 pub fn rotate_qk(qkv: Tensor<3>, heads: usize, start: usize, base: f64) -> Tensor<3> {
     #[cfg(feature = "flex")]
-    if let Some(turned) = super::flex::rotary::rotate_qk(qkv.clone(), heads, start, base) {
-        return turned;
-    }
+    let qkv = match super::flex::rotary::rotate_qk(qkv, heads, start, base) {
+        Ok(turned) => return turned,
+        Err(qkv) => qkv,
+    };
     rotate_qk_reference(qkv, heads, start, base)
 }
 
 /// [`rotate_qk`] in Burn's tensor ops, on every backend.
 pub fn rotate_qk_reference(qkv: Tensor<3>, heads: usize, start: usize, base: f64) -> Tensor<3> {
-    let [b, t, d3] = qkv.dims();
-    let d = d3 / 3;
-    let part = |i: usize| qkv.clone().slice([0..b, 0..t, i * d..(i + 1) * d]);
-    let turn = |x: Tensor<3>| {
-        let heads_split = x.reshape([b, t, heads, d / heads]).swap_dims(1, 2); // [B, H, T, K]
-        apply_rotary(heads_split, start, base)
-            .swap_dims(1, 2)
-            .reshape([b, t, d])
-    };
-    Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
+    turn_qk(qkv, heads, |x| apply_rotary(x, start, base))
 }
 
 /// [`rotate_qk`] with row `b` of the batch at positions `starts[b]..` (a left-padded batch,
@@ -49,18 +41,23 @@ pub fn rotate_qk_reference(qkv: Tensor<3>, heads: usize, start: usize, base: f64
 pub fn rotate_qk_rows(qkv: Tensor<3>, heads: usize, starts: &[i64], base: f64) -> Tensor<3> {
     let [b, t, d3] = qkv.dims();
     assert_eq!(b, starts.len(), "one start position per batch row");
-    let d = d3 / 3;
     let rows = starts.iter().enumerate().map(|(row, &start)| {
-        let part = |i: usize| qkv.clone().slice([row..row + 1, 0..t, i * d..(i + 1) * d]);
-        let turn = |x: Tensor<3>| {
-            let heads_split = x.reshape([1, t, heads, d / heads]).swap_dims(1, 2);
-            apply_rotary_from(heads_split, start, base)
-                .swap_dims(1, 2)
-                .reshape([1, t, d])
-        };
-        Tensor::cat(vec![turn(part(0)), turn(part(1)), part(2)], 2)
+        let one = qkv.clone().slice([row..row + 1, 0..t, 0..d3]);
+        turn_qk(one, heads, |x| apply_rotary_from(x, start, base))
     });
     Tensor::cat(rows.collect(), 0)
+}
+
+/// `qkv` with `turn` applied to the heads of its query and key parts, values unchanged.
+fn turn_qk(qkv: Tensor<3>, heads: usize, turn: impl Fn(Tensor<4>) -> Tensor<4>) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    let d = d3 / 3;
+    let part = |i: usize| qkv.clone().slice([0..b, 0..t, i * d..(i + 1) * d]);
+    let turned = |x: Tensor<3>| {
+        let heads_split = x.reshape([b, t, heads, d / heads]).swap_dims(1, 2); // [B, H, T, K]
+        turn(heads_split).swap_dims(1, 2).reshape([b, t, d])
+    };
+    Tensor::cat(vec![turned(part(0)), turned(part(1)), part(2)], 2)
 }
 
 #[cfg(all(test, feature = "flex"))]

@@ -24,21 +24,21 @@ use crate::ops::flex::matmul::mm;
 use crate::ops::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
 
 /// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused projection
-/// `qkv`; `None` where this path does not apply (not a flex `f32` tensor).
+/// `qkv`; `qkv` back where this path does not apply (not a flex `f32` tensor, no rows).
 ///
 /// # Shapes
 /// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
 /// - output: `[B, T, D]`
-pub(crate) fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Option<Tensor<3>> {
+pub(crate) fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Result<Tensor<3>, Tensor<3>> {
     let [_, t, d3] = qkv.dims();
     if t == 0 || d3 == 0 {
-        return None;
+        return Err(qkv);
     }
     assert!(
         d3 % 3 == 0 && (d3 / 3) % heads == 0,
         "fused attention: {d3} columns do not split into Q, K, V of {heads} heads"
     );
-    op::unary(qkv, Heads(heads)).ok()
+    op::unary(qkv, Heads(heads))
 }
 
 /// The op on a fused projection of this many heads.

@@ -28,7 +28,7 @@ struct Rotation {
 }
 
 /// `qkv` with each head's query and key rotated as [`crate::positions::apply_rotary`] rotates
-/// them (pairs `i` and `i + K/2`, row `p` at position `start + p`), values unchanged; `None`
+/// them (pairs `i` and `i + K/2`, row `p` at position `start + p`), values unchanged; `qkv` back
 /// where this path does not apply (not a flex `f32` tensor).
 ///
 /// # Shapes
@@ -39,7 +39,7 @@ pub(crate) fn rotate_qk(
     heads: usize,
     start: usize,
     base: f64,
-) -> Option<Tensor<3>> {
+) -> Result<Tensor<3>, Tensor<3>> {
     let d3 = qkv.dims()[2];
     assert!(
         d3.is_multiple_of(3)
@@ -48,7 +48,7 @@ pub(crate) fn rotate_qk(
         "rotary: {d3} columns do not split into Q, K, V of {heads} heads of even size"
     );
     let rot = Rotation { heads, start, base };
-    op::unary(qkv, rot).ok()
+    op::unary(qkv, rot)
 }
 
 impl op::Unary for Rotation {
