@@ -43,16 +43,16 @@ impl MultiHeadAttention {
         } else {
             qkv
         };
-        if cache.is_none()
-            && causal
-            && pad.is_none()
-            && self.attn_dropout.prob == 0.0
-            && !return_weights
-        {
-            // The sequence on itself, nothing but the causal mask: one op from the projection.
-            let context = ops::causal_self_attention(qkv, self.n_heads); // [B, T, D]
-            return (linear(&self.c_proj, context), None);
-        }
+        let qkv = if cache.is_none() && causal && pad.is_none() && !return_weights {
+            // The sequence on itself, nothing but the causal mask: one op from the projection
+            // (dropout on the weights inside it where a kernel does that).
+            match ops::causal_self_attention(qkv, self.n_heads, &self.attn_dropout) {
+                Ok(context) => return (linear(&self.c_proj, context), None), // [B, T, D]
+                Err(qkv) => qkv,
+            }
+        } else {
+            qkv
+        };
         let q = self.split_heads(qkv.clone().slice([0..b, 0..t, 0..d]));
         let k = self.split_heads(qkv.clone().slice([0..b, 0..t, d..2 * d]));
         let v = self.split_heads(qkv.slice([0..b, 0..t, 2 * d..3 * d]));

@@ -13,19 +13,38 @@ use burn::tensor::activation::softmax;
 
 use super::causal_softmax_reference;
 
-/// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused
-/// projection (no dropout, no padding).
+/// `dropout(softmax(Q K^T / sqrt(K) + causal mask)) V` per head, heads merged, from the fused
+/// projection (no padding); `qkv` back when `dropout` is active (training) and no kernel here
+/// applies it, for the caller's general path.
 ///
 /// # Shapes
 /// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
 /// - output: `[B, T, D]`
-pub fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
-    #[cfg(feature = "flex")]
-    let qkv = match super::flex::attention::causal_self_attention(qkv, heads) {
-        Ok(context) => return context,
+pub fn causal_self_attention(
+    qkv: Tensor<3>,
+    heads: usize,
+    dropout: &Dropout,
+) -> Result<Tensor<3>, Tensor<3>> {
+    // Dropout as `Dropout::forward` applies it: in training mode, under autodiff.
+    let drop = if dropout.training.is_enabled() && qkv.device().is_autodiff() {
+        dropout.prob
+    } else {
+        0.0
+    };
+    #[cfg(feature = "cube")]
+    let qkv = match super::cube::attention::causal_self_attention(qkv, heads, drop) {
+        Ok(context) => return Ok(context),
         Err(qkv) => qkv,
     };
-    causal_self_attention_reference(qkv, heads)
+    if drop > 0.0 {
+        return Err(qkv);
+    }
+    #[cfg(feature = "flex")]
+    let qkv = match super::flex::attention::causal_self_attention(qkv, heads) {
+        Ok(context) => return Ok(context),
+        Err(qkv) => qkv,
+    };
+    Ok(causal_self_attention_reference(qkv, heads))
 }
 
 /// [`causal_self_attention`] in Burn's tensor ops, on every backend: split the heads, attend

@@ -3,7 +3,9 @@
 //! The model's concept files (`attention`, `positions`, `blocks`, `models`) call these ops and
 //! nothing below them. Each op is a public function with a reference implementation beside it
 //! (`*_reference`, Burn tensor ops, on every backend), and kernels that take over where they
-//! apply: today ember's flex CPU kernels, on `f32` flex tensors with or without autodiff.
+//! apply: ember's flex CPU kernels, on `f32` flex tensors with or without autodiff, and (features
+//! `wgpu`, `vulkan`, `cuda`) its GPU kernels on Burn's CubeCL backends, with or without fusion
+//! and autodiff (`ops/cube`; the environment variable `EMBER_GPU_KERNELS=off` turns them off).
 //!
 //! | op | reference | kernel (flex) |
 //! |---|---|---|
@@ -11,7 +13,7 @@
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]) |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]) |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
-//! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`) |
+//! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
 //!
@@ -19,6 +21,11 @@
 //! `flex`) reaches flex tensors' buffers, wraps the loops as autodiff ops through one helper
 //! (`flex::op`), and checks each against its reference (output and gradients).
 //! [`kernels_take`] is the one answer to "does a kernel take this tensor".
+//!
+//! A kernel that does not take its input hands it back as `Err` for the reference path. A
+//! `Tensor` is a few hundred bytes, the `Ok` side as large as the `Err` side, so boxing it (as
+//! clippy's `result_large_err` suggests) would only add an allocation per call.
+#![allow(clippy::result_large_err)]
 
 mod attention;
 mod gelu;
@@ -27,6 +34,10 @@ mod linear;
 mod rotary;
 mod softmax;
 
+#[cfg(test)]
+pub(crate) mod check;
+#[cfg(feature = "cube")]
+pub(crate) mod cube;
 #[cfg(feature = "flex")]
 pub mod flex;
 pub mod kernels;

@@ -63,7 +63,7 @@ fn turn_qk(qkv: Tensor<3>, heads: usize, turn: impl Fn(Tensor<4>) -> Tensor<4>) 
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
-    use crate::ops::flex::check::agrees_with_burn;
+    use crate::ops::check::agrees_with_burn;
     use burn::tensor::{Device, Distribution};
 
     /// The op (ember's kernel on flex) against its reference, output and gradient.

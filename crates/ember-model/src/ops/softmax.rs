@@ -97,7 +97,7 @@ mod tests {
     /// (and checkpointing); without cached keys (T = S) and with 4 (T < S).
     #[test]
     fn equals_its_reference() {
-        use crate::ops::flex::check::agrees_with_burn;
+        use crate::ops::check::agrees_with_burn;
         use crate::ops::{causal_softmax, causal_softmax_reference};
         use burn::tensor::Distribution;
         for (t, s) in [(6, 6), (3, 7)] {

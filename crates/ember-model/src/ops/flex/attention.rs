@@ -275,7 +275,7 @@ fn at(xs: &[f32], offset: usize) -> *const f32 {
 mod tests {
     use super::*;
     use crate::attention::{causal_attention, causal_mask};
-    use crate::ops::flex::check::agrees_with_burn;
+    use crate::ops::check::agrees_with_burn;
     use crate::scaled_dot_product_attention;
     use burn::tensor::{Device, Distribution};
 

@@ -141,7 +141,7 @@ fn rotate(x: FlexTensor, rot: Rotation, inverse: bool) -> FlexTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::flex::check::agrees_with_burn;
+    use crate::ops::check::agrees_with_burn;
     use burn::tensor::{Device, Distribution};
 
     /// Output and gradient against `apply_rotary` on flex, flex + autodiff and flex + autodiff +

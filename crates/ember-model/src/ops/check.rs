@@ -1,12 +1,10 @@
-//! For tests: one of ember's flex ops against the same computation in Burn's ops, on flex, flex +
-//! autodiff and flex + autodiff + checkpointing, output and input gradient.
+//! For tests: one of ember's kernels against the same computation in Burn's ops, plain, under
+//! autodiff and under autodiff with checkpointing, output and input gradient.
 
 use burn::tensor::{Device, Tensor, TensorData};
 
-/// Asserts that `ours` and `burns` give the same output on `x`, and (under autodiff) the same
-/// gradient of `sum(output * g)` with respect to `x`, within `tolerance` times the reference's
-/// largest magnitude (at least 1). An `exp` runs before the op, so the gradient flows through a
-/// graph. `what` names the case in failures.
+/// [`agrees_on`] flex, flex + autodiff and flex + autodiff + checkpointing.
+#[cfg(feature = "flex")]
 pub(crate) fn agrees_with_burn(
     x: &TensorData,
     g: &TensorData,
@@ -15,10 +13,27 @@ pub(crate) fn agrees_with_burn(
     tolerance: f32,
     what: &str,
 ) {
+    agrees_on(&Device::flex(), x, g, ours, burns, tolerance, what)
+}
+
+/// Asserts that `ours` and `burns` give the same output on `x`, and (under autodiff) the same
+/// gradient of `sum(output * g)` with respect to `x`, within `tolerance` times the reference's
+/// largest magnitude (at least 1), on `device` plain, with autodiff and with autodiff and
+/// checkpointing. An `exp` runs before the op, so the gradient flows through a graph. `what`
+/// names the case in failures.
+pub(crate) fn agrees_on(
+    device: &Device,
+    x: &TensorData,
+    g: &TensorData,
+    ours: impl Fn(Tensor<3>) -> Tensor<3>,
+    burns: impl Fn(Tensor<3>) -> Tensor<3>,
+    tolerance: f32,
+    what: &str,
+) {
     for device in [
-        Device::flex(),
-        Device::flex().autodiff(),
-        Device::flex().autodiff().gradient_checkpointing(),
+        device.clone(),
+        device.clone().autodiff(),
+        device.clone().autodiff().gradient_checkpointing(),
     ] {
         let tracked = device.is_autodiff();
         let run = |op: &dyn Fn(Tensor<3>) -> Tensor<3>| -> Vec<Tensor<3>> {

@@ -1,0 +1,780 @@
+//! Causal self-attention from the fused `[Q | K | V]` projection to the merged heads in one op
+//! on the GPU, with its own backward pass (CubeCL kernels).
+//!
+//! The general path on a GPU splits the heads (three copies), multiplies per head through the
+//! backend's matmul, writes the `[B, H, T, T]` scores and weights to memory and reads them back
+//! several times, forward and backward, and merges the heads with another copy. Here each query
+//! row is one unit of work that reads its query, key and value columns where the projection
+//! wrote them and streams over the keys it may see with a running softmax (the online softmax
+//! of FlashAttention), so no `T x T` matrix is ever stored: the forward pass keeps only each
+//! row's log-sum-exp `L` (`[B, H, T]`) for the backward pass, which recomputes the weights
+//! `P = exp(S - L)` from it, FlashAttention-2 style:
+//!
+//! - `delta_i = sum_c dO_ic O_ic` (one number per query row),
+//! - `dS_ij = P_ij (dO_i . V_j - delta_i)`,
+//! - `dQ_i = scale sum_{j<=i} dS_ij K_j` (one unit per query row, with `delta_i`),
+//! - `dK_j = scale sum_{i>=j} dS_ij Q_i`, `dV_j = sum_{i>=j} P_ij dO_i` (one unit per key row),
+//!
+//! written straight into the gradient of the projection `[B, T, 3D]`. The reference is
+//! [`crate::ops::causal_self_attention_reference`]; the tests below hold the kernels to it on
+//! wgpu (Mesa's lavapipe in CI).
+//!
+//! The kernels keep one row's accumulator in registers (`K` values, the head size, a compile-time
+//! constant) and read keys and values from global memory; units of one cube read the same keys
+//! at the same time. Tiling through shared memory is the next step for speed on large GPUs.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
+};
+use burn::tensor::{DType, Distribution, Shape, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+
+/// `dropout(softmax(Q K^T / sqrt(K) + causal mask)) V` per head, heads merged, from the fused
+/// projection `qkv`, each weight dropped with probability `dropout` (0: none); `qkv` back where
+/// these kernels do not apply (not an `f32` tensor on a CubeCL device, no rows).
+///
+/// The dropout mask is a hash of a seed drawn from the device's random numbers (so
+/// `Device::seed` makes it repeatable) and each weight's index; the backward pass computes the
+/// same mask again instead of storing it.
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
+/// - output: `[B, T, D]`
+pub(crate) fn causal_self_attention(
+    qkv: Tensor<3>,
+    heads: usize,
+    dropout: f64,
+) -> Result<Tensor<3>, Tensor<3>> {
+    let seed = (dropout > 0.0)
+        .then(|| Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), &qkv.device()));
+    seeded(qkv, heads, dropout, seed)
+}
+
+/// [`causal_self_attention`] with the dropout seed given: a uniform number in `[0, 1)` (its
+/// first 24 bits are used); `None` without dropout.
+fn seeded(
+    qkv: Tensor<3>,
+    heads: usize,
+    dropout: f64,
+    seed: Option<Tensor<1>>,
+) -> Result<Tensor<3>, Tensor<3>> {
+    let [_, t, d3] = qkv.dims();
+    if t == 0 || d3 == 0 || !super::kernels_take(&qkv) || !(0.0..1.0).contains(&dropout) {
+        return Err(qkv);
+    }
+    assert!(
+        d3 % 3 == 0 && (d3 / 3) % heads == 0,
+        "fused attention: {d3} columns do not split into Q, K, V of {heads} heads"
+    );
+    // Without dropout the kernels never read the seed: any tensor will do.
+    let seed = match seed {
+        Some(seed) if dropout > 0.0 => seed.into_dispatch(),
+        _ => qkv.clone().into_dispatch(),
+    };
+    let out = <Dispatch as AttentionKernels>::causal_self_attention(
+        qkv.into_dispatch(),
+        seed,
+        heads,
+        dropout as f32,
+    );
+    Ok(Tensor::from_dispatch(out))
+}
+
+/// The attention op on every backend that has the kernels: CubeCL's, Burn's fusion over it,
+/// and autodiff over either.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
+pub trait AttentionKernels: Backend {
+    /// The attention output `[B, T, D]` of the projection `qkv` `[B, T, 3D]`, weights dropped
+    /// with probability `dropout` by the mask that `seed` (its first element) draws.
+    #[fusion(default)]
+    fn causal_self_attention(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> FloatTensor<Self> {
+        Self::causal_self_attention_forward(qkv, seed, heads, dropout).0
+    }
+
+    /// The output `[B, T, D]` and each query row's log-sum-exp of its scaled scores `[B, H, T]`
+    /// (before dropout).
+    #[fusion(meta = forward_specs)]
+    fn causal_self_attention_forward(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradient of the projection `[B, T, 3D]` from the forward pass's input, seed, output
+    /// and log-sum-exp and the output's gradient `grad` `[B, T, D]`.
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = qkv, shape = qkv)]
+    fn causal_self_attention_backward(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> FloatTensor<Self>;
+}
+
+/// The shapes of the forward pass's two outputs, for fusion (which defers the kernels).
+#[cfg(feature = "fusion")]
+fn forward_specs(
+    qkv: &burn::backend::fusion::custom::TensorSpec,
+    _seed: &burn::backend::fusion::custom::TensorSpec,
+    heads: &usize,
+    _dropout: &f32,
+) -> (
+    burn::backend::fusion::custom::TensorSpec,
+    burn::backend::fusion::custom::TensorSpec,
+) {
+    use burn::backend::fusion::custom::TensorSpec;
+    let [b, t, d3] = qkv.shape.dims::<3>();
+    (
+        TensorSpec::new(Shape::new([b, t, d3 / 3]), qkv.dtype),
+        TensorSpec::new(Shape::new([b, *heads, t]), qkv.dtype),
+    )
+}
+
+impl AttentionKernels for CubeBackend {
+    fn causal_self_attention_forward(
+        qkv: CubeTensor,
+        seed: CubeTensor,
+        heads: usize,
+        dropout: f32,
+    ) -> (CubeTensor, CubeTensor) {
+        let qkv = into_contiguous(qkv);
+        let dims = Dims::of(&qkv, heads, dropout);
+        let out = dims.empty(&qkv, [dims.b, dims.t, dims.d]);
+        let lse = dims.empty(&qkv, [dims.b, heads, dims.t]);
+        let (count, dim) = dims.launch_size(&qkv);
+        kernels::attention_forward::launch::<f32>(
+            &qkv.client.clone(),
+            count,
+            dim,
+            qkv.into_tensor_arg(),
+            seed.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            dims.scale(),
+            dims.threshold(),
+            dims.keep_scale(),
+            dims.k(),
+            heads,
+            dropout > 0.0,
+        );
+        (out, lse)
+    }
+
+    fn causal_self_attention_backward(
+        qkv: CubeTensor,
+        seed: CubeTensor,
+        out: CubeTensor,
+        lse: CubeTensor,
+        grad: CubeTensor,
+        heads: usize,
+        dropout: f32,
+    ) -> CubeTensor {
+        let [qkv, out, lse, grad] = [qkv, out, lse, grad].map(into_contiguous);
+        let dims = Dims::of(&qkv, heads, dropout);
+        let dqkv = dims.empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
+        let delta = dims.empty(&qkv, [dims.b, heads, dims.t]);
+        let client = qkv.client.clone();
+        let (count, dim) = dims.launch_size(&qkv);
+        kernels::attention_backward_query::launch::<f32>(
+            &client,
+            count.clone(),
+            dim,
+            qkv.clone().into_tensor_arg(),
+            seed.clone().into_tensor_arg(),
+            out.into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            dims.scale(),
+            dims.threshold(),
+            dims.keep_scale(),
+            dims.k(),
+            heads,
+            dropout > 0.0,
+        );
+        kernels::attention_backward_key_value::launch::<f32>(
+            &client,
+            count,
+            dim,
+            qkv.into_tensor_arg(),
+            seed.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            dims.scale(),
+            dims.threshold(),
+            dims.keep_scale(),
+            dims.k(),
+            heads,
+            dropout > 0.0,
+        );
+        dqkv
+    }
+}
+
+impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B, C> {
+    fn causal_self_attention(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> FloatTensor<Self> {
+        let seed = Self::inner(seed);
+        match FusedAttention
+            .prepare::<C>([qkv.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let qkv = qkv.into_primitive();
+                let (out, lse) =
+                    B::causal_self_attention_forward(qkv.clone(), seed.clone(), heads, dropout);
+                prep.finish((qkv, seed, out.clone(), lse, heads, dropout), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                let qkv = qkv.into_primitive();
+                prep.finish(B::causal_self_attention_forward(qkv, seed, heads, dropout).0)
+            }
+        }
+    }
+
+    // The two passes on their own are not differentiated: only the op above is.
+    fn causal_self_attention_forward(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (qkv, seed) = (Self::inner(qkv), Self::inner(seed));
+        let (out, lse) = B::causal_self_attention_forward(qkv, seed, heads, dropout);
+        (Self::from_inner(out), Self::from_inner(lse))
+    }
+
+    fn causal_self_attention_backward(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::causal_self_attention_backward(
+            Self::inner(qkv),
+            Self::inner(seed),
+            Self::inner(out),
+            Self::inner(lse),
+            Self::inner(grad),
+            heads,
+            dropout,
+        ))
+    }
+}
+
+/// The autodiff node of the fused attention.
+#[derive(Debug)]
+struct FusedAttention;
+
+impl<B: AttentionKernels> Backward<B, 1> for FusedAttention {
+    /// The projection, the dropout seed, the output, the log-sum-exp, the number of heads and
+    /// the dropout probability.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        usize,
+        f32,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (qkv, seed, out, lse, heads, dropout) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::causal_self_attention_backward(qkv, seed, out, lse, grad, heads, dropout)
+        });
+    }
+}
+
+/// The sizes of one call.
+struct Dims {
+    b: usize,
+    t: usize,
+    d: usize,
+    heads: usize,
+    dropout: f32,
+}
+
+impl Dims {
+    fn of(qkv: &CubeTensor, heads: usize, dropout: f32) -> Self {
+        let [b, t, d3] = qkv.shape().dims::<3>();
+        assert_eq!(qkv.dtype(), DType::F32, "fused attention kernels: f32 only");
+        Dims {
+            b,
+            t,
+            d: d3 / 3,
+            heads,
+            dropout,
+        }
+    }
+
+    fn k(&self) -> usize {
+        self.d / self.heads
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.k() as f32).sqrt()
+    }
+
+    /// A weight is dropped when its hash is below this (of 2^32).
+    fn threshold(&self) -> u32 {
+        dropout_threshold(self.dropout)
+    }
+
+    /// What a kept weight is multiplied by.
+    fn keep_scale(&self) -> f32 {
+        1.0 / (1.0 - self.dropout)
+    }
+
+    /// A new contiguous `f32` tensor of `shape` on `like`'s device.
+    fn empty<const N: usize>(&self, like: &CubeTensor, shape: [usize; N]) -> CubeTensor {
+        empty_device_contiguous_dtype(
+            like.client.clone(),
+            like.device.clone(),
+            Shape::new(shape),
+            DType::F32,
+        )
+    }
+
+    /// Cubes and units for one unit per row of every head of every sequence.
+    fn launch_size(&self, like: &CubeTensor) -> (CubeCount, CubeDim) {
+        let rows = self.b * self.heads * self.t;
+        let dim = CubeDim::new(&like.client, rows);
+        (calculate_cube_count_elemwise(&like.client, rows, dim), dim)
+    }
+}
+
+/// The hash threshold for dropping with probability `dropout`: `dropout * 2^32`, rounded.
+fn dropout_threshold(dropout: f32) -> u32 {
+    (dropout as f64 * 4_294_967_296.0)
+        .round()
+        .min(u32::MAX as f64) as u32
+}
+
+/// The CubeCL kernels (CubeCL's `Tensor`, not Burn's).
+///
+/// Dropout (`#[comptime] dropout`; without it the mask is never computed): weight `(r, j)` of
+/// query row `r = (b * H + h) * T + i` is kept when `mix(mix(seed) ^ (r * T + j))` is at least
+/// `threshold`, and then multiplied by `keep_scale`; `seed` is the first 24 bits of the seed
+/// tensor's first value (a uniform number in `[0, 1)`). The log-sum-exp is that of the weights
+/// before dropout, so `delta_i = dO_i . O_i` still equals `sum_j P_ij dP_ij` with the mask in
+/// `dP`.
+mod kernels {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    /// Chris Wellons' `lowbias32` integer hash (a bijection of `u32`).
+    #[cube]
+    pub(super) fn mix(x: u32) -> u32 {
+        let mut x = x;
+        x ^= x >> 16;
+        x *= 0x7feb_352d;
+        x ^= x >> 15;
+        x *= 0x846c_a68b;
+        x ^= x >> 16;
+        x
+    }
+
+    /// The seed's 24 bits, hashed once per unit.
+    #[cube]
+    fn seed_of<F: Float>(seed: &Tensor<F>) -> u32 {
+        mix(u32::cast_from(seed[0] * F::new(16_777_216.0)))
+    }
+
+    /// What weight `index` is multiplied by after dropout: 0 or `keep_scale`.
+    #[cube]
+    fn kept<F: Float>(seed: u32, index: usize, threshold: u32, keep_scale: F) -> F {
+        let mut factor = F::new(0.0);
+        if mix(seed ^ (index as u32)) >= threshold {
+            factor = keep_scale;
+        }
+        factor
+    }
+
+    /// Forward pass: one unit per query row `(b, h, i)`, a running softmax over keys `0..=i`.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn attention_forward<F: Float>(
+        qkv: &Tensor<F>,
+        seed: &Tensor<F>,
+        out: &mut Tensor<F>,
+        lse: &mut Tensor<F>,
+        scale: f32,
+        threshold: u32,
+        keep_scale: f32,
+        #[comptime] k: usize,
+        #[comptime] heads: usize,
+        #[comptime] dropout: bool,
+    ) {
+        let row = ABSOLUTE_POS;
+        if row >= lse.len() {
+            terminate!();
+        }
+        let t = qkv.shape(1);
+        let d = heads * k;
+        let i = row % t;
+        let h = (row / t) % heads;
+        let seq = (row / t / heads) * t * 3 * d;
+        let q = seq + i * 3 * d + h * k;
+        let keys = seq + d + h * k;
+        let values = seq + 2 * d + h * k;
+        let scale = F::cast_from(scale);
+        let keep_scale = F::cast_from(keep_scale);
+        let mut hashed = 0u32;
+        if dropout {
+            hashed = seed_of::<F>(seed);
+        }
+
+        // A running maximum `m`, sum `l` and output `acc` over the keys seen so far; the first
+        // key's score starts the maximum (every row sees key 0).
+        let mut m = F::new(0.0);
+        let mut l = F::new(0.0);
+        let mut acc = Array::<F>::new(k);
+        for c in 0..k {
+            acc[c] = F::new(0.0);
+        }
+        for j in 0..i + 1 {
+            let kj = keys + j * 3 * d;
+            let vj = values + j * 3 * d;
+            let mut dot = F::new(0.0);
+            for c in 0..k {
+                dot += qkv[q + c] * qkv[kj + c];
+            }
+            let s = dot * scale;
+            let mut m_new = s;
+            let mut correction = F::new(0.0);
+            if j > 0 {
+                if m > s {
+                    m_new = m;
+                }
+                correction = F::exp(m - m_new);
+            }
+            let p = F::exp(s - m_new);
+            l = l * correction + p;
+            let mut weight = p;
+            if dropout {
+                weight = p * kept::<F>(hashed, row * t + j, threshold, keep_scale);
+            }
+            for c in 0..k {
+                acc[c] = acc[c] * correction + weight * qkv[vj + c];
+            }
+            m = m_new;
+        }
+        let o = (row / t / heads) * t * d + i * d + h * k;
+        for c in 0..k {
+            out[o + c] = acc[c] / l;
+        }
+        lse[row] = m + F::ln(l);
+    }
+
+    /// Backward pass, queries: one unit per query row `(b, h, i)` writes `delta_i` and `dQ_i`.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn attention_backward_query<F: Float>(
+        qkv: &Tensor<F>,
+        seed: &Tensor<F>,
+        out: &Tensor<F>,
+        grad: &Tensor<F>,
+        lse: &Tensor<F>,
+        delta: &mut Tensor<F>,
+        dqkv: &mut Tensor<F>,
+        scale: f32,
+        threshold: u32,
+        keep_scale: f32,
+        #[comptime] k: usize,
+        #[comptime] heads: usize,
+        #[comptime] dropout: bool,
+    ) {
+        let row = ABSOLUTE_POS;
+        if row >= lse.len() {
+            terminate!();
+        }
+        let t = qkv.shape(1);
+        let d = heads * k;
+        let i = row % t;
+        let h = (row / t) % heads;
+        let seq = (row / t / heads) * t * 3 * d;
+        let q = seq + i * 3 * d + h * k;
+        let keys = seq + d + h * k;
+        let values = seq + 2 * d + h * k;
+        let o = (row / t / heads) * t * d + i * d + h * k;
+        let scale = F::cast_from(scale);
+        let keep_scale = F::cast_from(keep_scale);
+        let mut hashed = 0u32;
+        if dropout {
+            hashed = seed_of::<F>(seed);
+        }
+
+        let mut di = F::new(0.0);
+        for c in 0..k {
+            di += grad[o + c] * out[o + c];
+        }
+        delta[row] = di;
+        let li = lse[row];
+        let mut acc = Array::<F>::new(k);
+        for c in 0..k {
+            acc[c] = F::new(0.0);
+        }
+        for j in 0..i + 1 {
+            let kj = keys + j * 3 * d;
+            let vj = values + j * 3 * d;
+            let mut dot = F::new(0.0);
+            let mut dp = F::new(0.0);
+            for c in 0..k {
+                dot += qkv[q + c] * qkv[kj + c];
+                dp += grad[o + c] * qkv[vj + c];
+            }
+            if dropout {
+                dp *= kept::<F>(hashed, row * t + j, threshold, keep_scale);
+            }
+            let ds = F::exp(dot * scale - li) * (dp - di);
+            for c in 0..k {
+                acc[c] += ds * qkv[kj + c];
+            }
+        }
+        for c in 0..k {
+            dqkv[q + c] = acc[c] * scale;
+        }
+    }
+
+    /// Backward pass, keys and values: one unit per key row `(b, h, j)` writes `dK_j` and
+    /// `dV_j` (after [`attention_backward_query`], whose `delta` it reads).
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn attention_backward_key_value<F: Float>(
+        qkv: &Tensor<F>,
+        seed: &Tensor<F>,
+        grad: &Tensor<F>,
+        lse: &Tensor<F>,
+        delta: &Tensor<F>,
+        dqkv: &mut Tensor<F>,
+        scale: f32,
+        threshold: u32,
+        keep_scale: f32,
+        #[comptime] k: usize,
+        #[comptime] heads: usize,
+        #[comptime] dropout: bool,
+    ) {
+        let row = ABSOLUTE_POS;
+        if row >= lse.len() {
+            terminate!();
+        }
+        let t = qkv.shape(1);
+        let d = heads * k;
+        let j = row % t;
+        let h = (row / t) % heads;
+        let b = row / t / heads;
+        let seq = b * t * 3 * d;
+        let kj = seq + j * 3 * d + d + h * k;
+        let vj = kj + d;
+        let first = row - j; // query row 0 of this (b, h)
+        let scale = F::cast_from(scale);
+        let keep_scale = F::cast_from(keep_scale);
+        let mut hashed = 0u32;
+        if dropout {
+            hashed = seed_of::<F>(seed);
+        }
+
+        let mut dk = Array::<F>::new(k);
+        let mut dv = Array::<F>::new(k);
+        for c in 0..k {
+            dk[c] = F::new(0.0);
+            dv[c] = F::new(0.0);
+        }
+        for i in j..t {
+            let q = seq + i * 3 * d + h * k;
+            let o = b * t * d + i * d + h * k;
+            let mut dot = F::new(0.0);
+            let mut dp = F::new(0.0);
+            for c in 0..k {
+                dot += qkv[q + c] * qkv[kj + c];
+                dp += grad[o + c] * qkv[vj + c];
+            }
+            let p = F::exp(dot * scale - lse[first + i]);
+            let mut factor = F::new(1.0);
+            if dropout {
+                factor = kept::<F>(hashed, (first + i) * t + j, threshold, keep_scale);
+            }
+            let ds = p * (dp * factor - delta[first + i]);
+            for c in 0..k {
+                dv[c] += p * factor * grad[o + c];
+                dk[c] += ds * qkv[q + c];
+            }
+        }
+        for c in 0..k {
+            dqkv[kj + c] = dk[c] * scale;
+            dqkv[vj + c] = dv[c];
+        }
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use crate::ops::check::agrees_on;
+    use burn::tensor::{Device, DeviceKind};
+
+    /// Output and the projection's gradient against the op's reference (split heads, masked
+    /// softmax, merge: what every other backend runs) on wgpu, plain, under autodiff and with
+    /// checkpointing: head sizes 4 to 32, one position and several, lengths that are not a
+    /// multiple of a cube's units, one head and several.
+    #[test]
+    fn equals_the_reference_on_wgpu() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        for (b, t, heads, k) in [(2, 9, 3, 4), (1, 1, 2, 7), (3, 37, 2, 16), (2, 70, 1, 32)] {
+            let d = heads * k;
+            let draw = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
+            };
+            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+            for on in [device.clone(), device.clone().autodiff()] {
+                let qkv = Tensor::<3>::from_data(x.clone(), &on);
+                assert!(super::super::kernels_take(&qkv), "kernels take wgpu f32");
+            }
+            agrees_on(
+                &device,
+                &x,
+                &g,
+                |qkv| causal_self_attention(qkv, heads, 0.0).expect("a wgpu f32 tensor"),
+                |qkv| crate::ops::causal_self_attention_reference(qkv, heads),
+                1e-4,
+                &format!("{b}x{t}, {heads} heads of {k}"),
+            );
+        }
+    }
+
+    /// `kernels::mix` on the host.
+    fn mix(mut x: u32) -> u32 {
+        x ^= x >> 16;
+        x = x.wrapping_mul(0x7feb_352d);
+        x ^= x >> 15;
+        x = x.wrapping_mul(0x846c_a68b);
+        x ^= x >> 16;
+        x
+    }
+
+    /// The kernels' dropout factors `[B, H, T, T]` (0 or `1 / (1 - p)`), computed on the host.
+    fn dropout_factors(b: usize, heads: usize, t: usize, seed: f32, p: f32) -> Vec<f32> {
+        let hashed = mix((seed * 16_777_216.0) as u32);
+        let threshold = dropout_threshold(p);
+        (0..b * heads * t * t)
+            .map(|index| {
+                let keep = mix(hashed ^ index as u32) >= threshold;
+                if keep { 1.0 / (1.0 - p) } else { 0.0 }
+            })
+            .collect()
+    }
+
+    /// With dropout: output and gradient against the reference with the same mask applied to
+    /// its weights (the mask rebuilt on the host from the kernels' hash), on wgpu plain, under
+    /// autodiff and with checkpointing; and the mask drops about `p` of the weights.
+    #[test]
+    fn dropout_equals_the_reference_with_the_same_mask() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let (seed, p) = (0.6180339_f32, 0.25_f32);
+        for (b, t, heads, k) in [(2, 9, 3, 4), (1, 45, 2, 16)] {
+            let d = heads * k;
+            let draw = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
+            };
+            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+            let factors = dropout_factors(b, heads, t, seed, p);
+            agrees_on(
+                &device,
+                &x,
+                &g,
+                |qkv| {
+                    let seed = Tensor::<1>::from_floats([seed], &qkv.device());
+                    seeded(qkv, heads, p as f64, Some(seed)).expect("a wgpu f32 tensor")
+                },
+                |qkv| {
+                    let on = qkv.device();
+                    let part = |i: usize| {
+                        qkv.clone()
+                            .slice([0..b, 0..t, i * d..(i + 1) * d])
+                            .reshape([b, t, heads, k])
+                            .swap_dims(1, 2)
+                    };
+                    let (q, kk, v) = (part(0), part(1), part(2));
+                    let scale = 1.0 / (k as f64).sqrt();
+                    let weights =
+                        crate::ops::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
+                    let mask = burn::tensor::TensorData::new(factors.clone(), [b, heads, t, t]);
+                    let mask = Tensor::<4>::from_data(mask, &on);
+                    (weights * mask)
+                        .matmul(v)
+                        .swap_dims(1, 2)
+                        .reshape([b, t, d])
+                },
+                1e-4,
+                &format!("dropout {p}, {b}x{t}, {heads} heads of {k}"),
+            );
+        }
+        let factors = dropout_factors(4, 4, 64, seed, p);
+        let dropped = factors.iter().filter(|&&f| f == 0.0).count() as f32 / factors.len() as f32;
+        assert!(
+            (dropped - p).abs() < 0.01,
+            "dropped {dropped} of the weights, not {p}"
+        );
+    }
+
+    /// Through the op layer: a training-mode `Dropout` on an autodiff device drops weights (the
+    /// output changes), repeatably under `Device::seed`; on a plain device it does nothing.
+    #[test]
+    fn dropout_in_training_only_and_repeatable() {
+        use burn::nn::DropoutConfig;
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let (heads, dropout) = (2, DropoutConfig::new(0.3).init());
+        let none = DropoutConfig::new(0.0).init();
+        let x = Tensor::<3>::random([2, 17, 3 * 16], Distribution::Normal(0.0, 1.0), &device)
+            .into_data();
+        let run = |device: &Device, dropout: &burn::nn::Dropout, seed: u64| {
+            device.seed(seed);
+            let qkv = Tensor::<3>::from_data(x.clone(), device);
+            crate::ops::causal_self_attention(qkv, heads, dropout)
+                .expect("kernels take wgpu")
+                .into_data()
+        };
+        let tracked = device.clone().autodiff();
+        let plain = run(&tracked, &none, 1);
+        let (a, again, other) = (
+            run(&tracked, &dropout, 1),
+            run(&tracked, &dropout, 1),
+            run(&tracked, &dropout, 2),
+        );
+        a.assert_eq(&again, true);
+        assert_ne!(a, plain, "dropout changed nothing");
+        assert_ne!(a, other, "another seed, the same mask");
+        run(&device, &dropout, 1).assert_approx_eq::<f32>(&plain, Default::default());
+    }
+}

@@ -1,0 +1,40 @@
+//! ember's GPU kernels, on Burn's CubeCL backend (wgpu / Vulkan, CUDA; feature `wgpu`,
+//! `vulkan` or `cuda`).
+//!
+//! Each op is a method of a backend extension trait (Burn's `#[backend_extension]`): its
+//! CubeCL kernels are implemented for [`burn_cubecl::CubeBackend`]; Burn generates the
+//! deferred version for its fusion backend (feature `fusion`) and the routing through
+//! `Dispatch`; ember writes the autodiff op (the kernels' own backward pass) once for every
+//! backend that has the kernels. The reference implementation of each op (`crate::ops`) stays
+//! what every other backend runs, and what the tests compare these kernels with.
+
+pub(crate) mod attention;
+
+use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};
+use burn::tensor::{DType, Tensor};
+use std::sync::OnceLock;
+
+/// Whether ember's GPU kernels are on: yes unless the environment variable `EMBER_GPU_KERNELS`
+/// is `off` (read once), which leaves every op to its reference, for comparisons.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EMBER_GPU_KERNELS").map_or(true, |v| v != "off"))
+}
+
+/// Whether `x` is an `f32` tensor on a CubeCL device, tracked by autodiff or not (and the
+/// kernels are [`enabled`]).
+pub(crate) fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
+    if !enabled() {
+        return false;
+    }
+    let x = x.clone().into_dispatch();
+    match &x.kind {
+        DispatchTensorKind::Cube(BackendTensor::Float(t)) => t.dtype() == DType::F32,
+        DispatchTensorKind::Autodiff(inner) => matches!(
+            inner.as_ref(),
+            DispatchTensorKind::Cube(BackendTensor::Autodiff(t)) if t.primitive().dtype() == DType::F32
+        ),
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
+}
