@@ -16,9 +16,10 @@
 # EMBER; one built without `fusion` samples fast); RUNS the folder for runs;
 # CONFIG the ember config (the PyTorch reference is always the GPU config); STEPS the steps
 # the speed stage times (default 60); PYTHON the PyTorch interpreter and
-# TORCH_DEVICE its device (default cuda). Backends draw initial weights from their own random
-# generators, so the two tiny runs of `check` end near each other, not equal; the greedy text
-# of one checkpoint must agree.
+# TORCH_DEVICE its device (default cuda); ROUNDS how many times `speed` trains ember with and
+# without its GPU kernels (EMBER_GPU_KERNELS=on/off), alternating (default 1). Backends draw
+# initial weights from their own random generators, so the two tiny runs of `check` end near
+# each other, not equal; the greedy text of one checkpoint must agree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -84,15 +85,29 @@ check() {
 }
 
 speed() {
-    rm -rf "$RUNS/speed"
-    logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
-        --out "$RUNS/speed" --stop-after "$STEPS"
-    grep -E "^(peak|checkpoint:)" "$RUNS/speed.log"
-    ms_per_step "$RUNS/speed"
-    torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384 --heads 6
-        --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "$STEPS")
-    echo "\$ ${torch[*]}"
-    "${torch[@]}"
+    # ember with its GPU kernels (ember-model's ops/cube) and without them (Burn's ops alone),
+    # ROUNDS times alternating; then PyTorch at the precision ember's device computes in (CUDA:
+    # f32 with TF32 tensor-core matmuls on sm80+; Vulkan: plain f32), eager and compiled, and in
+    # bf16 autocast (which ember does not have yet) for the record.
+    for round in $(seq "${ROUNDS:-1}"); do
+        for kernels in on off; do
+            rm -rf "$RUNS/speed"
+            echo "round $round, EMBER_GPU_KERNELS=$kernels"
+            EMBER_GPU_KERNELS=$kernels logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
+                --device "$DEVICE" --out "$RUNS/speed" --stop-after "$STEPS"
+            grep -E "^(peak|checkpoint:)" "$RUNS/speed.log"
+            ms_per_step "$RUNS/speed"
+        done
+    done
+    precision=fp32
+    [ "${DEVICE%%:*}" = cuda ] && precision=tf32
+    for extra in "--precision $precision" "--precision $precision --compile" "--precision bf16"; do
+        # shellcheck disable=SC2206 # $extra is a few words
+        torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
+            --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "$STEPS" $extra)
+        echo "\$ ${torch[*]}"
+        "${torch[@]}" || echo "FAILED: PyTorch $extra"
+    done
     for mode in "" "--no-cache"; do
         # shellcheck disable=SC2086 # $mode is empty or one flag
         logged "$RUNS/generate.log" "$EMBER_GEN" generate --checkpoint "$RUNS/speed" \

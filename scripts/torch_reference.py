@@ -112,10 +112,27 @@ def batch(ids, context, size, generator=None, device="cpu"):
     return x.to(device), y.to(device)
 
 
-def step(model, opt, x, y):
+def set_precision(args):
+    """`--precision`: fp32 (TF32 off), tf32 (fp32 with TF32 matmuls allowed: what ember's CUDA
+    backend does on sm80+), bf16 (autocast to bfloat16, fp32 weights)."""
+    if args.device.startswith("cuda"):
+        tf32 = args.precision != "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def autocast(args):
+    """The forward pass's autocast context for `--precision`."""
+    enabled = args.precision == "bf16"
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
+
+
+def step(model, opt, x, y, cast=None):
     """One optimizer step (global-norm clipping 1.0); returns the loss tensor."""
-    logits = model(x)
-    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    with cast if cast is not None else torch.autocast("cpu", enabled=False):
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -136,14 +153,18 @@ def train(args):
     torch.manual_seed(1337)
     model = GPT(66, args.d_model, args.heads, args.layers, args.context, args.dropout)
     model = model.to(args.device)
+    set_precision(args)
     opt = adamw(model)
+    forward = torch.compile(model) if args.compile else model
     _, train_ids, _ = corpus()
     g = torch.Generator().manual_seed(1)
     times = []
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     for i in range(args.steps + args.warmup):
         x, y = batch(train_ids, args.context, args.batch, g, args.device)
         t0 = time.perf_counter()
-        step(model, opt, x, y).item()  # one host sync per step, as ember logs
+        step(forward, opt, x, y, autocast(args)).item()  # one host sync per step, as ember logs
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     times.sort()
@@ -153,6 +174,9 @@ def train(args):
                       "ms_per_step_mean": 1000 * sum(times) / len(times),
                       "tokens_per_sec": tokens / (ms / 1000), "steps": len(times),
                       "threads": torch.get_num_threads(), "device": args.device,
+                      "precision": args.precision, "compiled": args.compile,
+                      "peak_gpu_mib": (torch.cuda.max_memory_allocated() / 2**20
+                                       if args.device.startswith("cuda") else None),
                       "torch": torch.__version__}))
 
 
@@ -258,6 +282,9 @@ def main():
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--eval-batches", type=int, default=20, help="quality mode's estimate")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32",
+                   help="train mode: fp32 (TF32 off), fp32 with TF32 matmuls, bf16 autocast")
+    p.add_argument("--compile", action="store_true", help="train mode: torch.compile the model")
     p.add_argument("--position-init", choices=["normal", "sinusoidal"], default="normal",
                    help="how the learned position table starts (quality mode)")
     args = p.parse_args()
