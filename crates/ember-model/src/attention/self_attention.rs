@@ -7,7 +7,7 @@ use burn::tensor::{Bool, Tensor};
 use super::kv_cache::KvCache;
 use super::masks::{causal_mask, combine_masks, padding_mask};
 use super::multi_head::{AttentionResult, MultiHeadAttention};
-use super::scaled_dot_product::causal_attention;
+use super::scaled_dot_product::{AttentionOutput, causal_attention};
 use crate::ops::{self, linear};
 
 impl MultiHeadAttention {
@@ -61,6 +61,13 @@ impl MultiHeadAttention {
                 // Keys of the whole buffer: query i (at position start + i) sees keys up to
                 // start + i, which also hides every position not written yet.
                 let (k, v) = cache.append_whole(k, v);
+                if !return_weights {
+                    let context = ops::cached_causal_attention(q, k, v, start, &self.attn_dropout);
+                    return self.project(AttentionOutput {
+                        context,
+                        weights: None,
+                    });
+                }
                 let capacity = k.dims()[2];
                 let mask = Tensor::<2, Bool>::tril_mask([t, capacity], start as i64, &q.device())
                     .reshape([1, 1, t, capacity]);

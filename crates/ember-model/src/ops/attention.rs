@@ -8,10 +8,11 @@
 //! two one-row matrix multiplies (plain tensors only: decoding is never differentiated).
 
 use burn::nn::Dropout;
-use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Tensor};
 
 use super::causal_softmax_reference;
+use crate::attention::masks::MASKED_SCORE;
 
 /// `dropout(softmax(Q K^T / sqrt(K) + causal mask)) V` per head, heads merged, from the fused
 /// projection (no padding); `qkv` back when `dropout` is active (training) and no kernel here
@@ -62,6 +63,61 @@ pub fn causal_self_attention_reference(qkv: Tensor<3>, heads: usize) -> Tensor<3
     let (q, k, v) = (part(0), part(1), part(2));
     let weights = causal_softmax_reference(q.matmul(k.swap_dims(2, 3)), scale); // [B, H, T, T]
     weights.matmul(v).swap_dims(1, 2).reshape([b, t, d])
+}
+
+/// `dropout(softmax(Q K^T / sqrt(K) + mask)) V` for `T` queries at positions `start..start + T`
+/// over a KV cache's whole buffer: query `i` sees keys `0..=start + i`, which also hides every
+/// position not written yet. The buffer's shape stays the same from one decoding step to the
+/// next, so GPU kernels keep their shapes.
+///
+/// # Shapes
+/// - q: `[B, H, T, K]`
+/// - k, v: `[B, H, C, K]` (the cache's capacity `C >= start + T`)
+/// - output: `[B, H, T, K]`
+pub fn cached_causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    start: usize,
+    dropout: &Dropout,
+) -> Tensor<4> {
+    // Dropout (as `Dropout::forward` applies it) is left to the reference.
+    let inactive =
+        !dropout.training.is_enabled() || !q.device().is_autodiff() || dropout.prob == 0.0;
+    #[cfg(feature = "cube")]
+    let (q, k, v) = match inactive {
+        true => match super::cube::attention::cached_causal_attention(q, k, v, start) {
+            Ok(context) => return context,
+            Err(qkv) => qkv,
+        },
+        false => (q, k, v),
+    };
+    let _ = inactive;
+    cached_causal_attention_reference(q, k, v, start, Some(dropout))
+}
+
+/// [`cached_causal_attention`] in Burn's tensor ops, on every backend: scores, a mask of the
+/// keys each query may not see, softmax, dropout, values.
+pub fn cached_causal_attention_reference(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    start: usize,
+    dropout: Option<&Dropout>,
+) -> Tensor<4> {
+    let [_, _, t, head] = q.dims();
+    let capacity = k.dims()[2];
+    let hidden = Tensor::<2, Bool>::tril_mask([t, capacity], start as i64, &q.device())
+        .reshape([1, 1, t, capacity]);
+    let scores = q
+        .matmul(k.swap_dims(2, 3))
+        .mul_scalar(1.0 / (head as f64).sqrt());
+    let weights = softmax(scores.mask_fill(hidden, MASKED_SCORE), 3); // [B, H, T, C]
+    let weights = match dropout {
+        Some(dropout) => dropout.forward(weights),
+        None => weights,
+    };
+    weights.matmul(v)
 }
 
 /// `softmax(q K^T / sqrt(K)) V` for one query position that sees every key, with `dropout` on

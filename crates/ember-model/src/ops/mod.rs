@@ -15,6 +15,7 @@
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
 //! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
+//! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one unit per query row over the cache's whole buffer, online softmax (`cube::attention`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
 //!
 //! Layout: [`kernels`] holds the backend-free loops over `f32` slices; [`flex`] (feature
@@ -43,8 +44,8 @@ pub mod flex;
 pub mod kernels;
 
 pub use attention::{
-    causal_self_attention, causal_self_attention_reference, single_query_attention,
-    single_query_attention_reference,
+    cached_causal_attention, cached_causal_attention_reference, causal_self_attention,
+    causal_self_attention_reference, single_query_attention, single_query_attention_reference,
 };
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use layer_norm::{layer_norm, layer_norm_reference};

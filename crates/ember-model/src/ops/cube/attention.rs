@@ -59,6 +59,36 @@ pub(crate) fn causal_self_attention(
     seeded(qkv, heads, dropout, seed)
 }
 
+/// `softmax(Q K^T / sqrt(K) + mask) V` for `T` queries at positions `start..start + T` over a
+/// KV cache's whole buffer `k`, `v` (query `i` sees keys `0..=start + i`); the inputs back where
+/// these kernels do not apply (not plain `f32` tensors on a CubeCL device: decoding is never
+/// differentiated). `start` is a kernel argument, not part of its shape: one kernel serves
+/// every decoding step.
+///
+/// # Shapes
+/// - q: `[B, H, T, K]`, k and v: `[B, H, C, K]`, `C >= start + T`
+/// - output: `[B, H, T, K]`
+pub(crate) fn cached_causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    start: usize,
+) -> Result<Tensor<4>, (Tensor<4>, Tensor<4>, Tensor<4>)> {
+    let [_, _, t, _] = q.dims();
+    let capacity = k.dims()[2];
+    let plain = |x: &Tensor<4>| super::kernels_take(x) && !x.device().is_autodiff();
+    if t == 0 || start + t > capacity || !(plain(&q) && plain(&k) && plain(&v)) {
+        return Err((q, k, v));
+    }
+    let context = <Dispatch as AttentionKernels>::cached_causal_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        start,
+    );
+    Ok(Tensor::from_dispatch(context))
+}
+
 /// [`causal_self_attention`] with the dropout seed given: a uniform number in `[0, 1)` (its
 /// first 24 bits are used); `None` without dropout.
 fn seeded(
@@ -127,6 +157,16 @@ pub trait AttentionKernels: Backend {
         grad: FloatTensor<Self>,
         heads: usize,
         dropout: f32,
+    ) -> FloatTensor<Self>;
+
+    /// Queries `q` `[B, H, T, K]` at positions `start..start + T` over the cache's whole
+    /// buffer `k`, `v` `[B, H, C, K]`: `[B, H, T, K]`.
+    #[fusion(dtype = q, shape = q)]
+    fn cached_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        start: usize,
     ) -> FloatTensor<Self>;
 }
 
@@ -231,6 +271,38 @@ impl AttentionKernels for CubeBackend {
         );
         dqkv
     }
+
+    fn cached_causal_attention(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        start: usize,
+    ) -> CubeTensor {
+        let [b, heads, t, head] = q.shape().dims::<4>();
+        assert_eq!(q.dtype(), DType::F32, "cached attention kernel: f32 only");
+        let out = empty_device_contiguous_dtype(
+            q.client.clone(),
+            q.device.clone(),
+            Shape::new([b, heads, t, head]),
+            DType::F32,
+        );
+        let rows = b * heads * t;
+        let dim = CubeDim::new(&q.client, rows);
+        let count = calculate_cube_count_elemwise(&q.client, rows, dim);
+        kernels::cached_attention::launch::<f32>(
+            &q.client.clone(),
+            count,
+            dim,
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            start as u32,
+            1.0 / (head as f32).sqrt(),
+            head,
+        );
+        out
+    }
 }
 
 impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B, C> {
@@ -289,6 +361,17 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
             heads,
             dropout,
         ))
+    }
+
+    // Decoding is never differentiated (the entry point takes plain tensors only).
+    fn cached_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        let [q, k, v] = [q, k, v].map(Self::inner);
+        Self::from_inner(B::cached_causal_attention(q, k, v, start))
     }
 }
 
@@ -497,6 +580,69 @@ mod kernels {
         lse[row] = m + F::ln(l);
     }
 
+    /// Attention over a KV cache's whole buffer: one unit per query row `(b, h, i)` (at
+    /// position `start + i`), a running softmax over keys `0..=start + i`; inputs read through
+    /// their strides (the queries are a view of the projection), the output contiguous.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn cached_attention<F: Float>(
+        q: &Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        out: &mut Tensor<F>,
+        start: u32,
+        scale: f32,
+        #[comptime] head: usize,
+    ) {
+        let row = ABSOLUTE_POS;
+        if row * head >= out.len() {
+            terminate!();
+        }
+        let t = q.shape(2);
+        let heads = q.shape(1);
+        let i = row % t;
+        let h = (row / t) % heads;
+        let b = row / t / heads;
+        let qi = b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        let k0 = b * k.stride(0) + h * k.stride(1);
+        let v0 = b * v.stride(0) + h * v.stride(1);
+        let (qc, kc, vc) = (q.stride(3), k.stride(3), v.stride(3));
+        let scale = F::cast_from(scale);
+
+        let mut m = F::new(0.0);
+        let mut l = F::new(0.0);
+        let mut acc = Array::<F>::new(head);
+        for c in 0..head {
+            acc[c] = F::new(0.0);
+        }
+        for j in 0..start as usize + i + 1 {
+            let kj = k0 + j * k.stride(2);
+            let vj = v0 + j * v.stride(2);
+            let mut dot = F::new(0.0);
+            for c in 0..head {
+                dot += q[qi + c * qc] * k[kj + c * kc];
+            }
+            let s = dot * scale;
+            let mut m_new = s;
+            let mut correction = F::new(0.0);
+            if j > 0 {
+                if m > s {
+                    m_new = m;
+                }
+                correction = F::exp(m - m_new);
+            }
+            let p = F::exp(s - m_new);
+            l = l * correction + p;
+            for c in 0..head {
+                acc[c] = acc[c] * correction + p * v[vj + c * vc];
+            }
+            m = m_new;
+        }
+        for c in 0..head {
+            out[row * head + c] = acc[c] / l;
+        }
+    }
+
     /// Backward pass, queries: one unit per query row `(b, h, i)` writes `delta_i` and `dQ_i`.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
@@ -671,6 +817,38 @@ mod tests {
                 &format!("{b}x{t}, {heads} heads of {k}"),
             );
         }
+    }
+
+    /// Queries over a cache's whole buffer against the reference (scores, mask by position,
+    /// softmax): the queries a view with heads swapped in (as the model passes them), every
+    /// buffer row filled (rows past `start + T` must be hidden by position alone), first step,
+    /// middle and last rows of the buffer, one query and several.
+    #[test]
+    fn cached_attention_equals_the_reference_on_wgpu() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let normal = Distribution::Normal(0.0, 1.0);
+        for (b, heads, head, capacity, start, t) in [
+            (2, 2, 8, 32, 0, 1),
+            (1, 3, 16, 32, 5, 3),
+            (2, 2, 8, 32, 29, 3),
+            (1, 1, 4, 7, 6, 1),
+        ] {
+            let q = Tensor::<4>::random([b, t, heads, head], normal, &device).swap_dims(1, 2);
+            let k = Tensor::<4>::random([b, heads, capacity, head], normal, &device) * 2.0;
+            let v = Tensor::<4>::random([b, heads, capacity, head], normal, &device);
+            let fast = cached_causal_attention(q.clone(), k.clone(), v.clone(), start)
+                .expect("plain wgpu f32 tensors");
+            let reference = crate::ops::cached_causal_attention_reference(q, k, v, start, None);
+            let diff = (fast - reference).abs().max().into_scalar::<f32>();
+            assert!(
+                diff < 1e-5,
+                "{b}x{heads}x{head}, start {start}, {t} rows: {diff}"
+            );
+        }
+        // Tracked tensors go back to the caller (decoding is never differentiated).
+        let tracked = device.clone().autodiff();
+        let x = Tensor::<4>::random([1, 1, 1, 4], normal, &tracked);
+        assert!(cached_causal_attention(x.clone(), x.clone(), x, 0).is_err());
     }
 
     /// `kernels::mix` on the host.
