@@ -76,12 +76,18 @@ check() {
             return 1
         }
     done
-    if cmp -s "$RUNS/greedy-flex.txt" "$RUNS/greedy-$DEVICE.txt"; then
-        echo "greedy text from the flex checkpoint: identical on flex and $DEVICE (200 tokens)"
-    else
-        echo "greedy text from the flex checkpoint DIFFERS between flex and $DEVICE:"
-        diff "$RUNS/greedy-flex.txt" "$RUNS/greedy-$DEVICE.txt" || true
-    fi
+    # And on DEVICE without ember's GPU kernels (Burn's ops alone).
+    EMBER_GPU_KERNELS=off "$EMBER_GEN" generate --checkpoint "$RUNS/tiny-flex" --device "$DEVICE" \
+        --prompt ROMEO: --greedy --max-tokens 200 >"$RUNS/greedy-$DEVICE-off.txt" \
+        2>"$RUNS/greedy-$DEVICE-off.log" || echo "FAILED: generate on $DEVICE without the kernels"
+    for other in "$DEVICE" "$DEVICE-off"; do
+        if cmp -s "$RUNS/greedy-flex.txt" "$RUNS/greedy-$other.txt"; then
+            echo "greedy text from the flex checkpoint: identical on flex and $other (200 tokens)"
+        else
+            echo "greedy text from the flex checkpoint DIFFERS between flex and $other:"
+            diff "$RUNS/greedy-flex.txt" "$RUNS/greedy-$other.txt" || true
+        fi
+    done
 }
 
 speed() {

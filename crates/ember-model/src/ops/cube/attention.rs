@@ -464,7 +464,8 @@ fn dropout_threshold(dropout: f32) -> u32 {
         .min(u32::MAX as f64) as u32
 }
 
-/// The CubeCL kernels (CubeCL's `Tensor`, not Burn's).
+/// The CubeCL kernels (CubeCL's `Tensor`, not Burn's). Loops over a row's `K` columns are
+/// unrolled (`K` is a compile-time constant), so the accumulators can stay in registers.
 ///
 /// Dropout (`#[comptime] dropout`; without it the mask is never computed): weight `(r, j)` of
 /// query row `r = (b * H + h) * T + i` is kept when `mix(mix(seed) ^ (r * T + j))` is at least
@@ -543,6 +544,7 @@ mod kernels {
         let mut m = F::new(0.0);
         let mut l = F::new(0.0);
         let mut acc = Array::<F>::new(k);
+        #[unroll]
         for c in 0..k {
             acc[c] = F::new(0.0);
         }
@@ -550,6 +552,7 @@ mod kernels {
             let kj = keys + j * 3 * d;
             let vj = values + j * 3 * d;
             let mut dot = F::new(0.0);
+            #[unroll]
             for c in 0..k {
                 dot += qkv[q + c] * qkv[kj + c];
             }
@@ -568,12 +571,14 @@ mod kernels {
             if dropout {
                 weight = p * kept::<F>(hashed, row * t + j, threshold, keep_scale);
             }
+            #[unroll]
             for c in 0..k {
                 acc[c] = acc[c] * correction + weight * qkv[vj + c];
             }
             m = m_new;
         }
         let o = (row / t / heads) * t * d + i * d + h * k;
+        #[unroll]
         for c in 0..k {
             out[o + c] = acc[c] / l;
         }
@@ -612,6 +617,7 @@ mod kernels {
         let mut m = F::new(0.0);
         let mut l = F::new(0.0);
         let mut acc = Array::<F>::new(head);
+        #[unroll]
         for c in 0..head {
             acc[c] = F::new(0.0);
         }
@@ -619,6 +625,7 @@ mod kernels {
             let kj = k0 + j * k.stride(2);
             let vj = v0 + j * v.stride(2);
             let mut dot = F::new(0.0);
+            #[unroll]
             for c in 0..head {
                 dot += q[qi + c * qc] * k[kj + c * kc];
             }
@@ -633,11 +640,13 @@ mod kernels {
             }
             let p = F::exp(s - m_new);
             l = l * correction + p;
+            #[unroll]
             for c in 0..head {
                 acc[c] = acc[c] * correction + p * v[vj + c * vc];
             }
             m = m_new;
         }
+        #[unroll]
         for c in 0..head {
             out[row * head + c] = acc[c] / l;
         }
@@ -682,12 +691,14 @@ mod kernels {
         }
 
         let mut di = F::new(0.0);
+        #[unroll]
         for c in 0..k {
             di += grad[o + c] * out[o + c];
         }
         delta[row] = di;
         let li = lse[row];
         let mut acc = Array::<F>::new(k);
+        #[unroll]
         for c in 0..k {
             acc[c] = F::new(0.0);
         }
@@ -696,6 +707,7 @@ mod kernels {
             let vj = values + j * 3 * d;
             let mut dot = F::new(0.0);
             let mut dp = F::new(0.0);
+            #[unroll]
             for c in 0..k {
                 dot += qkv[q + c] * qkv[kj + c];
                 dp += grad[o + c] * qkv[vj + c];
@@ -704,10 +716,12 @@ mod kernels {
                 dp *= kept::<F>(hashed, row * t + j, threshold, keep_scale);
             }
             let ds = F::exp(dot * scale - li) * (dp - di);
+            #[unroll]
             for c in 0..k {
                 acc[c] += ds * qkv[kj + c];
             }
         }
+        #[unroll]
         for c in 0..k {
             dqkv[q + c] = acc[c] * scale;
         }
@@ -753,6 +767,7 @@ mod kernels {
 
         let mut dk = Array::<F>::new(k);
         let mut dv = Array::<F>::new(k);
+        #[unroll]
         for c in 0..k {
             dk[c] = F::new(0.0);
             dv[c] = F::new(0.0);
@@ -762,6 +777,7 @@ mod kernels {
             let o = b * t * d + i * d + h * k;
             let mut dot = F::new(0.0);
             let mut dp = F::new(0.0);
+            #[unroll]
             for c in 0..k {
                 dot += qkv[q + c] * qkv[kj + c];
                 dp += grad[o + c] * qkv[vj + c];
@@ -772,11 +788,13 @@ mod kernels {
                 factor = kept::<F>(hashed, (first + i) * t + j, threshold, keep_scale);
             }
             let ds = p * (dp * factor - delta[first + i]);
+            #[unroll]
             for c in 0..k {
                 dv[c] += p * factor * grad[o + c];
                 dk[c] += ds * qkv[q + c];
             }
         }
+        #[unroll]
         for c in 0..k {
             dqkv[kj + c] = dk[c] * scale;
             dqkv[vj + c] = dv[c];
