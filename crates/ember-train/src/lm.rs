@@ -156,14 +156,8 @@ fn model_source(
 /// Everything `ember train` does for a language model: prepare data, build (or resume) the
 /// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
 pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
-    let devices = config.training.devices(launch.device.as_deref())?;
+    let (devices, folder) = launch.claim(&mut config.training)?;
     let device = devices[0].clone();
-    if let Some(name) = &launch.device {
-        config.training.device = name.clone();
-    }
-    // Claimed before anything reads or writes it: locked for this process, and refused if it
-    // holds another run that this one would neither resume nor replace.
-    let folder = crate::run_folder::RunFolder::claim(&launch.out_dir, launch.reuse())?;
     let out_dir = launch.out_dir.clone();
     let (tokenizer, source) = model_source(&mut config, launch)?;
     let data = prepare(&config, tokenizer)?;

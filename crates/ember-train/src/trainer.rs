@@ -85,6 +85,22 @@ impl Launch {
             (false, false) => Reuse::Refuse,
         }
     }
+
+    /// The start every task shares: the devices (this launch's `--device` written into
+    /// `training`, so the saved config names it) and the run folder, claimed before anything
+    /// reads or writes it: locked for this process, and refused if it holds another run that
+    /// this one would neither resume nor replace.
+    pub(crate) fn claim(
+        &self,
+        training: &mut TrainingConfig,
+    ) -> Result<(Vec<Device>, crate::run_folder::RunFolder)> {
+        let devices = training.devices(self.device.as_deref())?;
+        if let Some(name) = &self.device {
+            training.device = name.clone();
+        }
+        let folder = crate::run_folder::RunFolder::claim(&self.out_dir, self.reuse())?;
+        Ok((devices, folder))
+    }
 }
 
 impl RunOptions {

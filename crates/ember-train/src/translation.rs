@@ -267,14 +267,8 @@ fn limit<T>(mut v: Vec<T>, n: Option<usize>) -> Vec<T> {
 
 /// Everything `ember train` does for a translation config.
 pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> Result<RunSummary> {
-    let devices = config.training.devices(launch.device.as_deref())?;
+    let (devices, folder) = launch.claim(&mut config.training)?;
     let device = devices[0].clone();
-    if let Some(name) = &launch.device {
-        config.training.device = name.clone();
-    }
-    // Claimed before anything reads or writes it: locked for this process, and refused if it
-    // holds another run that this one would neither resume nor replace.
-    let folder = crate::run_folder::RunFolder::claim(&launch.out_dir, launch.reuse())?;
     let (out_dir, resume) = (launch.out_dir.clone(), launch.resume);
     let d = config.data.clone();
     let train_pairs = limit(

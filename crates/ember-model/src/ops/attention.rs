@@ -9,7 +9,7 @@
 
 use burn::nn::Dropout;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Tensor};
+use burn::tensor::{Bool, Device, Tensor};
 
 use super::causal_softmax_reference;
 use crate::attention::masks::MASKED_SCORE;
@@ -26,12 +26,7 @@ pub fn causal_self_attention(
     heads: usize,
     dropout: &Dropout,
 ) -> Result<Tensor<3>, Tensor<3>> {
-    // Dropout as `Dropout::forward` applies it: in training mode, under autodiff.
-    let drop = if dropout.training.is_enabled() && qkv.device().is_autodiff() {
-        dropout.prob
-    } else {
-        0.0
-    };
+    let drop = applied(dropout, &qkv.device());
     #[cfg(feature = "cube")]
     let qkv = match super::cube::attention::causal_self_attention(qkv, heads, drop) {
         Ok(context) => return Ok(context),
@@ -81,19 +76,25 @@ pub fn cached_causal_attention(
     start: usize,
     dropout: &Dropout,
 ) -> Tensor<4> {
-    // Dropout (as `Dropout::forward` applies it) is left to the reference.
-    let inactive =
-        !dropout.training.is_enabled() || !q.device().is_autodiff() || dropout.prob == 0.0;
+    // Dropout, where it applies, is left to the reference.
     #[cfg(feature = "cube")]
-    let (q, k, v) = match inactive {
+    let (q, k, v) = match applied(dropout, &q.device()) == 0.0 {
         true => match super::cube::attention::cached_causal_attention(q, k, v, start) {
             Ok(context) => return context,
             Err(qkv) => qkv,
         },
         false => (q, k, v),
     };
-    let _ = inactive;
     cached_causal_attention_reference(q, k, v, start, Some(dropout))
+}
+
+/// The probability with which `dropout` drops on `device`, as `Dropout::forward` decides it:
+/// its own in training mode under autodiff, else 0.
+fn applied(dropout: &Dropout, device: &Device) -> f64 {
+    match dropout.training.is_enabled() && device.is_autodiff() {
+        true => dropout.prob,
+        false => 0.0,
+    }
 }
 
 /// [`cached_causal_attention`] in Burn's tensor ops, on every backend: scores, a mask of the

@@ -3,19 +3,6 @@
 
 use burn::tensor::{Device, Tensor, TensorData};
 
-/// [`agrees_on`] flex, flex + autodiff and flex + autodiff + checkpointing.
-#[cfg(feature = "flex")]
-pub(crate) fn agrees_with_burn(
-    x: &TensorData,
-    g: &TensorData,
-    ours: impl Fn(Tensor<3>) -> Tensor<3>,
-    burns: impl Fn(Tensor<3>) -> Tensor<3>,
-    tolerance: f32,
-    what: &str,
-) {
-    agrees_on(&Device::flex(), x, g, ours, burns, tolerance, what)
-}
-
 /// Asserts that `ours` and `burns` give the same output on `x`, and (under autodiff) the same
 /// gradient of `sum(output * g)` with respect to `x`, within `tolerance` times the reference's
 /// largest magnitude (at least 1), on `device` plain, with autodiff and with autodiff and

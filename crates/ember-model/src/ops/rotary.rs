@@ -63,7 +63,7 @@ fn turn_qk(qkv: Tensor<3>, heads: usize, turn: impl Fn(Tensor<4>) -> Tensor<4>) 
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
-    use crate::ops::check::agrees_with_burn;
+    use crate::ops::check::agrees_on;
     use burn::tensor::{Device, Distribution};
 
     /// The op (ember's kernel on flex) against its reference, output and gradient.
@@ -73,7 +73,8 @@ mod tests {
             Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &Device::flex()).into_data()
         };
         let (x, g) = (draw([2, 5, 3 * 12]), draw([2, 5, 3 * 12]));
-        agrees_with_burn(
+        agrees_on(
+            &Device::flex(),
             &x,
             &g,
             |qkv| rotate_qk(qkv, 3, 4, 10000.0),

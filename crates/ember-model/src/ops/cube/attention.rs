@@ -31,7 +31,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Distribution, Shape, Tensor};
+use burn::tensor::{DType, Device, Distribution, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 use burn_cubecl::kernel::into_contiguous;
@@ -54,9 +54,9 @@ pub(crate) fn causal_self_attention(
     heads: usize,
     dropout: f64,
 ) -> Result<Tensor<3>, Tensor<3>> {
-    let seed = (dropout > 0.0)
-        .then(|| Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), &qkv.device()));
-    seeded(qkv, heads, dropout, seed)
+    seeded(qkv, heads, dropout, |device| {
+        Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), device)
+    })
 }
 
 /// `softmax(Q K^T / sqrt(K) + mask) V` for `T` queries at positions `start..start + T` over a
@@ -89,13 +89,14 @@ pub(crate) fn cached_causal_attention(
     Ok(Tensor::from_dispatch(context))
 }
 
-/// [`causal_self_attention`] with the dropout seed given: a uniform number in `[0, 1)` (its
-/// first 24 bits are used); `None` without dropout.
+/// [`causal_self_attention`] with the dropout seed drawn by `seed` on the tensor's device: a
+/// uniform number in `[0, 1)` (its first 24 bits are used), drawn only where the kernels take
+/// the tensor and drop (so other backends' random numbers are left as they were).
 fn seeded(
     qkv: Tensor<3>,
     heads: usize,
     dropout: f64,
-    seed: Option<Tensor<1>>,
+    seed: impl FnOnce(&Device) -> Tensor<1>,
 ) -> Result<Tensor<3>, Tensor<3>> {
     let [_, t, d3] = qkv.dims();
     if t == 0 || d3 == 0 || !super::kernels_take(&qkv) || !(0.0..1.0).contains(&dropout) {
@@ -106,9 +107,9 @@ fn seeded(
         "fused attention: {d3} columns do not split into Q, K, V of {heads} heads"
     );
     // Without dropout the kernels never read the seed: any tensor will do.
-    let seed = match seed {
-        Some(seed) if dropout > 0.0 => seed.into_dispatch(),
-        _ => qkv.clone().into_dispatch(),
+    let seed = match dropout > 0.0 {
+        true => seed(&qkv.device()).into_dispatch(),
+        false => qkv.clone().into_dispatch(),
     };
     let out = <Dispatch as AttentionKernels>::causal_self_attention(
         qkv.into_dispatch(),
@@ -197,9 +198,9 @@ impl AttentionKernels for CubeBackend {
         dropout: f32,
     ) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
-        let dims = Dims::of(&qkv, heads, dropout);
-        let out = dims.empty(&qkv, [dims.b, dims.t, dims.d]);
-        let lse = dims.empty(&qkv, [dims.b, heads, dims.t]);
+        let dims = Dims::of(&qkv, heads);
+        let out = empty(&qkv, [dims.b, dims.t, dims.d]);
+        let lse = empty(&qkv, [dims.b, heads, dims.t]);
         let (count, dim) = dims.launch_size(&qkv);
         kernels::attention_forward::launch::<f32>(
             &qkv.client.clone(),
@@ -210,8 +211,8 @@ impl AttentionKernels for CubeBackend {
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             dims.scale(),
-            dims.threshold(),
-            dims.keep_scale(),
+            dropout_threshold(dropout),
+            1.0 / (1.0 - dropout),
             dims.k(),
             heads,
             dropout > 0.0,
@@ -229,9 +230,9 @@ impl AttentionKernels for CubeBackend {
         dropout: f32,
     ) -> CubeTensor {
         let [qkv, out, lse, grad] = [qkv, out, lse, grad].map(into_contiguous);
-        let dims = Dims::of(&qkv, heads, dropout);
-        let dqkv = dims.empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
-        let delta = dims.empty(&qkv, [dims.b, heads, dims.t]);
+        let dims = Dims::of(&qkv, heads);
+        let dqkv = empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
+        let delta = empty(&qkv, [dims.b, heads, dims.t]);
         let client = qkv.client.clone();
         let (count, dim) = dims.launch_size(&qkv);
         kernels::attention_backward_query::launch::<f32>(
@@ -246,8 +247,8 @@ impl AttentionKernels for CubeBackend {
             delta.clone().into_tensor_arg(),
             dqkv.clone().into_tensor_arg(),
             dims.scale(),
-            dims.threshold(),
-            dims.keep_scale(),
+            dropout_threshold(dropout),
+            1.0 / (1.0 - dropout),
             dims.k(),
             heads,
             dropout > 0.0,
@@ -263,8 +264,8 @@ impl AttentionKernels for CubeBackend {
             delta.into_tensor_arg(),
             dqkv.clone().into_tensor_arg(),
             dims.scale(),
-            dims.threshold(),
-            dims.keep_scale(),
+            dropout_threshold(dropout),
+            1.0 / (1.0 - dropout),
             dims.k(),
             heads,
             dropout > 0.0,
@@ -280,15 +281,8 @@ impl AttentionKernels for CubeBackend {
     ) -> CubeTensor {
         let [b, heads, t, head] = q.shape().dims::<4>();
         assert_eq!(q.dtype(), DType::F32, "cached attention kernel: f32 only");
-        let out = empty_device_contiguous_dtype(
-            q.client.clone(),
-            q.device.clone(),
-            Shape::new([b, heads, t, head]),
-            DType::F32,
-        );
-        let rows = b * heads * t;
-        let dim = CubeDim::new(&q.client, rows);
-        let count = calculate_cube_count_elemwise(&q.client, rows, dim);
+        let out = empty(&q, [b, heads, t, head]);
+        let (count, dim) = launch_size(&q, b * heads * t);
         kernels::cached_attention::launch::<f32>(
             &q.client.clone(),
             count,
@@ -399,17 +393,16 @@ impl<B: AttentionKernels> Backward<B, 1> for FusedAttention {
     }
 }
 
-/// The sizes of one call.
+/// The sizes of one call of the training kernels.
 struct Dims {
     b: usize,
     t: usize,
     d: usize,
     heads: usize,
-    dropout: f32,
 }
 
 impl Dims {
-    fn of(qkv: &CubeTensor, heads: usize, dropout: f32) -> Self {
+    fn of(qkv: &CubeTensor, heads: usize) -> Self {
         let [b, t, d3] = qkv.shape().dims::<3>();
         assert_eq!(qkv.dtype(), DType::F32, "fused attention kernels: f32 only");
         Dims {
@@ -417,7 +410,6 @@ impl Dims {
             t,
             d: d3 / 3,
             heads,
-            dropout,
         }
     }
 
@@ -429,32 +421,26 @@ impl Dims {
         1.0 / (self.k() as f32).sqrt()
     }
 
-    /// A weight is dropped when its hash is below this (of 2^32).
-    fn threshold(&self) -> u32 {
-        dropout_threshold(self.dropout)
-    }
-
-    /// What a kept weight is multiplied by.
-    fn keep_scale(&self) -> f32 {
-        1.0 / (1.0 - self.dropout)
-    }
-
-    /// A new contiguous `f32` tensor of `shape` on `like`'s device.
-    fn empty<const N: usize>(&self, like: &CubeTensor, shape: [usize; N]) -> CubeTensor {
-        empty_device_contiguous_dtype(
-            like.client.clone(),
-            like.device.clone(),
-            Shape::new(shape),
-            DType::F32,
-        )
-    }
-
-    /// Cubes and units for one unit per row of every head of every sequence.
+    /// One unit per row of every head of every sequence.
     fn launch_size(&self, like: &CubeTensor) -> (CubeCount, CubeDim) {
-        let rows = self.b * self.heads * self.t;
-        let dim = CubeDim::new(&like.client, rows);
-        (calculate_cube_count_elemwise(&like.client, rows, dim), dim)
+        launch_size(like, self.b * self.heads * self.t)
     }
+}
+
+/// A new contiguous `f32` tensor of `shape` on `like`'s device.
+fn empty<const N: usize>(like: &CubeTensor, shape: [usize; N]) -> CubeTensor {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new(shape),
+        DType::F32,
+    )
+}
+
+/// Cubes and units for one unit per each of `rows` rows.
+fn launch_size(like: &CubeTensor, rows: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(&like.client, rows);
+    (calculate_cube_count_elemwise(&like.client, rows, dim), dim)
 }
 
 /// The hash threshold for dropping with probability `dropout`: `dropout * 2^32`, rounded.
@@ -489,20 +475,104 @@ mod kernels {
         x
     }
 
-    /// The seed's 24 bits, hashed once per unit.
-    #[cube]
-    fn seed_of<F: Float>(seed: &Tensor<F>) -> u32 {
-        mix(u32::cast_from(seed[0] * F::new(16_777_216.0)))
+    /// The dropout mask of one kernel call.
+    #[derive(CubeType, Clone, Copy)]
+    struct Mask<F: Float> {
+        /// The seed's 24 bits, hashed.
+        seed: u32,
+        threshold: u32,
+        keep_scale: F,
     }
 
-    /// What weight `index` is multiplied by after dropout: 0 or `keep_scale`.
     #[cube]
-    fn kept<F: Float>(seed: u32, index: usize, threshold: u32, keep_scale: F) -> F {
-        let mut factor = F::new(0.0);
-        if mix(seed ^ (index as u32)) >= threshold {
-            factor = keep_scale;
+    impl<F: Float> Mask<F> {
+        fn new(
+            seed: &Tensor<F>,
+            threshold: u32,
+            keep_scale: f32,
+            #[comptime] dropout: bool,
+        ) -> Mask<F> {
+            let mut hashed = 0u32;
+            if dropout {
+                hashed = mix(u32::cast_from(seed[0] * F::new(16_777_216.0)));
+            }
+            Mask::<F> {
+                seed: hashed,
+                threshold,
+                keep_scale: F::cast_from(keep_scale),
+            }
         }
-        factor
+
+        /// What weight `index` is multiplied by: 1 without dropout, else 0 or `keep_scale`.
+        fn factor(&self, index: usize, #[comptime] dropout: bool) -> F {
+            let mut factor = F::new(1.0);
+            if dropout {
+                factor = F::new(0.0);
+                if mix(self.seed ^ (index as u32)) >= self.threshold {
+                    factor = self.keep_scale;
+                }
+            }
+            factor
+        }
+    }
+
+    /// Where row `row = (b * H + h) * T + r` of a training kernel reads and writes: `r`, and
+    /// the offsets of row 0 of its head's Q, K and V columns in `[B, T, 3D]` and of its output
+    /// columns in `[B, T, D]` (row `n` of each is `3D` or `D` further per row).
+    #[derive(CubeType, Clone, Copy)]
+    struct Head {
+        r: usize,
+        q0: usize,
+        k0: usize,
+        v0: usize,
+        o0: usize,
+    }
+
+    #[cube]
+    fn head_of(row: usize, t: usize, #[comptime] k: usize, #[comptime] heads: usize) -> Head {
+        let d = heads * k;
+        let h = (row / t) % heads;
+        let b = row / t / heads;
+        let q0 = b * t * 3 * d + h * k;
+        Head {
+            r: row % t,
+            q0,
+            k0: q0 + d,
+            v0: q0 + 2 * d,
+            o0: b * t * d + h * k,
+        }
+    }
+
+    /// `a[ai..ai + k] . b[bi..bi + k]`.
+    #[cube]
+    fn dot<F: Float>(
+        a: &Tensor<F>,
+        ai: usize,
+        b: &Tensor<F>,
+        bi: usize,
+        #[comptime] k: usize,
+    ) -> F {
+        let mut sum = F::new(0.0);
+        #[unroll]
+        for c in 0..k {
+            sum += a[ai + c] * b[bi + c];
+        }
+        sum
+    }
+
+    /// One key into a running softmax whose maximum is `m` (`first`: nothing seen yet):
+    /// the new maximum, the factor that rescales what was accumulated, and the key's weight.
+    #[cube]
+    fn online_step<F: Float>(m: F, s: F, first: bool) -> (F, F, F) {
+        let mut m_new = s;
+        let mut correction = F::new(0.0);
+        if !first {
+            if m > s {
+                m_new = m;
+            }
+            correction = F::exp(m - m_new);
+        }
+        (m_new, correction, F::exp(s - m_new))
     }
 
     /// Forward pass: one unit per query row `(b, h, i)`, a running softmax over keys `0..=i`.
@@ -526,21 +596,13 @@ mod kernels {
         }
         let t = qkv.shape(1);
         let d = heads * k;
-        let i = row % t;
-        let h = (row / t) % heads;
-        let seq = (row / t / heads) * t * 3 * d;
-        let q = seq + i * 3 * d + h * k;
-        let keys = seq + d + h * k;
-        let values = seq + 2 * d + h * k;
+        let at = head_of(row, t, k, heads);
+        let i = at.r;
+        let q = at.q0 + i * 3 * d;
         let scale = F::cast_from(scale);
-        let keep_scale = F::cast_from(keep_scale);
-        let mut hashed = 0u32;
-        if dropout {
-            hashed = seed_of::<F>(seed);
-        }
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        // A running maximum `m`, sum `l` and output `acc` over the keys seen so far; the first
-        // key's score starts the maximum (every row sees key 0).
+        // A running maximum `m`, sum `l` and output `acc` over the keys seen so far.
         let mut m = F::new(0.0);
         let mut l = F::new(0.0);
         let mut acc = Array::<F>::new(k);
@@ -549,35 +611,18 @@ mod kernels {
             acc[c] = F::new(0.0);
         }
         for j in 0..i + 1 {
-            let kj = keys + j * 3 * d;
-            let vj = values + j * 3 * d;
-            let mut dot = F::new(0.0);
-            #[unroll]
-            for c in 0..k {
-                dot += qkv[q + c] * qkv[kj + c];
-            }
-            let s = dot * scale;
-            let mut m_new = s;
-            let mut correction = F::new(0.0);
-            if j > 0 {
-                if m > s {
-                    m_new = m;
-                }
-                correction = F::exp(m - m_new);
-            }
-            let p = F::exp(s - m_new);
+            let vj = at.v0 + j * 3 * d;
+            let s = dot::<F>(qkv, q, qkv, at.k0 + j * 3 * d, k) * scale;
+            let (m_new, correction, p) = online_step::<F>(m, s, j == 0);
             l = l * correction + p;
-            let mut weight = p;
-            if dropout {
-                weight = p * kept::<F>(hashed, row * t + j, threshold, keep_scale);
-            }
+            let weight = p * mask.factor(row * t + j, dropout);
             #[unroll]
             for c in 0..k {
                 acc[c] = acc[c] * correction + weight * qkv[vj + c];
             }
             m = m_new;
         }
-        let o = (row / t / heads) * t * d + i * d + h * k;
+        let o = at.o0 + i * d;
         #[unroll]
         for c in 0..k {
             out[o + c] = acc[c] / l;
@@ -629,16 +674,7 @@ mod kernels {
             for c in 0..head {
                 dot += q[qi + c * qc] * k[kj + c * kc];
             }
-            let s = dot * scale;
-            let mut m_new = s;
-            let mut correction = F::new(0.0);
-            if j > 0 {
-                if m > s {
-                    m_new = m;
-                }
-                correction = F::exp(m - m_new);
-            }
-            let p = F::exp(s - m_new);
+            let (m_new, correction, p) = online_step::<F>(m, dot * scale, j == 0);
             l = l * correction + p;
             #[unroll]
             for c in 0..head {
@@ -676,25 +712,14 @@ mod kernels {
         }
         let t = qkv.shape(1);
         let d = heads * k;
-        let i = row % t;
-        let h = (row / t) % heads;
-        let seq = (row / t / heads) * t * 3 * d;
-        let q = seq + i * 3 * d + h * k;
-        let keys = seq + d + h * k;
-        let values = seq + 2 * d + h * k;
-        let o = (row / t / heads) * t * d + i * d + h * k;
+        let at = head_of(row, t, k, heads);
+        let i = at.r;
+        let q = at.q0 + i * 3 * d;
+        let o = at.o0 + i * d;
         let scale = F::cast_from(scale);
-        let keep_scale = F::cast_from(keep_scale);
-        let mut hashed = 0u32;
-        if dropout {
-            hashed = seed_of::<F>(seed);
-        }
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        let mut di = F::new(0.0);
-        #[unroll]
-        for c in 0..k {
-            di += grad[o + c] * out[o + c];
-        }
+        let di = dot::<F>(grad, o, out, o, k);
         delta[row] = di;
         let li = lse[row];
         let mut acc = Array::<F>::new(k);
@@ -703,19 +728,10 @@ mod kernels {
             acc[c] = F::new(0.0);
         }
         for j in 0..i + 1 {
-            let kj = keys + j * 3 * d;
-            let vj = values + j * 3 * d;
-            let mut dot = F::new(0.0);
-            let mut dp = F::new(0.0);
-            #[unroll]
-            for c in 0..k {
-                dot += qkv[q + c] * qkv[kj + c];
-                dp += grad[o + c] * qkv[vj + c];
-            }
-            if dropout {
-                dp *= kept::<F>(hashed, row * t + j, threshold, keep_scale);
-            }
-            let ds = F::exp(dot * scale - li) * (dp - di);
+            let kj = at.k0 + j * 3 * d;
+            let s = dot::<F>(qkv, q, qkv, kj, k) * scale;
+            let dp = dot::<F>(grad, o, qkv, at.v0 + j * 3 * d, k);
+            let ds = F::exp(s - li) * (dp * mask.factor(row * t + j, dropout) - di);
             #[unroll]
             for c in 0..k {
                 acc[c] += ds * qkv[kj + c];
@@ -751,19 +767,13 @@ mod kernels {
         }
         let t = qkv.shape(1);
         let d = heads * k;
-        let j = row % t;
-        let h = (row / t) % heads;
-        let b = row / t / heads;
-        let seq = b * t * 3 * d;
-        let kj = seq + j * 3 * d + d + h * k;
-        let vj = kj + d;
+        let at = head_of(row, t, k, heads);
+        let j = at.r;
+        let kj = at.k0 + j * 3 * d;
+        let vj = at.v0 + j * 3 * d;
         let first = row - j; // query row 0 of this (b, h)
         let scale = F::cast_from(scale);
-        let keep_scale = F::cast_from(keep_scale);
-        let mut hashed = 0u32;
-        if dropout {
-            hashed = seed_of::<F>(seed);
-        }
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
         let mut dk = Array::<F>::new(k);
         let mut dv = Array::<F>::new(k);
@@ -773,20 +783,12 @@ mod kernels {
             dv[c] = F::new(0.0);
         }
         for i in j..t {
-            let q = seq + i * 3 * d + h * k;
-            let o = b * t * d + i * d + h * k;
-            let mut dot = F::new(0.0);
-            let mut dp = F::new(0.0);
-            #[unroll]
-            for c in 0..k {
-                dot += qkv[q + c] * qkv[kj + c];
-                dp += grad[o + c] * qkv[vj + c];
-            }
-            let p = F::exp(dot * scale - lse[first + i]);
-            let mut factor = F::new(1.0);
-            if dropout {
-                factor = kept::<F>(hashed, (first + i) * t + j, threshold, keep_scale);
-            }
+            let q = at.q0 + i * 3 * d;
+            let o = at.o0 + i * d;
+            let s = dot::<F>(qkv, q, qkv, kj, k) * scale;
+            let dp = dot::<F>(grad, o, qkv, vj, k);
+            let p = F::exp(s - lse[first + i]);
+            let factor = mask.factor((first + i) * t + j, dropout);
             let ds = p * (dp * factor - delta[first + i]);
             #[unroll]
             for c in 0..k {
@@ -910,8 +912,8 @@ mod tests {
                 &x,
                 &g,
                 |qkv| {
-                    let seed = Tensor::<1>::from_floats([seed], &qkv.device());
-                    seeded(qkv, heads, p as f64, Some(seed)).expect("a wgpu f32 tensor")
+                    let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
+                    seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
                 },
                 |qkv| {
                     let on = qkv.device();

@@ -275,7 +275,7 @@ fn at(xs: &[f32], offset: usize) -> *const f32 {
 mod tests {
     use super::*;
     use crate::attention::{causal_attention, causal_mask};
-    use crate::ops::check::agrees_with_burn;
+    use crate::ops::check::agrees_on;
     use crate::scaled_dot_product_attention;
     use burn::tensor::{Device, Distribution};
 
@@ -308,7 +308,8 @@ mod tests {
                     .into_data()
             };
             let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
-            agrees_with_burn(
+            agrees_on(
+                &Device::flex(),
                 &x,
                 &g,
                 |qkv| causal_self_attention(qkv, heads).expect("a flex tensor"),
@@ -317,7 +318,8 @@ mod tests {
                 &format!("{b}x{t}, {heads} heads of {k}"),
             );
             // The op's reference implementation (what every other backend runs) as well.
-            agrees_with_burn(
+            agrees_on(
+                &Device::flex(),
                 &x,
                 &g,
                 |qkv| causal_self_attention(qkv, heads).expect("a flex tensor"),

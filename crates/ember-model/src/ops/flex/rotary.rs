@@ -141,7 +141,7 @@ fn rotate(x: FlexTensor, rot: Rotation, inverse: bool) -> FlexTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::check::agrees_with_burn;
+    use crate::ops::check::agrees_on;
     use burn::tensor::{Device, Distribution};
 
     /// Output and gradient against `apply_rotary` on flex, flex + autodiff and flex + autodiff +
@@ -161,7 +161,8 @@ mod tests {
                     .into_data()
             };
             let (x, g) = (draw([b, t, 3 * d]), draw([b, t, 3 * d]));
-            agrees_with_burn(
+            agrees_on(
+                &Device::flex(),
                 &x,
                 &g,
                 |qkv| rotate_qk(qkv, heads, start, 10000.0).expect("a flex tensor"),
