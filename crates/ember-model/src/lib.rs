@@ -28,6 +28,7 @@ pub mod loss;
 pub mod models;
 pub mod ops;
 pub mod positions;
+pub mod precision;
 pub mod summary;
 
 pub use attention::{

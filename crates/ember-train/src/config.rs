@@ -7,6 +7,7 @@ use ember_model::DecoderOnlyConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError, value_err};
+use crate::precision::Precision;
 use crate::schedule::{Schedule, ScheduleKind};
 
 /// A whole run: what to train, on what, and how.
@@ -126,6 +127,9 @@ pub struct TrainingConfig {
     /// Stop once this many evaluations in a row have not lowered the best validation loss
     /// (the best checkpoint is kept either way). Default: off.
     pub early_stop_patience: Option<u64>,
+    /// Float type of the products: `f32` (default) or `bf16` (bf16 products with `f32`
+    /// weights, optimizer state, norms, softmax and loss; for GPUs). See [`Precision`].
+    pub precision: Precision,
 }
 
 impl Default for TrainingConfig {
@@ -153,6 +157,7 @@ impl Default for TrainingConfig {
             keep_checkpoints: 2,
             log_interval: 10,
             early_stop_patience: None,
+            precision: Precision::F32,
         }
     }
 }

@@ -48,7 +48,8 @@ pub fn accumulate<T: Task>(
         (j as u64..n)
             .step_by(k as usize)
             .map(|micro| {
-                let (loss, tokens) = task.train_loss(&model, step, micro, &device);
+                let compute = config.precision.compute(&model);
+                let (loss, tokens) = task.train_loss(&compute, step, micro, &device);
                 let loss = loss.div_scalar(n as f64);
                 let grads =
                     GradientsParams::from_grads(loss.backward(), &model).to_device(&main, &model);

@@ -8,6 +8,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, Tensor};
 
 use crate::error::Result;
+use crate::precision::Precision;
 
 /// Which part of the data an evaluation reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,23 +54,27 @@ pub trait Task: Sync {
 /// Salt that separates dropout seeds from batch seeds.
 pub(crate) const DROPOUT_SALT: u64 = 0x0D20_0F00;
 
-/// Forward and backward over `n` micro-batches; the loss is their mean.
+/// Forward and backward over `n` micro-batches at `precision`; the loss is their mean.
 pub(crate) fn accumulate<T: Task>(
     task: &T,
     model: &T::Model,
     step: u64,
     n: usize,
+    precision: Precision,
 ) -> (Tensor<1>, usize, GradientsParams) {
     let device = param_device(model);
+    // Each forward pass runs a fresh `compute` model (a backward pass consumes the casts of a
+    // bf16 view); the gradients are read off `model`'s own parameters.
     if n == 1 {
-        let (loss, tokens) = task.train_loss(model, step, 0, &device);
+        let (loss, tokens) = task.train_loss(&precision.compute(model), step, 0, &device);
         let grads = GradientsParams::from_grads(loss.backward(), model);
         return (loss.detach(), tokens, grads);
     }
     combine(
         model,
         (0..n as u64).map(|micro| {
-            let (loss, tokens) = task.train_loss(model, step, micro, &device);
+            let compute = precision.compute(model);
+            let (loss, tokens) = task.train_loss(&compute, step, micro, &device);
             let loss = loss.div_scalar(n as f64);
             let grads = GradientsParams::from_grads(loss.backward(), model);
             (loss.detach(), tokens, grads)

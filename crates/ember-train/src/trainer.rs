@@ -98,6 +98,7 @@ impl Launch {
         if let Some(name) = &self.device {
             training.device = name.clone();
         }
+        training.precision.check(&devices, &training.device)?;
         let folder = crate::run_folder::RunFolder::claim(&self.out_dir, self.reuse())?;
         Ok((devices, folder))
     }
@@ -162,7 +163,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         let (loss, tokens, mut grads) = if options.devices.len() > 1 {
             crate::parallel::accumulate(task, &model, step, config, &options.devices)
         } else {
-            accumulate(task, &model, step, config.grad_accum)
+            accumulate(task, &model, step, config.grad_accum, config.precision)
         };
         let norm = clip_global_norm(&model, &mut grads, config.grad_clip);
         let lr = schedule.at(step);
@@ -183,7 +184,8 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         }
         let mut improved = false;
         if state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps {
-            let (train, val) = evaluate(task, &model, config.eval_batches, state.step, &bar);
+            let eval_model = config.precision.compute(&model.valid());
+            let (train, val) = evaluate(task, &eval_model, config.eval_batches, state.step, &bar);
             metrics.append(&clock.eval_record(state.step, lr, train, val))?;
             (train_loss, val_loss) = (Some(train), Some(val));
             state.val_loss = val_loss;
@@ -228,19 +230,19 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     Ok(summary)
 }
 
-/// Training and validation loss of `model` over `batches` batches each (the task's extra
-/// figures too), printed as the evaluation line of `step`.
+/// Training and validation loss of `eval_model` (without autodiff, at the run's precision) over
+/// `batches` batches each (the task's extra figures too), printed as the evaluation line of
+/// `step`.
 fn evaluate<T: Task>(
     task: &T,
-    model: &T::Model,
+    eval_model: &T::Model,
     batches: usize,
     step: u64,
     bar: &ProgressBar,
 ) -> (f64, f64) {
-    let eval_model = model.valid();
-    let train = task.eval_loss(&eval_model, Split::Train, batches);
-    let val = task.eval_loss(&eval_model, Split::Val, batches);
-    let extra = task.extra_eval(&eval_model);
+    let train = task.eval_loss(eval_model, Split::Train, batches);
+    let val = task.eval_loss(eval_model, Split::Val, batches);
+    let extra = task.extra_eval(eval_model);
     let extra: String = extra.iter().map(|(k, v)| format!(", {k} {v:.2}")).collect();
     say(
         bar,

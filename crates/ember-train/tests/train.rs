@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
-use ember_train::{Launch, RunConfig, load_lm, train_lm};
+use ember_train::{Launch, Precision, RunConfig, load_lm, train_lm};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -226,6 +226,60 @@ fn two_devices_train_like_one() {
         "{err}"
     );
     for dir in [one, two, start] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
+fn bf16_products_learn_like_f32_and_train_f32_weights() {
+    let _rng = rng_lock();
+    let run = |precision: Precision, out: &Path| {
+        let mut config = tiny();
+        config.training.precision = precision;
+        train_lm(config, &Launch::new(out)).unwrap()
+    };
+    let (f32_out, bf16_out) = (out_dir("f32"), out_dir("bf16"));
+    let exact = run(Precision::F32, &f32_out).val_loss.unwrap();
+    let mixed = run(Precision::Bf16, &bf16_out).val_loss.unwrap();
+    assert!(mixed < 2.75, "bf16 val loss {mixed} after 300 steps");
+    assert!(
+        (mixed - exact).abs() < 0.1,
+        "bf16 val loss {mixed} against f32 {exact}"
+    );
+    // The runs differ (the products were rounded), and the saved weights are f32 ones: bf16
+    // keeps only the top 16 bits of an f32, and most updated weights use the lower ones too.
+    let (a, b) = (params(&f32_out), params(&bf16_out));
+    assert!(max_diff(&a, &b) > 1e-4);
+    let below_bf16 = b.iter().filter(|x| x.to_bits() & 0xffff != 0).count();
+    assert!(
+        below_bf16 > b.len() / 2,
+        "only {below_bf16} of {} weights use f32's lower bits",
+        b.len()
+    );
+
+    // A bf16 run resumes exactly too.
+    let mut config = tiny();
+    config.training.precision = Precision::Bf16;
+    config.training.max_steps = 20;
+    config.training.checkpoint_interval = 10;
+    config.training.eval_interval = 20;
+    config.training.grad_accum = 2;
+    config.model.dropout = 0.1;
+    let whole = out_dir("bf16-whole");
+    train_lm(config.clone(), &Launch::new(&whole)).unwrap();
+    let split = out_dir("bf16-split");
+    let stop = Launch {
+        stop_after: Some(10),
+        ..Launch::new(&split)
+    };
+    train_lm(config.clone(), &stop).unwrap();
+    let resume = Launch {
+        resume: true,
+        ..Launch::new(&split)
+    };
+    train_lm(config, &resume).unwrap();
+    assert_eq!(max_diff(&params(&whole), &params(&split)), 0.0);
+    for dir in [f32_out, bf16_out, whole, split] {
         let _ = std::fs::remove_dir_all(dir);
     }
 }

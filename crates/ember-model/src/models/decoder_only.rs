@@ -122,7 +122,7 @@ impl DecoderOnly {
             Some(pads) => combine_pads(pad, left_padding_mask(pads, start + t, &device)),
             None => pad,
         };
-        let mut x = self.wte.forward(tokens); // [B, T, D]
+        let mut x = crate::ops::embed(&self.wte, tokens); // [B, T, D]
         if let Some(wpe) = &self.wpe {
             x = x + match &row_starts {
                 Some(starts) => wpe.forward_rows(starts, t, &device),

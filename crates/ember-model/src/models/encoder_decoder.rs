@@ -229,7 +229,7 @@ impl EncoderDecoder {
             start + t,
             self.max_positions
         );
-        let mut x = table.forward(tokens).mul_scalar(self.embed_scale);
+        let mut x = crate::ops::embed(table, tokens).mul_scalar(self.embed_scale);
         if let Some(positions) = &self.positions {
             x = x + positions.forward(start, t, &device);
         }

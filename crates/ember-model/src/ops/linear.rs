@@ -6,7 +6,7 @@
 //! product, forward and backward.
 
 use burn::nn::Linear;
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 
 use super::kernels_take;
 
@@ -26,11 +26,25 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
 /// - weight: `[d_input, d_output]` (a slice or transposed view is read in place)
 /// - bias: `[d_output]`
 /// - output: `[..., d_output]`
+///
+/// A weight held in another float type than `x` (mixed precision, see [`crate::precision`])
+/// sets the product's type: `x` is rounded to it, and the result and the bias are in `x`'s.
 pub fn affine<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
 ) -> Tensor<D> {
+    let dtype = x.dtype();
+    if weight.dtype() != dtype {
+        // Mixed precision (crate::precision): the product in the weight's type, the result
+        // and the bias in the activation's.
+        let y = affine(x.cast(FloatDType::from(weight.dtype())), weight, None)
+            .cast(FloatDType::from(dtype));
+        return match bias {
+            Some(bias) => y + bias.cast(FloatDType::from(dtype)).unsqueeze::<D>(),
+            None => y,
+        };
+    }
     if D < 2 || !kernels_take(&x) {
         return affine_reference(x, weight, bias);
     }
@@ -53,7 +67,14 @@ pub fn affine<const D: usize>(
 /// - a: `[M, K]`
 /// - b: `[K, N]` (a transposed view is read in place)
 /// - output: `[M, N]`
+///
+/// When `b` (the weight) is held in another float type than `a` (mixed precision, see
+/// [`crate::precision`]), the product runs in `b`'s type and the result has `a`'s.
 pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
+    let dtype = a.dtype();
+    if b.dtype() != dtype {
+        return matmul(a.cast(FloatDType::from(b.dtype())), b).cast(FloatDType::from(dtype));
+    }
     #[cfg(feature = "flex")]
     let (a, b) = match super::flex::matmul::matmul(a, b) {
         Ok(y) => return y,

@@ -18,6 +18,9 @@
 //! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one unit per query row over the cache's whole buffer, online softmax (`cube::attention`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
 //!
+//! Mixed precision ([`crate::precision`]): [`affine`] and [`matmul`] compute in their weight's
+//! float type when it differs from the activation's, and [`embed`] reads tables into `f32`.
+//!
 //! Layout: [`kernels`] holds the backend-free loops over `f32` slices; [`flex`] (feature
 //! `flex`) reaches flex tensors' buffers, wraps the loops as autodiff ops through one helper
 //! (`flex::op`), and checks each against its reference (output and gradients).
@@ -29,6 +32,7 @@
 #![allow(clippy::result_large_err)]
 
 mod attention;
+mod embedding;
 mod gelu;
 mod layer_norm;
 mod linear;
@@ -47,6 +51,7 @@ pub use attention::{
     cached_causal_attention, cached_causal_attention_reference, causal_self_attention,
     causal_self_attention_reference, single_query_attention, single_query_attention_reference,
 };
+pub use embedding::embed;
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::{affine, affine_reference, linear, matmul, matmul_reference};

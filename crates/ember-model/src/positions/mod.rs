@@ -83,7 +83,7 @@ impl AdditivePositions {
         match &self.wpe {
             Some(wpe) => {
                 let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, device);
-                wpe.forward(positions.reshape([1, t]))
+                crate::ops::embed(wpe, positions.reshape([1, t]))
             }
             None => sinusoidal_table(start, t, self.sinusoidal_width, device).unsqueeze(),
         }
@@ -105,7 +105,7 @@ impl AdditivePositions {
                     .flat_map(|&s| (s..s + t as i64).map(|p| p.max(0)))
                     .collect();
                 let positions = Tensor::<1, Int>::from_ints(positions.as_slice(), device);
-                wpe.forward(positions.reshape([b, t]))
+                crate::ops::embed(wpe, positions.reshape([b, t]))
             }
             None => Tensor::stack(
                 starts
