@@ -17,7 +17,8 @@
 # CONFIG the ember config (the PyTorch reference is always the GPU config); STEPS the steps
 # the speed stage times (default 60); PYTHON the PyTorch interpreter and
 # TORCH_DEVICE its device (default cuda); ROUNDS how many times `speed` trains ember with and
-# without its GPU kernels (EMBER_GPU_KERNELS=on/off), alternating (default 1). Backends draw
+# without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
+# (default 1); PRECISION the precision of `full` (f32 or bf16, default f32). Backends draw
 # initial weights from their own random generators, so the two tiny runs of `check` end near
 # each other, not equal; the greedy text of one checkpoint must agree.
 set -euo pipefail
@@ -91,16 +92,19 @@ check() {
 }
 
 speed() {
-    # ember with its GPU kernels (ember-model's ops/cube) and without them (Burn's ops alone),
-    # ROUNDS times alternating; then PyTorch at the precision ember's device computes in (CUDA:
-    # f32 with TF32 tensor-core matmuls on sm80+; Vulkan: plain f32), eager and compiled, and in
-    # bf16 autocast (which ember does not have yet) for the record.
+    # ember in f32 with its GPU kernels (ember-model's ops/cube) and without them (Burn's ops
+    # alone), and with bf16 products (`training.precision = "bf16"`, kernels on), ROUNDS times
+    # alternating; then PyTorch at the precision ember's f32 computes in (CUDA: f32 with TF32
+    # tensor-core matmuls on sm80+; Vulkan: plain f32), eager and compiled, and in bf16 autocast
+    # (ember's bf16 counterpart). A device without bf16 refuses that run in one line.
     for round in $(seq "${ROUNDS:-1}"); do
-        for kernels in on off; do
+        for run in f32:on f32:off bf16:on; do
+            precision=${run%%:*} kernels=${run##*:}
             rm -rf "$RUNS/speed"
-            echo "round $round, EMBER_GPU_KERNELS=$kernels"
+            echo "round $round, precision $precision, EMBER_GPU_KERNELS=$kernels"
             EMBER_GPU_KERNELS=$kernels logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
-                --device "$DEVICE" --out "$RUNS/speed" --stop-after "$STEPS"
+                --device "$DEVICE" --out "$RUNS/speed" --stop-after "$STEPS" \
+                --set "training.precision=\"$precision\"" || continue
             grep -E "^(peak|checkpoint:)" "$RUNS/speed.log"
             ms_per_step "$RUNS/speed"
         done
@@ -128,7 +132,8 @@ speed() {
 full() {
     rm -rf "$RUNS/full"
     start=$(date +%s)
-    logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full"
+    logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full" \
+        --set "training.precision=\"${PRECISION:-f32}\""
     echo "wall: $(($(date +%s) - start)) s"
     grep -E "^(step .*val|done|peak|checkpoint:)" "$RUNS/full.log"
     ms_per_step "$RUNS/full"

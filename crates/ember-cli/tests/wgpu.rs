@@ -12,7 +12,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{ember_ok, repo, temp};
+use common::{assert_clear_error, ember, ember_ok, repo, temp};
 
 /// Train losses logged by a run.
 fn losses(run: &Path) -> Vec<f64> {
@@ -120,5 +120,26 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     eprintln!("eval loss flex {x}, wgpu {y}");
     assert!((x - y).abs() < 1e-5, "eval loss flex {x} vs wgpu {y}");
     assert_eq!(greedy(&cpu, "flex"), greedy(&cpu, "wgpu"));
+    // bf16 products: trained where the adapter has bf16, else refused in one line (lavapipe).
+    let mixed = dir.join("bf16");
+    let out = ember(&[
+        "train",
+        "--config",
+        &tune,
+        "--init-from",
+        start.to_str().unwrap(),
+        "--out",
+        mixed.to_str().unwrap(),
+        "--device",
+        "wgpu",
+        "--set",
+        "training.precision=\"bf16\"",
+    ]);
+    if out.status.success() {
+        let c = losses(&mixed);
+        assert!((c[3] - a[3]).abs() < 0.05, "bf16 {c:?} vs f32 {a:?}");
+    } else {
+        assert_clear_error(&out, &["training.precision", "`wgpu`", "bf16"]);
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -42,7 +42,7 @@ impl Precision {
             let name = names.split(',').nth(i).unwrap_or(names).trim();
             return Err(value_err(
                 "training.precision",
-                format!("\"bf16\": device `{name}` has no bf16 arithmetic; use \"f32\" there"),
+                format!("= \"bf16\": device `{name}` has no bf16 arithmetic; use \"f32\" there"),
             ));
         }
         Ok(())
