@@ -362,6 +362,20 @@ const CASES: &[Case] = &[
         ],
         &["--set training.early_stop_patience=0", "at least 1"],
     ),
+    case(
+        "run folder",
+        "`--set` of a precision ember does not have",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/new-run",
+            "--set",
+            "training.precision=\"fp16\"",
+        ],
+        &["training.precision", "fp16", "`bf16`"],
+    ),
     // Checkpoints.
     case(
         "checkpoint",
