@@ -16,7 +16,7 @@
 //! linear layers in bf16, softmax, layer norm and cross-entropy in f32), made explicit: no global
 //! state, the dtype of a weight says how its product is computed.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{FloatDType, Tensor};
 
 /// `model` with the weights of its `Linear` layers and its `Embedding` tables cast to `dtype`
@@ -25,10 +25,23 @@ use burn::tensor::{FloatDType, Tensor};
 /// (`GradientsParams::from_grads(loss.backward(), &model)`), in their own type. A backward pass
 /// consumes the casts: build one view per forward pass.
 pub fn products_in<M: Module>(model: M, dtype: FloatDType) -> M {
+    // Parameters still waiting for their lazy initialisation are initialised now, all of them
+    // in module order (as a forward pass would): mapping only some would initialise those
+    // first, and the random draws of the others would come in another order.
+    model.visit(&mut Initialize);
     model.map(&mut CastProducts {
         dtype,
         containers: Vec::new(),
     })
+}
+
+/// Touches every float parameter, which initialises a lazy one.
+struct Initialize;
+
+impl ModuleVisitor for Initialize {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let _ = param.val();
+    }
 }
 
 /// Casts the rank-2 parameters found directly inside a `Linear` or an `Embedding`.
@@ -65,7 +78,6 @@ impl ModuleMapper for CastProducts {
 mod tests {
     use super::*;
     use crate::{DecoderOnlyConfig, PositionalKind};
-    use burn::module::ModuleVisitor;
     use burn::optim::GradientsParams;
     use burn::tensor::{DType, Device, Int, TensorData};
 
@@ -126,6 +138,29 @@ mod tests {
             // Every matrix of this model is a linear weight or a table: some were cast.
             assert!(after.iter().any(|&(_, t)| t == DType::BF16));
         }
+    }
+
+    #[test]
+    fn a_view_initialises_every_lazy_parameter_in_module_order() {
+        // Mapping only the matrices would initialise them first and leave the biases for the
+        // forward pass: the random draws would come in another order than without the view.
+        struct Lazy(usize, usize);
+        impl ModuleVisitor for Lazy {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.0 += 1;
+                self.1 += usize::from(!param.is_initialized());
+            }
+        }
+        let model = config(PositionalKind::Learned, false)
+            .init(&Device::flex())
+            .unwrap();
+        let mut before = Lazy(0, 0);
+        model.visit(&mut before);
+        assert!(before.1 > 0, "the model's parameters start lazy");
+        let _view = products_in(model.clone(), FloatDType::BF16);
+        let mut after = Lazy(0, 0);
+        model.visit(&mut after);
+        assert_eq!((after.0, after.1), (before.0, 0));
     }
 
     #[test]

@@ -243,7 +243,7 @@ fn bf16_products_learn_like_f32_and_train_f32_weights() {
     let mixed = run(Precision::Bf16, &bf16_out).val_loss.unwrap();
     assert!(mixed < 2.75, "bf16 val loss {mixed} after 300 steps");
     assert!(
-        (mixed - exact).abs() < 0.1,
+        (mixed - exact).abs() < 0.02,
         "bf16 val loss {mixed} against f32 {exact}"
     );
     // The runs differ (the products were rounded), and the saved weights are f32 ones: bf16
