@@ -85,18 +85,21 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     ]);
     let tune = config("tune.toml", 20, "");
     let (cpu, gpu) = (dir.join("flex"), dir.join("wgpu"));
+    // `ember train` of the tuning config from the start run into `run` on `device`.
+    let tune_on = |run: &Path, device: &str, extra: &[&str]| {
+        let (start, run) = (start.to_str().unwrap(), run.to_str().unwrap());
+        let mut args = vec!["train", "--config", &tune, "--init-from", start];
+        args.extend(["--out", run, "--device", device]);
+        args.extend(extra);
+        ember(&args)
+    };
     for (run, device) in [(&cpu, "flex"), (&gpu, "wgpu")] {
-        ember_ok(&[
-            "train",
-            "--config",
-            &tune,
-            "--init-from",
-            start.to_str().unwrap(),
-            "--out",
-            run.to_str().unwrap(),
-            "--device",
-            device,
-        ]);
+        let out = tune_on(run, device, &[]);
+        assert!(
+            out.status.success(),
+            "ember train on {device} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     // Tolerance: f32 sums in another order, compounded over 20 AdamW steps.
     let (a, b) = (losses(&cpu), losses(&gpu));
@@ -122,19 +125,7 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     assert_eq!(greedy(&cpu, "flex"), greedy(&cpu, "wgpu"));
     // bf16 products: trained where the adapter has bf16, else refused in one line (lavapipe).
     let mixed = dir.join("bf16");
-    let out = ember(&[
-        "train",
-        "--config",
-        &tune,
-        "--init-from",
-        start.to_str().unwrap(),
-        "--out",
-        mixed.to_str().unwrap(),
-        "--device",
-        "wgpu",
-        "--set",
-        "training.precision=\"bf16\"",
-    ]);
+    let out = tune_on(&mixed, "wgpu", &["--set", "training.precision=\"bf16\""]);
     if out.status.success() {
         let c = losses(&mixed);
         assert!((c[3] - a[3]).abs() < 0.05, "bf16 {c:?} vs f32 {a:?}");

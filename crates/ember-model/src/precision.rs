@@ -28,11 +28,17 @@ pub fn products_in<M: Module>(model: M, dtype: FloatDType) -> M {
     // Parameters still waiting for their lazy initialisation are initialised now, all of them
     // in module order (as a forward pass would): mapping only some would initialise those
     // first, and the random draws of the others would come in another order.
-    model.visit(&mut Initialize);
+    initialize(&model);
     model.map(&mut CastProducts {
         dtype,
         containers: Vec::new(),
     })
+}
+
+/// Initialises every lazy parameter of `model`, in module order (a forward pass initialises them
+/// in the order it first reads them).
+pub fn initialize<M: Module>(model: &M) {
+    model.visit(&mut Initialize);
 }
 
 /// Touches every float parameter, which initialises a lazy one.

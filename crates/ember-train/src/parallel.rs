@@ -9,7 +9,7 @@
 //! one device with the same `grad_accum`, up to the order of floating-point sums inside each
 //! device's kernels (on CPU `flex,flex` it is bit for bit the same without dropout).
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 
@@ -36,7 +36,7 @@ pub fn accumulate<T: Task>(
     // Burn initialises parameters lazily, on first use, from the process-wide RNG. Do it here,
     // in order, before the workers start: otherwise the first step's workers would race to
     // initialise the shared parameters while seeding and drawing from the same RNG.
-    model.visit(&mut Materialize);
+    ember_model::precision::initialize(model);
     // Device `j`'s share of the step, on a fork of the model on that device.
     let share = |j: usize, device: &Device, model: T::Model| -> Vec<Micro> {
         let device = device.clone().autodiff();
@@ -86,13 +86,4 @@ pub fn accumulate<T: Task>(
             .into_iter()
             .map(|(_, loss, tokens, grads)| (loss, tokens, grads)),
     )
-}
-
-/// Reads every float parameter, which initialises the ones not initialised yet.
-struct Materialize;
-
-impl ModuleVisitor for Materialize {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let _ = param.val();
-    }
 }

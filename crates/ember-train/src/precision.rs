@@ -1,5 +1,7 @@
 //! `[training] precision`: the float type of the training step's matrix products.
 
+use std::borrow::Cow;
+
 use burn::module::Module;
 use burn::tensor::{Device, FloatDType};
 use serde::{Deserialize, Serialize};
@@ -25,10 +27,13 @@ impl Precision {
     /// The model a step's forward pass runs: `model` itself in `f32`; in `bf16` a view whose
     /// product weights are tracked bf16 casts of `model`'s, so gradients found on `model`'s
     /// parameters (`GradientsParams::from_grads(loss.backward(), model)`) are `f32`.
-    pub fn compute<M: Module + Clone>(self, model: &M) -> M {
+    pub fn compute<M: Module + Clone>(self, model: &M) -> Cow<'_, M> {
         match self {
-            Precision::F32 => model.clone(),
-            Precision::Bf16 => ember_model::precision::products_in(model.clone(), FloatDType::BF16),
+            Precision::F32 => Cow::Borrowed(model),
+            Precision::Bf16 => Cow::Owned(ember_model::precision::products_in(
+                model.clone(),
+                FloatDType::BF16,
+            )),
         }
     }
 

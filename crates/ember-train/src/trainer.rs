@@ -184,7 +184,8 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         }
         let mut improved = false;
         if state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps {
-            let eval_model = config.precision.compute(&model.valid());
+            let valid = model.valid();
+            let eval_model = config.precision.compute(&valid);
             let (train, val) = evaluate(task, &eval_model, config.eval_batches, state.step, &bar);
             metrics.append(&clock.eval_record(state.step, lr, train, val))?;
             (train_loss, val_loss) = (Some(train), Some(val));

@@ -76,6 +76,33 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0f32, f32::max)
 }
 
+/// `config` trained in one go into `{name}whole`, and into `{name}split` stopped after each of
+/// `stops` and resumed to the end; the folders and the step each leg of the split run ended at.
+fn whole_and_resumed(
+    config: &RunConfig,
+    name: &str,
+    stops: &[u64],
+) -> (PathBuf, PathBuf, Vec<u64>) {
+    let whole = out_dir(&format!("{name}whole"));
+    train_lm(config.clone(), &Launch::new(&whole)).unwrap();
+    let split = out_dir(&format!("{name}split"));
+    let legs = stops
+        .iter()
+        .map(|&stop| Some(stop))
+        .chain([None])
+        .enumerate()
+        .map(|(i, stop_after)| {
+            let launch = Launch {
+                resume: i > 0,
+                stop_after,
+                ..Launch::new(&split)
+            };
+            train_lm(config.clone(), &launch).unwrap().step
+        })
+        .collect();
+    (whole, split, legs)
+}
+
 #[test]
 fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
     let _rng = rng_lock();
@@ -86,38 +113,8 @@ fn resumed_run_ends_with_the_parameters_of_an_uninterrupted_one() {
     config.training.grad_accum = 2;
     config.model.dropout = 0.1;
 
-    let whole = out_dir("whole");
-    train_lm(config.clone(), &Launch::new(&whole)).unwrap();
-
-    let split = out_dir("split");
-    let first = train_lm(
-        config.clone(),
-        &Launch {
-            stop_after: Some(10),
-            ..Launch::new(&split)
-        },
-    )
-    .unwrap();
-    assert_eq!(first.step, 10);
-    let second = train_lm(
-        config.clone(),
-        &Launch {
-            resume: true,
-            stop_after: Some(20),
-            ..Launch::new(&split)
-        },
-    )
-    .unwrap();
-    assert_eq!(second.step, 20);
-    let third = train_lm(
-        config,
-        &Launch {
-            resume: true,
-            ..Launch::new(&split)
-        },
-    )
-    .unwrap();
-    assert_eq!(third.step, 30);
+    let (whole, split, legs) = whole_and_resumed(&config, "", &[10, 20]);
+    assert_eq!(legs, [10, 20, 30]);
 
     let (a, b) = (params(&whole), params(&split));
     let diff = max_diff(&a, &b);
@@ -265,19 +262,7 @@ fn bf16_products_learn_like_f32_and_train_f32_weights() {
     config.training.eval_interval = 20;
     config.training.grad_accum = 2;
     config.model.dropout = 0.1;
-    let whole = out_dir("bf16-whole");
-    train_lm(config.clone(), &Launch::new(&whole)).unwrap();
-    let split = out_dir("bf16-split");
-    let stop = Launch {
-        stop_after: Some(10),
-        ..Launch::new(&split)
-    };
-    train_lm(config.clone(), &stop).unwrap();
-    let resume = Launch {
-        resume: true,
-        ..Launch::new(&split)
-    };
-    train_lm(config, &resume).unwrap();
+    let (whole, split, _) = whole_and_resumed(&config, "bf16-", &[10]);
     assert_eq!(max_diff(&params(&whole), &params(&split)), 0.0);
     for dir in [f32_out, bf16_out, whole, split] {
         let _ = std::fs::remove_dir_all(dir);

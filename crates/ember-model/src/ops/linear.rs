@@ -35,9 +35,6 @@ pub fn affine<const D: usize>(
     bias: Option<Tensor<1>>,
 ) -> Tensor<D> {
     let dtype = x.dtype();
-    if std::env::var_os("DBG_MIX").is_some() {
-        eprintln!("affine x {:?} w {:?}", dtype, weight.dtype());
-    }
     if weight.dtype() != dtype {
         // Mixed precision (crate::precision): the product in the weight's type, the result
         // and the bias in the activation's.
