@@ -6,6 +6,7 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh check   # tiny run on flex and on DEVICE, compared
 #   DEVICE=vulkan bash scripts/bench-gpu.sh speed   # ms/step of ember and PyTorch, generation
 #   DEVICE=vulkan bash scripts/bench-gpu.sh full    # nanoGPT's 5000 iterations: time, val loss
+#   DEVICE=vulkan bash scripts/bench-gpu.sh profile # where a step's time goes, kernel by kernel
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #
 # For CUDA: EMBER=./target/cuda/release/ember DEVICE=cuda (the binary `bash scripts/setup-cuda.sh
@@ -18,7 +19,10 @@
 # the speed stage times (default 60); PYTHON the PyTorch interpreter and
 # TORCH_DEVICE its device (default cuda); ROUNDS how many times `speed` trains ember with and
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
-# (default 1); PRECISION the precision of `full` (f32 or bf16, default f32). Backends draw
+# (default 1); PRECISION the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
+# the steps `profile` times (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and
+# PyTorch run on an NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi,
+# polled every 0.2 s: the same yardstick for both, CUDA context included). Backends draw
 # initial weights from their own random generators, so the two tiny runs of `check` end near
 # each other, not equal; the greedy text of one checkpoint must agree.
 set -euo pipefail
@@ -36,13 +40,35 @@ TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 CONFIG=${CONFIG:-configs/shakespeare-char-gpu.toml}
 mkdir -p "$RUNS"
 
+# Runs a command; where nvidia-smi answers, polls the GPU memory its process holds and prints
+# the peak when it ends. Returns the command's status.
+with_gpu_peak() {
+    "$@" &
+    local pid=$! peak=0 used status=0
+    if command -v nvidia-smi >/dev/null; then
+        while kill -0 "$pid" 2>/dev/null; do
+            used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits \
+                2>/dev/null | awk -F', *' -v p="$pid" '$1 == p { print $2 }')
+            if [ -n "$used" ] && [ "$used" -gt "$peak" ]; then
+                peak=$used
+            fi
+            sleep 0.2
+        done
+    fi
+    wait "$pid" || status=$?
+    if command -v nvidia-smi >/dev/null; then
+        echo "peak GPU memory: $peak MiB (nvidia-smi, this process)"
+    fi
+    return "$status"
+}
+
 # Runs a command with its output in log file $1; on failure says so with the log's end.
 logged() {
     local log=$1
     shift
     echo "\$ $*"
     local status=0
-    "$@" >"$log" 2>&1 || status=$?
+    with_gpu_peak "$@" >"$log" 2>&1 || status=$?
     if [ "$status" -ne 0 ]; then
         echo "FAILED (exit status $status); the end of $log:"
         tail -5 "$log"
@@ -116,7 +142,7 @@ speed() {
         torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
             --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "$STEPS" $extra)
         echo "\$ ${torch[*]}"
-        "${torch[@]}" || echo "FAILED: PyTorch $extra"
+        with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch $extra"
     done
     for mode in "" "--no-cache"; do
         # shellcheck disable=SC2086 # $mode is empty or one flag
@@ -140,6 +166,29 @@ full() {
     "$EMBER_GEN" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
 }
 
+# ember's kernel profile of the last PROFILE_STEPS of STEPS steps (`ember train --profile-steps`)
+# in f32 and bf16, then PyTorch's (torch.profiler) at the same precisions.
+profile() {
+    local n=${PROFILE_STEPS:-10}
+    for precision in f32 bf16; do
+        rm -rf "$RUNS/profile"
+        logged "$RUNS/profile.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
+            --out "$RUNS/profile" --stop-after "$STEPS" --profile-steps "$n" \
+            --set "training.precision=\"$precision\"" || continue
+        sed -n '/^kernel profile/,/^checkpoint:/p' "$RUNS/profile.log" | grep -v '^checkpoint:'
+        grep -E "^peak" "$RUNS/profile.log"
+    done
+    precision=fp32
+    [ "${DEVICE%%:*}" = cuda ] && precision=tf32
+    for p in "$precision" bf16; do
+        torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
+            --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps 20 --warmup 10
+            --precision "$p" --profile "$n")
+        echo "\$ ${torch[*]}"
+        "${torch[@]}" || echo "FAILED: PyTorch profile, $p"
+    done
+}
+
 # The PyTorch reference of `full`: the GPU config's 5000 iterations (fp32 eager, as `speed`
 # times), its time and val loss on the same GPU.
 reference() {
@@ -147,9 +196,9 @@ reference() {
         --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps 5000
         --eval-batches 200)
     echo "\$ ${torch[*]}"
-    "${torch[@]}"
+    with_gpu_peak "${torch[@]}"
 }
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|reference}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|reference}"

@@ -177,7 +177,33 @@ def train(args):
                       "precision": args.precision, "compiled": args.compile,
                       "peak_gpu_mib": (torch.cuda.max_memory_allocated() / 2**20
                                        if args.device.startswith("cuda") else None),
+                      "peak_gpu_reserved_mib": (torch.cuda.max_memory_reserved() / 2**20
+                                                if args.device.startswith("cuda") else None),
                       "torch": torch.__version__}))
+    if args.profile:
+        profile_steps(args, forward, opt, train_ids, g)
+
+
+def profile_steps(args, forward, opt, train_ids, g):
+    """`--profile N`: N more steps under torch.profiler, its table of kernels (ops on a CPU) by
+    device time, as `ember train --profile-steps` prints ember's."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile):
+            x, y = batch(train_ids, args.context, args.batch, g, args.device)
+            step(forward, opt, x, y, autocast(args)).item()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    if cuda and not hasattr(events[0], key):
+        key = "self_cuda_time_total"  # older PyTorch
+    print(f"PyTorch profile of {args.profile} steps ({args.precision}"
+          f"{', compiled' if args.compile else ''}), by {key}:")
+    print(events.table(sort_by=key, row_limit=25))
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        print(f"{len(kernels) / args.profile:.0f} kernel launches/step")
 
 
 def quality(args):
@@ -285,6 +311,8 @@ def main():
     p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32",
                    help="train mode: fp32 (TF32 off), fp32 with TF32 matmuls, bf16 autocast")
     p.add_argument("--compile", action="store_true", help="train mode: torch.compile the model")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="train mode: then profile N steps (torch.profiler) and print its table")
     p.add_argument("--position-init", choices=["normal", "sinusoidal"], default="normal",
                    help="how the learned position table starts (quality mode)")
     args = p.parse_args()

@@ -44,6 +44,10 @@ pub struct TrainArgs {
     /// Stop after this step (with a checkpoint), as if interrupted; `--resume` continues.
     #[arg(long, value_name = "STEP", hide = true)]
     stop_after: Option<u64>,
+    /// Time every GPU kernel of the last N steps (device synchronised around each step) and
+    /// print where the time went, kernel by kernel, when training ends. GPU devices only.
+    #[arg(long, value_name = "N")]
+    profile_steps: Option<u64>,
 }
 
 pub fn run(args: TrainArgs) -> Result<ExitCode> {
@@ -77,6 +81,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         progress: std::io::stderr().is_terminal(),
         init_from,
         interrupt: Some(crate::signals::stop_on_signals()),
+        profile_steps: args.profile_steps,
     };
     let trained = if task == "translation" {
         let config = TranslationRunConfig::load_with(&args.config, &overrides)?;
@@ -114,6 +119,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     );
     if let Some(peak) = peak_memory() {
         eprintln!("peak memory: {peak}");
+    }
+    if let Some(profile) = &summary.kernel_profile {
+        eprint!("{profile}");
     }
     eprintln!("checkpoint: {}", summary.checkpoint.display());
     if let Some((best, loss)) = &summary.best {

@@ -376,6 +376,34 @@ const CASES: &[Case] = &[
         ],
         &["training.precision", "fp16", "`bf16`"],
     ),
+    case(
+        "run folder",
+        "`--profile-steps` on a CPU device",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/new-run",
+            "--profile-steps",
+            "2",
+        ],
+        &["--profile-steps", "`flex`", "CPU"],
+    ),
+    case(
+        "run folder",
+        "`--profile-steps` leaving no step to warm up",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/new-run",
+            "--profile-steps",
+            "500",
+        ],
+        &["--profile-steps 500", "profile fewer"],
+    ),
     // Checkpoints.
     case(
         "checkpoint",

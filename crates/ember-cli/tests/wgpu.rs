@@ -93,14 +93,23 @@ fn wgpu_trains_and_generates_like_the_cpu() {
         args.extend(extra);
         ember(&args)
     };
-    for (run, device) in [(&cpu, "flex"), (&gpu, "wgpu")] {
-        let out = tune_on(run, device, &[]);
+    // The GPU run profiles its last 5 steps: that must not change what it computes.
+    let mut profile = String::new();
+    for (run, device, extra) in [
+        (&cpu, "flex", &[][..]),
+        (&gpu, "wgpu", &["--profile-steps", "5"][..]),
+    ] {
+        let out = tune_on(run, device, extra);
+        let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             out.status.success(),
-            "ember train on {device} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
+            "ember train on {device} failed: {stderr}"
         );
+        if device == "wgpu" {
+            profile = stderr.to_string();
+        }
     }
+    assert_kernel_profile(&profile);
     // Tolerance: f32 sums in another order, compounded over 20 AdamW steps.
     let (a, b) = (losses(&cpu), losses(&gpu));
     assert_eq!(a.len(), 4);
@@ -133,4 +142,59 @@ fn wgpu_trains_and_generates_like_the_cpu() {
         assert_clear_error(&out, &["training.precision", "`wgpu`", "bf16"]);
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The kernel profile of the last 5 of 20 steps of a 2-layer model (one micro-batch per step):
+/// each layer launches ember's attention kernels once per step, forward and backward, and the
+/// matrix products are counted.
+fn assert_kernel_profile(stderr: &str) {
+    let at = stderr
+        .find("kernel profile, steps 16-20 (5 steps")
+        .unwrap_or_else(|| panic!("no kernel profile of steps 16-20 in: {stderr}"));
+    let table = at + stderr[at..].find("  share ").expect("a kernel table");
+    // share, ms/step, launches/step, us/launch, part, kernel
+    let rows: Vec<(f64, f64, &str, &str)> = stderr[table..]
+        .lines()
+        .skip(1)
+        .take_while(|l| l.contains('%'))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let share: f64 = f[0].trim_end_matches('%').parse().unwrap();
+            (share, f[2].parse().unwrap(), f[4], f[5])
+        })
+        .collect();
+    eprintln!("{}", &stderr[at..]);
+    let launches = |name: &str| {
+        let of: Vec<_> = rows.iter().filter(|r| r.3 == name).collect();
+        assert!(
+            of.iter().all(|r| r.2 == "fwd+bwd"),
+            "{name} outside fwd+bwd: {rows:?}"
+        );
+        of.iter().map(|r| r.1).reduce(|a, b| a + b)
+    };
+    for kernel in [
+        "AttentionForward",
+        "AttentionBackwardQuery",
+        "AttentionBackwardKeyValue",
+    ] {
+        assert_eq!(launches(kernel), Some(2.0), "{kernel} per step: {rows:?}");
+    }
+    // Four products per layer and the head, each with two more in its backward pass.
+    assert_eq!(
+        launches("MatmulEntry"),
+        Some(3.0 * (4.0 * 2.0 + 1.0)),
+        "{rows:?}"
+    );
+    // The optimizer and the clipping launch kernels of their own (no matrix products).
+    for part in ["clip", "optim"] {
+        assert!(
+            rows.iter().any(|r| r.2 == part),
+            "no {part} kernels: {rows:?}"
+        );
+    }
+    let total: f64 = rows.iter().map(|r| r.0).sum();
+    assert!(
+        (total - 100.0).abs() < 0.5,
+        "shares sum to {total}: {rows:?}"
+    );
 }

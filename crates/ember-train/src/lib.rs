@@ -13,6 +13,7 @@ pub mod error;
 pub mod eval;
 pub mod hf;
 pub mod init_from;
+pub mod kernel_profile;
 pub mod lm;
 pub mod lm_source;
 pub mod metrics;

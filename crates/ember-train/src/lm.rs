@@ -197,6 +197,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         devices,
         resume: launch.resume,
         stop_after: launch.stop_after,
+        profile_steps: launch.profile_steps,
         progress: launch.progress,
         interrupt: launch.interrupt.clone(),
         title: format!(

@@ -17,6 +17,7 @@ use crate::checkpoint::{
 };
 use crate::config::TrainingConfig;
 use crate::error::{Result, TrainError};
+use crate::kernel_profile::{self, KernelProfile, KernelProfiler, Part};
 use crate::metrics::{Metrics, Record};
 use crate::optimizer::{adamw, clip_global_norm};
 use crate::task::{DROPOUT_SALT, Split, Task, accumulate, param_device};
@@ -43,6 +44,8 @@ pub struct RunOptions {
     /// Set (by a signal handler, say) to stop at the end of the current step, with a
     /// checkpoint: `train` then returns [`TrainError::Interrupted`].
     pub interrupt: Option<Arc<AtomicBool>>,
+    /// Time every GPU kernel of the last this many steps ([`crate::kernel_profile`]).
+    pub profile_steps: Option<u64>,
 }
 
 /// How `ember train` starts a run: where, on what, and whether it continues an earlier one.
@@ -65,6 +68,8 @@ pub struct Launch {
     pub init_from: Option<crate::init_from::InitFrom>,
     /// Stop at the end of the current step, with a checkpoint, once this is set.
     pub interrupt: Option<Arc<AtomicBool>>,
+    /// Time every GPU kernel of the last this many steps (the summary's kernel profile).
+    pub profile_steps: Option<u64>,
 }
 
 impl Launch {
@@ -99,6 +104,12 @@ impl Launch {
             training.device = name.clone();
         }
         training.precision.check(&devices, &training.device)?;
+        if let Some(steps) = self.profile_steps {
+            // Before the run folder is touched; a resumed run is checked again once its step
+            // is known.
+            let stop = self.stop_after.unwrap_or(u64::MAX).min(training.max_steps);
+            KernelProfiler::new(devices.clone(), &training.device, steps, 0, stop)?;
+        }
         let folder = crate::run_folder::RunFolder::claim(&self.out_dir, self.reuse())?;
         Ok((devices, folder))
     }
@@ -135,6 +146,8 @@ pub struct RunSummary {
     /// Training ended before `max_steps` because the validation loss stopped improving
     /// (`training.early_stop_patience`).
     pub stopped_early: bool,
+    /// Where the profiled steps' GPU time went (`profile_steps`).
+    pub kernel_profile: Option<KernelProfile>,
 }
 
 /// Trains `model` (built on `device.autodiff()`) on `task`. On resume, weights, optimizer state
@@ -156,18 +169,48 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     let (mut train_loss, mut val_loss) = (None, state.val_loss);
     let mut stopped_early = false;
     let stop = options.stop_after.unwrap_or(u64::MAX).min(config.max_steps);
+    let profiler = match options.profile_steps {
+        Some(steps) => {
+            let devices = match options.devices.is_empty() {
+                true => vec![device.clone()],
+                false => options.devices.clone(),
+            };
+            Some(KernelProfiler::new(
+                devices,
+                &config.device,
+                steps,
+                state.step,
+                stop,
+            )?)
+        }
+        None => None,
+    };
 
     while state.step < stop {
         let step = state.step;
         device.seed(ember_data::batch_seed(config.seed, step, DROPOUT_SALT));
-        let (loss, tokens, mut grads) = if options.devices.len() > 1 {
-            crate::parallel::accumulate(task, &model, step, config, &options.devices)
-        } else {
-            accumulate(task, &model, step, config.grad_accum, config.precision)
-        };
-        let norm = clip_global_norm(&model, &mut grads, config.grad_clip);
         let lr = schedule.at(step);
-        model = optim.step(lr, model, grads);
+        let mut profiled = match &profiler {
+            Some(profiler) => profiler.begin(step + 1)?,
+            None => None,
+        };
+        let (loss, tokens, mut grads) =
+            kernel_profile::part(&mut profiled, Part::Gradients, || {
+                if options.devices.len() > 1 {
+                    crate::parallel::accumulate(task, &model, step, config, &options.devices)
+                } else {
+                    accumulate(task, &model, step, config.grad_accum, config.precision)
+                }
+            })?;
+        let norm = kernel_profile::part(&mut profiled, Part::Clip, || {
+            clip_global_norm(&model, &mut grads, config.grad_clip)
+        })?;
+        model = kernel_profile::part(&mut profiled, Part::Optimizer, || {
+            optim.step(lr, model, grads)
+        })?;
+        if let Some(profiled) = profiled {
+            profiled.end();
+        }
         state.step += 1;
         state.tokens_seen += tokens as u64;
         clock.tokens += tokens as u64;
@@ -228,6 +271,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     summary.val_loss = val_loss;
     summary.best = checkpoint::resolve_best(out).ok().zip(best.loss());
     summary.stopped_early = stopped_early;
+    summary.kernel_profile = profiler.and_then(KernelProfiler::finish);
     Ok(summary)
 }
 
@@ -419,6 +463,7 @@ impl Clock {
             checkpoint,
             best: None,
             stopped_early: false,
+            kernel_profile: None,
         }
     }
 }

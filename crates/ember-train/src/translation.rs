@@ -324,6 +324,7 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
         devices,
         resume,
         stop_after: launch.stop_after,
+        profile_steps: launch.profile_steps,
         progress: launch.progress,
         interrupt: launch.interrupt.clone(),
         title: format!("encoder-decoder on {}", d.train_src.display()),
