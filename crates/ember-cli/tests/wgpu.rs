@@ -38,20 +38,12 @@ fn eval_loss(run: &Path, device: &str, text: &Path) -> f64 {
     json["loss"].as_f64().unwrap()
 }
 
+/// 80 greedy tokens (the context is 32: the cache is rebuilt on the way).
 fn greedy(run: &Path, device: &str) -> String {
-    let out = ember_ok(&[
-        "generate",
-        "--checkpoint",
-        run.to_str().unwrap(),
-        "--prompt",
-        "ROMEO:",
-        "--greedy",
-        "--max-tokens",
-        "30",
-        "--device",
-        device,
-    ]);
-    String::from_utf8(out.stdout).unwrap()
+    let mut args = vec!["generate", "--checkpoint", run.to_str().unwrap()];
+    args.extend(["--prompt", "ROMEO:", "--greedy", "--max-tokens", "80"]);
+    args.extend(["--device", device]);
+    String::from_utf8(ember_ok(&args).stdout).unwrap()
 }
 
 #[test]
@@ -131,6 +123,8 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     );
     eprintln!("eval loss flex {x}, wgpu {y}");
     assert!((x - y).abs() < 1e-5, "eval loss flex {x} vs wgpu {y}");
+    // (On the GPU the greedy tokens are chosen on the device and read in bursts: ember-infer's
+    // wgpu tests hold that path to the host's on varied text; this one's is mostly spaces.)
     assert_eq!(greedy(&cpu, "flex"), greedy(&cpu, "wgpu"));
     // bf16 products: trained where the adapter has bf16, else refused in one line (lavapipe).
     let mixed = dir.join("bf16");
