@@ -2,8 +2,8 @@
 
 use burn::tensor::{Device, Int, Tensor};
 use ember_model::{DecoderCache, DecoderOnly};
-use rand::SeedableRng;
 use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::sampling::{Sampling, penalize_repeats, sample};
 
@@ -41,8 +41,19 @@ pub fn generate(
     );
     let device = model.wte.weight.device();
     let ctx = options.context_len.min(model.max_positions).max(1);
-    if options.use_cache && chosen_on_device(&options.sampling) && compiles_per_shape(&device) {
-        return greedy_on_device(model, prompt, options.max_new_tokens, ctx, on_token);
+    if let Some(choice) = Choice::on_device(&options.sampling)
+        && options.use_cache
+        && compiles_per_shape(&device)
+    {
+        let rng = StdRng::seed_from_u64(options.seed);
+        return decode_on_device(
+            model,
+            prompt,
+            options.max_new_tokens,
+            ctx,
+            (choice, rng),
+            on_token,
+        );
     }
     generate_on_host(model, prompt, options, ctx, on_token)
 }
@@ -87,27 +98,71 @@ fn compiles_per_shape(device: &Device) -> bool {
     Dispatch::name(device.as_dispatch()).contains("cubecl<")
 }
 
-/// Whether tokens are chosen where the logits are: greedy decoding without a repetition penalty
-/// (which reads the text so far), on the GPU backends.
-fn chosen_on_device(sampling: &Sampling) -> bool {
-    (sampling.greedy || sampling.temperature <= 0.0) && sampling.repetition_penalty == 1.0
+/// How [`decode_on_device`] picks a token from its logits, on the device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Choice {
+    /// The argmax (the first maximum on ties, as [`crate::sampling::argmax`]).
+    Greedy,
+    /// A draw from `softmax(logits / temperature)`, by the host's uniform number, as
+    /// [`sample`] draws without top-k or top-p.
+    Temperature(f32),
 }
 
-/// Tokens read back to the host at once by [`greedy_on_device`].
+impl Choice {
+    /// The choice for `sampling` where it does not read the text so far (the repetition
+    /// penalty does) or sort the logits (top-k, top-p); else `None`: chosen on the host.
+    fn on_device(sampling: &Sampling) -> Option<Self> {
+        if sampling.repetition_penalty != 1.0 {
+            return None;
+        }
+        if sampling.greedy || sampling.temperature <= 0.0 {
+            return Some(Choice::Greedy);
+        }
+        let plain = sampling.top_k.is_none() && sampling.top_p.is_none();
+        plain.then_some(Choice::Temperature(sampling.temperature))
+    }
+
+    /// The token `[1, 1]` chosen from `logits` `[1, V]`; a temperature draw takes the next
+    /// uniform number of `rng` (one per token, as the host path does).
+    ///
+    /// The host walks the normalised probabilities, subtracting each from `u` until `u` falls
+    /// below one; here the same index is the number of cumulative sums at or below `u` times
+    /// their total (the argmax where rounding leaves `u` above them all, as on the host). The
+    /// sums round differently from the host's walk, so a `u` within rounding of a boundary
+    /// could pick the neighbour: about one token in millions.
+    fn pick(self, logits: Tensor<2>, rng: &mut StdRng) -> Tensor<2, Int> {
+        let t = match self {
+            Choice::Greedy => return logits.argmax(1),
+            Choice::Temperature(t) => t.max(1e-6),
+        };
+        let u: f32 = rng.random();
+        let [_, v] = logits.dims();
+        let max = logits.clone().max_dim(1);
+        let cumulative = (logits.clone() - max).div_scalar(t).exp().cumsum(1);
+        let total = cumulative.clone().slice([0..1, v - 1..v]);
+        let below = cumulative.lower_equal(total.mul_scalar(u).expand([1, v]));
+        let index = below.int().sum_dim(1);
+        let past_all = index.clone().greater_equal_elem(v as i64);
+        index.mask_where(past_all, logits.argmax(1))
+    }
+}
+
+/// Tokens read back to the host at once by [`decode_on_device`].
 const READ_EVERY: usize = 16;
 
-/// [`generate`]'s greedy decoding with the KV cache on a GPU backend, without a round trip to
-/// the host per token: each token is the argmax of its logits on the device and is fed to the
-/// next step from there, and the host reads the chosen ids [`READ_EVERY`] tokens at a time (and
+/// [`generate`] with the KV cache on a GPU backend, without a round trip to the host per
+/// token: each token is chosen from its logits on the device ([`Choice`]) and fed to the next
+/// step from there, and the host reads the chosen ids [`READ_EVERY`] tokens at a time (and
 /// before the cache is rebuilt, which needs them). So the host queues the next steps' kernels
 /// while the device runs, instead of waiting for every token; with Burn's fusion, no thread
 /// spins on a read per token. `on_token` sees the ids in bursts; tokens computed after it
-/// returned `false` are dropped. Same ids as the host path (the first maximum on ties).
-fn greedy_on_device(
+/// returned `false` are dropped. The same ids as the host path.
+fn decode_on_device(
     model: &DecoderOnly,
     prompt: &[u32],
     max_new_tokens: usize,
     ctx: usize,
+    (choice, mut rng): (Choice, StdRng),
     on_token: impl FnMut(u32) -> bool,
 ) -> Vec<u32> {
     let device = model.wte.weight.device();
@@ -154,10 +209,8 @@ fn greedy_on_device(
             }
         };
         let [_, t, v] = logits.dims();
-        let next: Tensor<2, Int> = logits
-            .slice([0..1, t - 1..t, 0..v])
-            .argmax(2)
-            .reshape([1, 1]);
+        let last: Tensor<2> = logits.slice([0..1, t - 1..t, 0..v]).reshape([1, v]);
+        let next = choice.pick(last, &mut rng);
         chosen.pending.push(next.clone());
         newest = Some(next);
         if chosen.pending.len() == READ_EVERY && !chosen.read() {
@@ -168,7 +221,7 @@ fn greedy_on_device(
     chosen.produced
 }
 
-/// The ids [`greedy_on_device`] has chosen: read (`tokens`, the prompt first, and `produced`)
+/// The ids [`decode_on_device`] has chosen: read (`tokens`, the prompt first, and `produced`)
 /// and still on the device (`pending`).
 struct Chosen<F> {
     tokens: Vec<u32>,
@@ -314,6 +367,10 @@ mod wgpu_tests {
         }
     }
 
+    fn greedy_choice() -> (Choice, StdRng) {
+        (Choice::Greedy, StdRng::seed_from_u64(1))
+    }
+
     #[test]
     fn greedy_chosen_on_the_device_equals_the_host_paths() {
         for positional in [PositionalKind::Learned, PositionalKind::Rotary] {
@@ -324,7 +381,7 @@ mod wgpu_tests {
             let cached = greedy(true, 45);
             let host = generate_on_host(&m, &prompt, &cached, 16, |_| true);
             let seen = std::cell::RefCell::new(Vec::new());
-            let device = greedy_on_device(&m, &prompt, 45, 16, |id| {
+            let device = decode_on_device(&m, &prompt, 45, 16, greedy_choice(), |id| {
                 seen.borrow_mut().push(id);
                 true
             });
@@ -356,9 +413,61 @@ mod wgpu_tests {
                 count < 20
             }
         };
-        let device = greedy_on_device(&m, &[4], 45, 16, stop_at_20());
+        let device = decode_on_device(&m, &[4], 45, 16, greedy_choice(), stop_at_20());
         let host = generate_on_host(&m, &[4], &greedy(true, 45), 16, stop_at_20());
         assert_eq!(device.len(), 20);
         assert_eq!(device, host);
+    }
+
+    #[test]
+    fn temperature_draws_on_the_device_equal_the_host_draws_of_the_same_seed() {
+        let m = model(PositionalKind::Rotary);
+        for (temperature, seed) in [(1.0, 3), (3.0, 4)] {
+            let options = GenerateOptions {
+                sampling: Sampling {
+                    temperature,
+                    ..Default::default()
+                },
+                seed,
+                ..greedy(true, 45)
+            };
+            assert_eq!(
+                Choice::on_device(&options.sampling),
+                Some(Choice::Temperature(temperature))
+            );
+            let host = generate_on_host(&m, &[1, 2], &options, 16, |_| true);
+            let rng = StdRng::seed_from_u64(seed);
+            let device = decode_on_device(
+                &m,
+                &[1, 2],
+                45,
+                16,
+                (Choice::Temperature(temperature), rng),
+                |_| true,
+            );
+            assert_eq!(device, host, "temperature {temperature}");
+            assert_eq!(generate(&m, &[1, 2], &options, |_| true), host);
+            // The draws are not the argmax's choices.
+            let argmax = generate_on_host(&m, &[1, 2], &greedy(true, 45), 16, |_| true);
+            assert_ne!(host, argmax, "temperature {temperature}");
+        }
+        // Top-k, top-p and the repetition penalty stay on the host.
+        for sampling in [
+            Sampling {
+                top_k: Some(5),
+                ..Default::default()
+            },
+            Sampling {
+                top_p: Some(0.9),
+                ..Default::default()
+            },
+            Sampling {
+                repetition_penalty: 1.2,
+                greedy: true,
+                ..Default::default()
+            },
+        ] {
+            assert_eq!(Choice::on_device(&sampling), None, "{sampling:?}");
+        }
     }
 }
