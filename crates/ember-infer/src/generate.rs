@@ -324,6 +324,8 @@ mod wgpu_tests {
     /// position and context (at init scale it repeats one token).
     fn model(positional: PositionalKind) -> DecoderOnly {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
+        // Seeded: the same weights in every run.
+        device.seed(11);
         let config = DecoderOnlyConfig {
             vocab_size: 23,
             d_model: 32,

@@ -17,6 +17,7 @@
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
 //! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one unit per query row over the cache's whole buffer, online softmax (`cube::attention`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
+//! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter (`cube::adamw`) |
 //!
 //! Mixed precision ([`crate::precision`]): [`affine`] and [`matmul`] compute in their weight's
 //! float type when it differs from the activation's, and [`embed`] reads tables into `f32`.
@@ -31,6 +32,7 @@
 //! clippy's `result_large_err` suggests) would only add an allocation per call.
 #![allow(clippy::result_large_err)]
 
+pub mod adamw;
 mod attention;
 mod embedding;
 mod gelu;
@@ -47,6 +49,7 @@ pub(crate) mod cube;
 pub mod flex;
 pub mod kernels;
 
+pub use adamw::{AdamWStep, adamw_step, adamw_step_reference};
 pub use attention::{
     cached_causal_attention, cached_causal_attention_reference, causal_self_attention,
     causal_self_attention_reference, single_query_attention, single_query_attention_reference,

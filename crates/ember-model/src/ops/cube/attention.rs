@@ -438,7 +438,7 @@ fn empty<const N: usize>(like: &CubeTensor, shape: [usize; N]) -> CubeTensor {
 }
 
 /// Cubes and units for one unit per each of `rows` rows.
-fn launch_size(like: &CubeTensor, rows: usize) -> (CubeCount, CubeDim) {
+pub(super) fn launch_size(like: &CubeTensor, rows: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(&like.client, rows);
     (calculate_cube_count_elemwise(&like.client, rows, dim), dim)
 }

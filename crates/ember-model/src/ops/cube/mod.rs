@@ -8,6 +8,7 @@
 //! backend that has the kernels. The reference implementation of each op (`crate::ops`) stays
 //! what every other backend runs, and what the tests compare these kernels with.
 
+pub(crate) mod adamw;
 pub(crate) mod attention;
 
 use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};

@@ -1,6 +1,7 @@
 //! ember's kernels on Burn's flex CPU backend: reaching flex tensors' `f32` buffers
 //! ([`tensor`]), one helper for the autodiff plumbing (`op`), and one module per op.
 
+pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod decode_attention;
 pub(crate) mod gelu;
