@@ -1,8 +1,9 @@
 //! The LayerNorm op.
 //!
-//! Reference: Burn's `LayerNorm::forward`. Kernel (flex `f32` tensors, tracked by autodiff or
-//! not): the normalisation and scale in one pass with its own backward pass
-//! ([`crate::ops::flex::layer_norm`]), then the bias as a tensor op. Burn 0.22.1 builds
+//! Reference: Burn's `LayerNorm::forward`. Kernels (flex `f32` tensors, and on the GPU
+//! backends `f32` tensors on a CubeCL device, tracked by autodiff or not): the normalisation and
+//! scale in one pass with its own backward pass ([`crate::ops::flex::layer_norm`],
+//! `ops/cube/layer_norm`), then the bias as a tensor op. Burn 0.22.1 builds
 //! LayerNorm under autodiff from nine tensor ops, each with a buffer and a backward: a tenth of
 //! a baby-GPT training step on flex. Burn's `LayerNorm` keeps its epsilon private, so the
 //! caller passes the one the module was built with.
@@ -27,7 +28,17 @@ pub fn layer_norm<const N: usize>(norm: &LayerNorm, x: Tensor<N>, eps: f64) -> T
         }
         Err((x, _)) => x,
     };
-    #[cfg(not(feature = "flex"))]
+    #[cfg(feature = "cube")]
+    let x = match super::cube::layer_norm::normalize_and_scale(x, norm.gamma.val(), eps) {
+        Ok(y) => {
+            return match &norm.beta {
+                Some(beta) => y + beta.val().unsqueeze::<N>(),
+                None => y,
+            };
+        }
+        Err((x, _)) => x,
+    };
+    #[cfg(not(any(feature = "flex", feature = "cube")))]
     let _ = eps;
     layer_norm_reference(norm, x)
 }
@@ -49,10 +60,30 @@ mod tests {
     /// a bias, for a row count that splits over threads and one that does not.
     #[test]
     fn layer_norm_equals_burns() {
+        equals_burns_on(Device::flex(), 2e-5);
+    }
+
+    /// The same on wgpu (the GPU kernels; lavapipe in CI): 700 rows span several cubes.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn layer_norm_equals_burns_on_wgpu() {
+        equals_burns_on(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice), 2e-5);
+    }
+
+    /// Whether flex's or (GPU builds) the CubeCL kernels take `x`.
+    fn kernel_takes(x: &Tensor<3>) -> bool {
+        #[cfg(feature = "cube")]
+        if crate::ops::cube::kernels_take(x) {
+            return true;
+        }
+        crate::ops::kernels_take(x)
+    }
+
+    fn equals_burns_on(base: Device, tolerance: f32) {
         let devices = [
-            (Device::flex(), false),
-            (Device::flex().autodiff(), true),
-            (Device::flex().autodiff().gradient_checkpointing(), true),
+            (base.clone(), false),
+            (base.clone().autodiff(), true),
+            (base.autodiff().gradient_checkpointing(), true),
         ];
         for (device, tracked) in devices {
             for (bias, rows) in [(true, 5), (false, 5), (true, 700), (false, 700)] {
@@ -73,7 +104,7 @@ mod tests {
                         base.clone()
                     };
                     let input = x.clone().swap_dims(1, 2); // not contiguous
-                    assert!(crate::ops::kernels_take(&input));
+                    assert!(kernel_takes(&input), "a kernel takes the input");
                     let y = if ours {
                         layer_norm(&norm, input, 1e-3)
                     } else {
@@ -96,7 +127,7 @@ mod tests {
                     let scale = b.clone().abs().max().into_scalar::<f32>().max(1.0);
                     let d = (a - b).abs().max().into_scalar::<f32>();
                     assert!(
-                        d < 2e-5 * scale,
+                        d < tolerance * scale,
                         "{device:?}, bias {bias}, rows {rows}, output {i}: differs by {d}"
                     );
                 }

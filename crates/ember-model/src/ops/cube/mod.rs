@@ -10,6 +10,7 @@
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
+pub(crate) mod layer_norm;
 
 use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};
 use burn::tensor::{DType, Tensor};

@@ -1,0 +1,302 @@
+//! LayerNorm's normalisation and scale on the GPU: one CubeCL kernel forward, one backward (and
+//! a column sum for gamma's gradient), with its own autodiff op. Under autodiff Burn 0.22.1
+//! builds LayerNorm from nine tensor ops (mean, subtraction, square, mean, `+ eps`, square
+//! root, division, scale, shift) and their backward passes: about 25 kernel launches per layer
+//! norm and step on a GPU without fusion, each a buffer written and read back.
+//!
+//! Forward, one unit per row: `mean`, `rstd = 1 / sqrt(mean((x - mean)^2) + eps)`,
+//! `y = (x - mean) rstd gamma`, and the row's `[mean, rstd]` kept for the backward pass, which
+//! (one unit per row again) recomputes `xhat = (x - mean) rstd` and writes
+//! `dx = rstd (h - mean(h) - xhat mean(h xhat))` with `h = dy gamma`, and `dy xhat`, whose sum
+//! over the rows is gamma's gradient. The expressions of flex's kernel
+//! ([`crate::ops::kernels::layer_norm`]); the reference is Burn's `LayerNorm`.
+//!
+//! Each unit reads its row from global memory; units of a cube read neighbouring rows.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
+};
+use burn::tensor::{DType, Shape, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+
+/// `(x - mean) * rstd * gamma` over the last axis with epsilon `eps`, where `x` and `gamma` are
+/// `f32` tensors on a CubeCL device, both tracked by autodiff or both not; otherwise both back.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - gamma: `[D]`
+/// - output: `[..., D]`
+pub(crate) fn normalize_and_scale<const N: usize>(
+    x: Tensor<N>,
+    gamma: Tensor<1>,
+    eps: f64,
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
+    let dims = x.dims();
+    let d = dims[N - 1];
+    let same_graph = x.device().is_autodiff() == gamma.device().is_autodiff();
+    let take = super::kernels_take(&x) && super::kernels_take(&gamma) && same_graph;
+    if !take || d == 0 || gamma.dims()[0] != d || x.shape().num_elements() == 0 {
+        return Err((x, gamma));
+    }
+    let rows = x.shape().num_elements() / d;
+    let y = <Dispatch as LayerNormKernels>::layer_norm(
+        x.reshape([rows, d]).into_dispatch(),
+        gamma.into_dispatch(),
+        eps as f32,
+    );
+    Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
+}
+
+/// The LayerNorm op on every backend that has the kernels: CubeCL's, Burn's fusion over it, and
+/// autodiff over either.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
+pub trait LayerNormKernels: Backend {
+    /// `(x - mean) rstd gamma` of the rows of `x` `[R, D]`.
+    #[fusion(default)]
+    fn layer_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        Self::layer_norm_forward(x, gamma, eps).0
+    }
+
+    /// The output `[R, D]` and each row's `[mean, rstd]` (`[R, 2]`).
+    #[fusion(meta = forward_specs)]
+    fn layer_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradients of `x` `[R, D]` and `gamma` `[D]` from the output's `grad` `[R, D]`.
+    #[fusion(meta = backward_specs)]
+    fn layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+}
+
+#[cfg(feature = "fusion")]
+use burn::backend::fusion::custom::TensorSpec;
+
+/// The shapes of the forward pass's outputs, for fusion (which defers the kernels).
+#[cfg(feature = "fusion")]
+fn forward_specs(x: &TensorSpec, _gamma: &TensorSpec, _eps: &f32) -> (TensorSpec, TensorSpec) {
+    let [rows, _] = x.shape.dims::<2>();
+    (x.clone(), TensorSpec::new(Shape::new([rows, 2]), x.dtype))
+}
+
+/// The shapes of the backward pass's outputs: `x`'s and `gamma`'s.
+#[cfg(feature = "fusion")]
+fn backward_specs(
+    x: &TensorSpec,
+    gamma: &TensorSpec,
+    _stats: &TensorSpec,
+    _grad: &TensorSpec,
+) -> (TensorSpec, TensorSpec) {
+    (x.clone(), gamma.clone())
+}
+
+fn empty(like: &CubeTensor, shape: [usize; 2]) -> CubeTensor {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new(shape),
+        DType::F32,
+    )
+}
+
+impl LayerNormKernels for CubeBackend {
+    fn layer_norm_forward(x: CubeTensor, gamma: CubeTensor, eps: f32) -> (CubeTensor, CubeTensor) {
+        let [x, gamma] = [x, gamma].map(into_contiguous);
+        let [rows, d] = x.shape().dims::<2>();
+        assert_eq!(x.dtype(), DType::F32, "LayerNorm kernel: f32 only");
+        let (y, stats) = (empty(&x, [rows, d]), empty(&x, [rows, 2]));
+        let (count, dim) = super::attention::launch_size(&x, rows);
+        kernels::layer_norm_forward::launch::<f32>(
+            &x.client.clone(),
+            count,
+            dim,
+            x.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            stats.clone().into_tensor_arg(),
+            eps,
+        );
+        (y, stats)
+    }
+
+    fn layer_norm_backward(
+        x: CubeTensor,
+        gamma: CubeTensor,
+        stats: CubeTensor,
+        grad: CubeTensor,
+    ) -> (CubeTensor, CubeTensor) {
+        let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
+        let [rows, d] = x.shape().dims::<2>();
+        let (dx, gx) = (empty(&x, [rows, d]), empty(&x, [rows, d]));
+        let (count, dim) = super::attention::launch_size(&x, rows);
+        kernels::layer_norm_backward::launch::<f32>(
+            &x.client.clone(),
+            count,
+            dim,
+            x.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            stats.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            gx.clone().into_tensor_arg(),
+        );
+        // Gamma's gradient: the column sums of `dy xhat`, by the backend's reduction.
+        let dgamma = CubeBackend::float_sum_dim(gx, 0);
+        (dx, CubeBackend::float_reshape(dgamma, Shape::new([d])))
+    }
+}
+
+impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B, C> {
+    fn layer_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        match ScaledNorm
+            .prepare::<C>([x.node(), gamma.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
+                let (y, stats) = B::layer_norm_forward(x.clone(), gamma.clone(), eps);
+                prep.finish((x, gamma, stats), y)
+            }
+            OpsKind::UnTracked(prep) => {
+                let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
+                prep.finish(B::layer_norm_forward(x, gamma, eps).0)
+            }
+        }
+    }
+
+    // The two passes on their own are not differentiated: only the op above is.
+    fn layer_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, stats) = B::layer_norm_forward(Self::inner(x), Self::inner(gamma), eps);
+        (Self::from_inner(y), Self::from_inner(stats))
+    }
+
+    fn layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(Self::inner);
+        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
+        (Self::from_inner(dx), Self::from_inner(dgamma))
+    }
+}
+
+/// The autodiff node of the LayerNorm kernels.
+#[derive(Debug)]
+struct ScaledNorm;
+
+impl<B: LayerNormKernels> Backward<B, 2> for ScaledNorm {
+    /// The input, gamma and each row's `[mean, rstd]`.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, gamma, stats) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
+        let [x_node, gamma_node] = ops.parents;
+        if let Some(node) = x_node {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = gamma_node {
+            grads.register::<B>(node.id, dgamma);
+        }
+    }
+}
+
+mod kernels {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    /// One unit per row `r` of `x` `[R, D]`: `y` and `stats[r] = [mean, rstd]`.
+    #[cube(launch)]
+    pub(super) fn layer_norm_forward<F: Float>(
+        x: &Tensor<F>,
+        gamma: &Tensor<F>,
+        y: &mut Tensor<F>,
+        stats: &mut Tensor<F>,
+        eps: f32,
+    ) {
+        let r = ABSOLUTE_POS;
+        if r >= stats.shape(0) {
+            terminate!();
+        }
+        let d = gamma.len();
+        let at = r * d;
+        let n = F::cast_from(d);
+        let mut sum = F::new(0.0);
+        for j in 0..d {
+            sum += x[at + j];
+        }
+        let mean = sum / n;
+        let mut squares = F::new(0.0);
+        for j in 0..d {
+            let c = x[at + j] - mean;
+            squares += c * c;
+        }
+        let rstd = F::new(1.0) / F::sqrt(squares / n + F::cast_from(eps));
+        for j in 0..d {
+            y[at + j] = (x[at + j] - mean) * (rstd * gamma[j]);
+        }
+        stats[2 * r] = mean;
+        stats[2 * r + 1] = rstd;
+    }
+
+    /// One unit per row `r`: `dx` and `dy xhat` of the row.
+    #[cube(launch)]
+    pub(super) fn layer_norm_backward<F: Float>(
+        x: &Tensor<F>,
+        gamma: &Tensor<F>,
+        stats: &Tensor<F>,
+        grad: &Tensor<F>,
+        dx: &mut Tensor<F>,
+        gx: &mut Tensor<F>,
+    ) {
+        let r = ABSOLUTE_POS;
+        if r >= stats.shape(0) {
+            terminate!();
+        }
+        let d = gamma.len();
+        let at = r * d;
+        let n = F::cast_from(d);
+        let mean = stats[2 * r];
+        let rstd = stats[2 * r + 1];
+        // a = mean(h), b = mean(h xhat), h = dy gamma.
+        let mut a = F::new(0.0);
+        let mut b = F::new(0.0);
+        for j in 0..d {
+            let xhat = (x[at + j] - mean) * rstd;
+            let h = grad[at + j] * gamma[j];
+            a += h;
+            b += h * xhat;
+            gx[at + j] = grad[at + j] * xhat;
+        }
+        a /= n;
+        b /= n;
+        for j in 0..d {
+            let xhat = (x[at + j] - mean) * rstd;
+            let h = grad[at + j] * gamma[j];
+            dx[at + j] = rstd * (h - a - xhat * b);
+        }
+    }
+}
