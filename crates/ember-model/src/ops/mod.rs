@@ -17,6 +17,7 @@
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
 //! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one unit per query row over the cache's whole buffer, online softmax (`cube::attention`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
+//! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one launch per tensor, one cube reducing in shared memory (`cube::sum_of_squares`) |
 //! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter (`cube::adamw`) |
 //!
 //! Mixed precision ([`crate::precision`]): [`affine`] and [`matmul`] compute in their weight's
@@ -40,6 +41,7 @@ mod layer_norm;
 mod linear;
 mod rotary;
 mod softmax;
+mod sum_of_squares;
 
 #[cfg(test)]
 pub(crate) mod check;
@@ -60,6 +62,7 @@ pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::{affine, affine_reference, linear, matmul, matmul_reference};
 pub use rotary::{rotate_qk, rotate_qk_reference, rotate_qk_rows};
 pub use softmax::{causal_softmax, causal_softmax_reference};
+pub use sum_of_squares::{add_sum_of_squares, add_sum_of_squares_reference};
 
 use burn::tensor::Tensor;
 

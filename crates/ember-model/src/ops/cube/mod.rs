@@ -11,6 +11,7 @@
 pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod layer_norm;
+pub(crate) mod sum_of_squares;
 
 use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};
 use burn::tensor::{DType, Tensor};
