@@ -1,7 +1,9 @@
 //! The GELU op, exact and tanh-approximated.
 //!
-//! Reference: Burn's `gelu` and `gelu_approximate`. Kernel (flex `f32` tensors, tracked by
-//! autodiff or not): [`crate::ops::kernels::gelu`]'s vectorised loops with their own backward.
+//! Reference: Burn's `gelu` and `gelu_approximate`. Kernels (flex `f32` tensors, and on the GPU
+//! backends `f32` tensors on a CubeCL device, tracked by autodiff or not):
+//! [`crate::ops::kernels::gelu`]'s vectorised loops with their own backward, and one CubeCL
+//! kernel each way (`ops/cube/gelu`).
 //! Burn 0.22.1's flex backend computes GELU one element at a time through `libm::erff`, which
 //! made it a quarter of a training step and 40% of a forward pass of the baby GPT; its tanh GELU
 //! is five separate tensor ops.
@@ -19,6 +21,11 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         Ok(y) => return y,
         Err(x) => x,
     };
+    #[cfg(feature = "cube")]
+    let x = match super::cube::gelu::gelu(x, false) {
+        Ok(y) => return y,
+        Err(x) => x,
+    };
     gelu_reference(x)
 }
 
@@ -31,6 +38,11 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "flex")]
     let x = match super::flex::gelu::gelu::<super::kernels::gelu::Tanh, D>(x) {
+        Ok(y) => return y,
+        Err(x) => x,
+    };
+    #[cfg(feature = "cube")]
+    let x = match super::cube::gelu::gelu(x, true) {
         Ok(y) => return y,
         Err(x) => x,
     };

@@ -10,7 +10,7 @@
 //! | op | reference | kernel (flex) |
 //! |---|---|---|
 //! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`) |
-//! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]) |
+//! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one unit per row (`cube::layer_norm`) |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
 //! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |

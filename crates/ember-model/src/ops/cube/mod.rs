@@ -10,6 +10,7 @@
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
+pub(crate) mod gelu;
 pub(crate) mod layer_norm;
 pub(crate) mod sum_of_squares;
 

@@ -1,0 +1,285 @@
+//! Both GELUs on the GPU: one CubeCL kernel forward and one backward, with their own autodiff
+//! op. Burn 0.22.1 builds the exact GELU from five tensor ops (division, erf, addition, two
+//! products) and the tanh GELU from about as many, each a kernel launch and a buffer, and
+//! autodiff adds as many again backward.
+//!
+//! Exact: `GELU(x) = x Phi(x) = x/2 (1 + erf(x / sqrt 2))`, derivative `Phi(x) + x phi(x)`.
+//! Tanh: `GELU(x) = x/2 (1 + tanh(u))`, `u = sqrt(2/pi) (x + 0.044715 x^3)`, derivative
+//! `(1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2)`. The references are
+//! Burn's `gelu` and `gelu_approximate` (`crate::ops`).
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
+};
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+
+/// GELU of `x` (the tanh approximation when `tanh`) where `x` is an `f32` tensor on a CubeCL
+/// device, tracked by autodiff or not; `x` back otherwise.
+pub(crate) fn gelu<const D: usize>(x: Tensor<D>, tanh: bool) -> Result<Tensor<D>, Tensor<D>> {
+    if !super::kernels_take(&x) || x.shape().num_elements() == 0 {
+        return Err(x);
+    }
+    let y = <Dispatch as GeluKernels>::gelu_kernel(x.into_dispatch(), tanh);
+    Ok(Tensor::from_dispatch(y))
+}
+
+/// The GELU op on every backend that has the kernels: CubeCL's, Burn's fusion over it, and
+/// autodiff over either.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
+pub trait GeluKernels: Backend {
+    /// GELU of every element of `x` (the tanh approximation when `tanh`).
+    #[fusion(dtype = x, shape = x)]
+    fn gelu_kernel(x: FloatTensor<Self>, tanh: bool) -> FloatTensor<Self>;
+
+    /// `grad` times GELU's derivative at `x`, element by element.
+    #[fusion(dtype = x, shape = x)]
+    fn gelu_kernel_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        tanh: bool,
+    ) -> FloatTensor<Self>;
+}
+
+fn empty_like(x: &CubeTensor) -> CubeTensor {
+    empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), x.shape(), DType::F32)
+}
+
+impl GeluKernels for CubeBackend {
+    fn gelu_kernel(x: CubeTensor, tanh: bool) -> CubeTensor {
+        let x = into_contiguous(x);
+        assert_eq!(x.dtype(), DType::F32, "GELU kernel: f32 only");
+        let y = empty_like(&x);
+        let n = x.shape().num_elements();
+        let (count, dim) = super::attention::launch_size(&x, n);
+        kernels::gelu_forward::launch::<f32>(
+            &x.client.clone(),
+            count,
+            dim,
+            x.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            tanh,
+        );
+        y
+    }
+
+    fn gelu_kernel_backward(x: CubeTensor, grad: CubeTensor, tanh: bool) -> CubeTensor {
+        let [x, grad] = [x, grad].map(into_contiguous);
+        let dx = empty_like(&x);
+        let n = x.shape().num_elements();
+        let (count, dim) = super::attention::launch_size(&x, n);
+        kernels::gelu_backward::launch::<f32>(
+            &x.client.clone(),
+            count,
+            dim,
+            x.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            tanh,
+        );
+        dx
+    }
+}
+
+impl<B: GeluKernels, C: CheckpointStrategy> GeluKernels for Autodiff<B, C> {
+    fn gelu_kernel(x: FloatTensor<Self>, tanh: bool) -> FloatTensor<Self> {
+        match Gelu(tanh)
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let x = x.into_primitive();
+                prep.finish(x.clone(), B::gelu_kernel(x, tanh))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gelu_kernel(x.into_primitive(), tanh)),
+        }
+    }
+
+    // Not differentiated on its own: only the op above is.
+    fn gelu_kernel_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        tanh: bool,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::gelu_kernel_backward(
+            Self::inner(x),
+            Self::inner(grad),
+            tanh,
+        ))
+    }
+}
+
+/// The autodiff node of the GELU kernels (the tanh approximation when `.0`).
+#[derive(Debug)]
+struct Gelu(bool);
+
+impl<B: GeluKernels> Backward<B, 1> for Gelu {
+    /// The input.
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let x = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::gelu_kernel_backward(x, grad, self.0)
+        });
+    }
+}
+
+mod kernels {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    /// `1 / sqrt(2)`, `1 / sqrt(2 pi)`, `sqrt(2 / pi)` and the tanh GELU's cubic coefficient.
+    const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
+    const INV_SQRT_2PI: f32 = 0.398_942_3;
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const CUBIC: f32 = 0.044_715;
+
+    #[cube(launch)]
+    pub(super) fn gelu_forward<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[comptime] tanh: bool) {
+        let i = ABSOLUTE_POS;
+        if i >= x.len() {
+            terminate!();
+        }
+        let v = x[i];
+        let half = F::new(0.5);
+        if tanh {
+            let u = F::new(SQRT_2_OVER_PI) * (v + F::new(CUBIC) * v * v * v);
+            y[i] = half * v * (F::new(1.0) + F::tanh(u));
+        } else {
+            y[i] = half * v * (F::new(1.0) + F::erf(v * F::new(FRAC_1_SQRT_2)));
+        }
+    }
+
+    #[cube(launch)]
+    pub(super) fn gelu_backward<F: Float>(
+        x: &Tensor<F>,
+        grad: &Tensor<F>,
+        dx: &mut Tensor<F>,
+        #[comptime] tanh: bool,
+    ) {
+        let i = ABSOLUTE_POS;
+        if i >= x.len() {
+            terminate!();
+        }
+        let v = x[i];
+        let half = F::new(0.5);
+        let one = F::new(1.0);
+        if tanh {
+            let u = F::new(SQRT_2_OVER_PI) * (v + F::new(CUBIC) * v * v * v);
+            let t = F::tanh(u);
+            let du = F::new(SQRT_2_OVER_PI) * (one + F::new(3.0 * CUBIC) * v * v);
+            dx[i] = grad[i] * (half * (one + t) + half * v * (one - t * t) * du);
+        } else {
+            let cdf = half * (one + F::erf(v * F::new(FRAC_1_SQRT_2)));
+            let pdf = F::new(INV_SQRT_2PI) * F::exp(-half * v * v);
+            dx[i] = grad[i] * (cdf + v * pdf);
+        }
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::tensor::{Device, DeviceKind, Distribution, Tensor};
+
+    use crate::ops::check::agrees_on;
+    use crate::ops::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
+
+    /// `agrees_on` feeds `exp(x)`, `x ~ N(0, 1)`; the log brings `x` back, spread to `N(-1, 9)`
+    /// so both tails are reached.
+    fn spread(x: Tensor<3>) -> Tensor<3> {
+        x.log() * 3.0 - 1.0
+    }
+
+    /// Output and input gradient of the tanh GELU against Burn's (built from tensor ops, so
+    /// autodiff differentiates that very formula) on wgpu, plain, under autodiff and with
+    /// checkpointing, with a length no cube divides.
+    #[test]
+    fn tanh_gelu_equals_burns_on_wgpu() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let normal = Distribution::Normal(0.0, 1.0);
+        let x = Tensor::<3>::random([3, 37, 41], normal, &device).into_data();
+        let g = Tensor::<3>::random([3, 37, 41], normal, &device).into_data();
+        let (ours, burns) = (|x| gelu_tanh(spread(x)), |x| gelu_tanh_reference(spread(x)));
+        agrees_on(&device, &x, &g, ours, burns, 1e-5, "tanh GELU");
+    }
+
+    /// The exact GELU's output against Burn's, and its gradient against `Phi(x) + x phi(x)` in
+    /// f64 on the host: Burn's own gradient of its exact GELU on CubeCL backends is the tanh
+    /// approximation's derivative (`gelu_backward`'s default, which burn-cubecl does not
+    /// override), up to 0.008 off (docs/burn-findings.md).
+    #[test]
+    fn exact_gelu_equals_burns_and_its_derivative_on_wgpu() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let normal = Distribution::Normal(-1.0, 3.0);
+        let x = Tensor::<1>::random([4001], normal, &device);
+        let want = gelu_reference(x.clone())
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let got = gelu(x.clone()).into_data().try_to_vec::<f32>().unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-5 * b.abs().max(1.0),
+                "value {i}: {a} vs {b}"
+            );
+        }
+        let xs = x.to_data().try_to_vec::<f32>().unwrap();
+        for device in [
+            device.clone().autodiff(),
+            device.autodiff().gradient_checkpointing(),
+        ] {
+            let input = Tensor::<1>::from_data(x.to_data(), &device).require_grad();
+            let grads = gelu(input.clone()).sum().backward();
+            let dx = input
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            for (&d, &v) in dx.iter().zip(&xs) {
+                let v = v as f64;
+                let cdf = 0.5 * (1.0 + erf(v / std::f64::consts::SQRT_2));
+                let pdf = (-0.5 * v * v).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                let want = cdf + v * pdf;
+                assert!(
+                    (d as f64 - want).abs() < 2e-6,
+                    "derivative at {v}: {d} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// `erf` in f64 (Abramowitz and Stegun 7.1.26 is too coarse; this is the series and the
+    /// continued fraction, accurate to ~1e-15).
+    fn erf(x: f64) -> f64 {
+        if x.abs() < 3.0 {
+            // Maclaurin series.
+            let (mut term, mut sum, mut n) = (x, x, 0.0);
+            while term.abs() > 1e-17 * sum.abs().max(1e-300) {
+                n += 1.0;
+                term *= -x * x / n;
+                sum += term / (2.0 * n + 1.0);
+            }
+            2.0 / std::f64::consts::PI.sqrt() * sum
+        } else {
+            // erfc by its continued fraction (Lentz), far from the origin.
+            let z = x.abs();
+            let mut f = 0.0;
+            for k in (1..60).rev() {
+                f = (k as f64 / 2.0) / (z + f);
+            }
+            let erfc = (-z * z).exp() / std::f64::consts::PI.sqrt() / (z + f);
+            x.signum() * (1.0 - erfc)
+        }
+    }
+}
