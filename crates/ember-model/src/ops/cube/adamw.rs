@@ -4,10 +4,9 @@
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 
 use crate::ops::adamw::{AdamWInputs, AdamWStep};
@@ -103,17 +102,10 @@ impl AdamWKernels for CubeBackend {
         k: Scalars,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
         let [param, grad, m1, m2] = [param, grad, m1, m2].map(into_contiguous);
-        let new = || {
-            empty_device_contiguous_dtype(
-                param.client.clone(),
-                param.device.clone(),
-                param.shape(),
-                DType::F32,
-            )
-        };
+        let new = || super::empty(&param, param.shape());
         let (p_out, m1_out, m2_out) = (new(), new(), new());
         let n = param.shape().num_elements();
-        let (count, dim) = super::attention::launch_size(&param, n);
+        let (count, dim) = super::launch_size(&param, n);
         let [b1, b2, f1, f2, c1, c2, eps, lr, keep] = k.0;
         kernel::adamw_step::launch::<f32>(
             &param.client.clone(),
@@ -237,6 +229,9 @@ mod tests {
                     let what =
                         format!("decay {weight_decay}, transposed {transposed}, step {step}");
                     let b = &their_state.as_ref().unwrap().momentum;
+                    for t in [&p, &m1, &m2] {
+                        assert_eq!(t.dims(), rp.dims(), "{what}: the parameter's shape");
+                    }
                     for (name, x, y, z) in [
                         ("parameter", &p, &rp, &theirs),
                         ("first moment", &m1, &r1, &b.moment_1),

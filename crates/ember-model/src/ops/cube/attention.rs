@@ -31,11 +31,10 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Device, Distribution, Shape, Tensor};
+use burn::tensor::{DType, Device, Distribution, Tensor};
 use burn_cubecl::CubeBackend;
-use burn_cubecl::cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 
 /// `dropout(softmax(Q K^T / sqrt(K) + causal mask)) V` per head, heads merged, from the fused
@@ -185,8 +184,8 @@ fn forward_specs(
     use burn::backend::fusion::custom::TensorSpec;
     let [b, t, d3] = qkv.shape.dims::<3>();
     (
-        TensorSpec::new(Shape::new([b, t, d3 / 3]), qkv.dtype),
-        TensorSpec::new(Shape::new([b, *heads, t]), qkv.dtype),
+        TensorSpec::new(burn::tensor::Shape::new([b, t, d3 / 3]), qkv.dtype),
+        TensorSpec::new(burn::tensor::Shape::new([b, *heads, t]), qkv.dtype),
     )
 }
 
@@ -199,8 +198,8 @@ impl AttentionKernels for CubeBackend {
     ) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
         let dims = Dims::of(&qkv, heads);
-        let out = empty(&qkv, [dims.b, dims.t, dims.d]);
-        let lse = empty(&qkv, [dims.b, heads, dims.t]);
+        let out = super::empty(&qkv, [dims.b, dims.t, dims.d]);
+        let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
         let (count, dim) = dims.launch_size(&qkv);
         kernels::attention_forward::launch::<f32>(
             &qkv.client.clone(),
@@ -231,8 +230,8 @@ impl AttentionKernels for CubeBackend {
     ) -> CubeTensor {
         let [qkv, out, lse, grad] = [qkv, out, lse, grad].map(into_contiguous);
         let dims = Dims::of(&qkv, heads);
-        let dqkv = empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
-        let delta = empty(&qkv, [dims.b, heads, dims.t]);
+        let dqkv = super::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
+        let delta = super::empty(&qkv, [dims.b, heads, dims.t]);
         let client = qkv.client.clone();
         let (count, dim) = dims.launch_size(&qkv);
         kernels::attention_backward_query::launch::<f32>(
@@ -281,8 +280,8 @@ impl AttentionKernels for CubeBackend {
     ) -> CubeTensor {
         let [b, heads, t, head] = q.shape().dims::<4>();
         assert_eq!(q.dtype(), DType::F32, "cached attention kernel: f32 only");
-        let out = empty(&q, [b, heads, t, head]);
-        let (count, dim) = launch_size(&q, b * heads * t);
+        let out = super::empty(&q, [b, heads, t, head]);
+        let (count, dim) = super::launch_size(&q, b * heads * t);
         kernels::cached_attention::launch::<f32>(
             &q.client.clone(),
             count,
@@ -423,24 +422,8 @@ impl Dims {
 
     /// One unit per row of every head of every sequence.
     fn launch_size(&self, like: &CubeTensor) -> (CubeCount, CubeDim) {
-        launch_size(like, self.b * self.heads * self.t)
+        super::launch_size(like, self.b * self.heads * self.t)
     }
-}
-
-/// A new contiguous `f32` tensor of `shape` on `like`'s device.
-fn empty<const N: usize>(like: &CubeTensor, shape: [usize; N]) -> CubeTensor {
-    empty_device_contiguous_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::new(shape),
-        DType::F32,
-    )
-}
-
-/// Cubes and units for one unit per each of `rows` rows.
-pub(super) fn launch_size(like: &CubeTensor, rows: usize) -> (CubeCount, CubeDim) {
-    let dim = CubeDim::new(&like.client, rows);
-    (calculate_cube_count_elemwise(&like.client, rows, dim), dim)
 }
 
 /// The hash threshold for dropping with probability `dropout`: `dropout * 2^32`, rounded.

@@ -19,7 +19,6 @@ use burn::backend::{
 use burn::tensor::{DType, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 
 /// GELU of `x` (the tanh approximation when `tanh`) where `x` is an `f32` tensor on a CubeCL
@@ -50,7 +49,7 @@ pub trait GeluKernels: Backend {
 }
 
 fn empty_like(x: &CubeTensor) -> CubeTensor {
-    empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), x.shape(), DType::F32)
+    super::empty(x, x.shape())
 }
 
 impl GeluKernels for CubeBackend {
@@ -59,7 +58,7 @@ impl GeluKernels for CubeBackend {
         assert_eq!(x.dtype(), DType::F32, "GELU kernel: f32 only");
         let y = empty_like(&x);
         let n = x.shape().num_elements();
-        let (count, dim) = super::attention::launch_size(&x, n);
+        let (count, dim) = super::launch_size(&x, n);
         kernels::gelu_forward::launch::<f32>(
             &x.client.clone(),
             count,
@@ -75,7 +74,7 @@ impl GeluKernels for CubeBackend {
         let [x, grad] = [x, grad].map(into_contiguous);
         let dx = empty_like(&x);
         let n = x.shape().num_elements();
-        let (count, dim) = super::attention::launch_size(&x, n);
+        let (count, dim) = super::launch_size(&x, n);
         kernels::gelu_backward::launch::<f32>(
             &x.client.clone(),
             count,

@@ -25,7 +25,6 @@ use burn::backend::{
 use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 
 /// `(x - mean) * rstd * gamma` over the last axis with epsilon `eps`, where `x` and `gamma` are
@@ -105,22 +104,13 @@ fn backward_specs(
     (x.clone(), gamma.clone())
 }
 
-fn empty(like: &CubeTensor, shape: [usize; 2]) -> CubeTensor {
-    empty_device_contiguous_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::new(shape),
-        DType::F32,
-    )
-}
-
 impl LayerNormKernels for CubeBackend {
     fn layer_norm_forward(x: CubeTensor, gamma: CubeTensor, eps: f32) -> (CubeTensor, CubeTensor) {
         let [x, gamma] = [x, gamma].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
         assert_eq!(x.dtype(), DType::F32, "LayerNorm kernel: f32 only");
-        let (y, stats) = (empty(&x, [rows, d]), empty(&x, [rows, 2]));
-        let (count, dim) = super::attention::launch_size(&x, rows);
+        let (y, stats) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, 2]));
+        let (count, dim) = super::launch_size(&x, rows);
         kernels::layer_norm_forward::launch::<f32>(
             &x.client.clone(),
             count,
@@ -142,8 +132,8 @@ impl LayerNormKernels for CubeBackend {
     ) -> (CubeTensor, CubeTensor) {
         let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
-        let (dx, gx) = (empty(&x, [rows, d]), empty(&x, [rows, d]));
-        let (count, dim) = super::attention::launch_size(&x, rows);
+        let (dx, gx) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, d]));
+        let (count, dim) = super::launch_size(&x, rows);
         kernels::layer_norm_backward::launch::<f32>(
             &x.client.clone(),
             count,

@@ -15,7 +15,10 @@ pub(crate) mod layer_norm;
 pub(crate) mod sum_of_squares;
 
 use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Shape, Tensor};
+use burn_cubecl::cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
 use std::sync::OnceLock;
 
 /// Whether ember's GPU kernels are on: yes unless the environment variable `EMBER_GPU_KERNELS`
@@ -41,4 +44,20 @@ pub(crate) fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
         #[allow(unreachable_patterns)]
         _ => false,
     }
+}
+
+/// A new contiguous `f32` tensor of `shape` on `like`'s device.
+pub(crate) fn empty(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        DType::F32,
+    )
+}
+
+/// Cubes and units for one unit per each of `units` rows or elements.
+pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(&like.client, units);
+    (calculate_cube_count_elemwise(&like.client, units, dim), dim)
 }
