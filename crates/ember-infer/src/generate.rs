@@ -94,8 +94,7 @@ fn generate_on_host(
 /// attention keeps its shapes until the buffer doubles, instead of taking a new shape per token.
 /// CPU backends read only the valid rows, which is less work.
 fn compiles_per_shape(device: &Device) -> bool {
-    use burn::backend::{Backend, Dispatch};
-    Dispatch::name(device.as_dispatch()).contains("cubecl<")
+    ember_model::ops::on_cubecl(device)
 }
 
 /// How [`decode_on_device`] picks a token from its logits, on the device.

@@ -234,12 +234,12 @@ impl KernelProfiler {
                 start + 1
             )));
         }
-        if !devices.iter().all(runs_kernels) {
+        if !devices.iter().all(ember_model::ops::on_cubecl) {
             return Err(TrainError::Device(format!(
                 "{key} times GPU kernels; device `{name}` runs on the CPU (profile it with `perf record`)"
             )));
         }
-        let inner = imp::Profiler::new(name)?;
+        let inner = imp::Profiler::new();
         Ok(Self {
             devices,
             first: stop - steps + 1,
@@ -328,13 +328,6 @@ pub fn part<R>(step: &mut Option<ProfiledStep>, part: Part, body: impl FnOnce() 
         Some(step) => step.part(part, body),
         None => Ok(body()),
     }
-}
-
-/// Whether `device` runs Burn's cubecl backends (wgpu, vulkan, cuda), whose kernels CubeCL's
-/// launch observer sees.
-fn runs_kernels(device: &Device) -> bool {
-    use burn::backend::{Backend, Dispatch};
-    Dispatch::name(device.as_dispatch()).contains("cubecl<")
 }
 
 /// One launch of a profiled step: its kernel, the part that issued it, its window on the
@@ -432,7 +425,6 @@ mod imp {
     };
 
     use super::{Part, StepLaunches};
-    use crate::error::Result;
 
     /// Installed for the length of a profiled step.
     pub(super) type Watching = LaunchObservation;
@@ -478,10 +470,10 @@ mod imp {
     }
 
     impl Profiler {
-        pub(super) fn new(_name: &str) -> Result<Self> {
-            Ok(Self {
+        pub(super) fn new() -> Self {
+            Self {
                 recorder: Arc::default(),
-            })
+            }
         }
 
         pub(super) fn watch(&self) -> Watching {
@@ -532,18 +524,16 @@ mod imp {
     use std::time::Instant;
 
     use super::{Part, StepLaunches};
-    use crate::error::{Result, TrainError};
 
+    /// Never built with a device (every device of a CPU-only build is refused first).
     pub(super) struct Profiler;
 
     /// Nothing to watch without a GPU backend.
     pub(super) struct Watching;
 
     impl Profiler {
-        pub(super) fn new(name: &str) -> Result<Self> {
-            Err(TrainError::Device(format!(
-                "--profile-steps times GPU kernels; device `{name}` runs on the CPU and this build has no GPU backend (profile it with `perf record`)"
-            )))
+        pub(super) fn new() -> Self {
+            Self
         }
 
         pub(super) fn watch(&self) -> Watching {
@@ -611,7 +601,7 @@ mod tests {
             devices: Vec::new(),
             first: 11,
             last: 12,
-            inner: imp_stub(),
+            inner: imp::Profiler::new(),
             profile: RefCell::new(Some(profile)),
         };
         let done = profiler.finish().unwrap();
@@ -677,15 +667,5 @@ mod tests {
         assert!(text.contains("(3 more kernels)"), "{text}");
         // Two summary lines, the parts' header and rows, the kernels' header and rows.
         assert_eq!(text.lines().count(), 2 + 1 + 3 + 1 + ROWS + 1, "{text}");
-    }
-
-    #[cfg(any(feature = "wgpu", feature = "vulkan", feature = "cuda"))]
-    fn imp_stub() -> imp::Profiler {
-        imp::Profiler::new("test").unwrap()
-    }
-
-    #[cfg(not(any(feature = "wgpu", feature = "vulkan", feature = "cuda")))]
-    fn imp_stub() -> imp::Profiler {
-        imp::Profiler
     }
 }

@@ -66,6 +66,13 @@ pub use sum_of_squares::{add_sum_of_squares, add_sum_of_squares_reference};
 
 use burn::tensor::Tensor;
 
+/// Whether `device` runs on Burn's CubeCL backends (wgpu, vulkan, cuda, with or without fusion):
+/// the ones that compile a kernel per shape and whose kernels CubeCL's launch observer sees.
+pub fn on_cubecl(device: &burn::tensor::Device) -> bool {
+    use burn::backend::{Backend, Dispatch};
+    Dispatch::name(device.as_dispatch()).contains("cubecl<")
+}
+
 /// Whether ember's kernels take `x` (a flex `f32` tensor, tracked by autodiff or not) rather
 /// than the reference implementations; always false without the `flex` feature.
 pub fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {

@@ -19,7 +19,7 @@ pub(crate) fn step<const D: usize>(
     moments: Option<(Tensor<D>, Tensor<D>)>,
     k: &AdamWStep,
 ) -> Result<(Tensor<D>, Tensor<D>, Tensor<D>), AdamWInputs<D>> {
-    let plain = |x: &Tensor<D>| super::kernels_take(x) && !x.device().is_autodiff();
+    let plain = super::kernels_take_plain::<D>;
     let moments_fit = moments
         .as_ref()
         .is_none_or(|(m1, m2)| plain(m1) && plain(m2));

@@ -48,15 +48,11 @@ pub trait GeluKernels: Backend {
     ) -> FloatTensor<Self>;
 }
 
-fn empty_like(x: &CubeTensor) -> CubeTensor {
-    super::empty(x, x.shape())
-}
-
 impl GeluKernels for CubeBackend {
     fn gelu_kernel(x: CubeTensor, tanh: bool) -> CubeTensor {
         let x = into_contiguous(x);
         assert_eq!(x.dtype(), DType::F32, "GELU kernel: f32 only");
-        let y = empty_like(&x);
+        let y = super::empty(&x, x.shape());
         let n = x.shape().num_elements();
         let (count, dim) = super::launch_size(&x, n);
         kernels::gelu_forward::launch::<f32>(
@@ -72,7 +68,7 @@ impl GeluKernels for CubeBackend {
 
     fn gelu_kernel_backward(x: CubeTensor, grad: CubeTensor, tanh: bool) -> CubeTensor {
         let [x, grad] = [x, grad].map(into_contiguous);
-        let dx = empty_like(&x);
+        let dx = super::empty(&x, x.shape());
         let n = x.shape().num_elements();
         let (count, dim) = super::launch_size(&x, n);
         kernels::gelu_backward::launch::<f32>(

@@ -46,6 +46,11 @@ pub(crate) fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
     }
 }
 
+/// Whether the kernels take `x` and it is not tracked by autodiff (optimizer state, decoding).
+pub(crate) fn kernels_take_plain<const D: usize>(x: &Tensor<D>) -> bool {
+    kernels_take(x) && !x.device().is_autodiff()
+}
+
 /// A new contiguous `f32` tensor of `shape` on `like`'s device.
 pub(crate) fn empty(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
     empty_device_contiguous_dtype(

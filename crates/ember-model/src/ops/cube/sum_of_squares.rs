@@ -21,11 +21,10 @@ pub(crate) fn add<const D: usize>(
     total: Option<Tensor<1>>,
     x: Tensor<D>,
 ) -> Result<Tensor<1>, (Option<Tensor<1>>, Tensor<D>)> {
-    let plain = |t: &Tensor<D>| super::kernels_take(t) && !t.device().is_autodiff();
     let total_fits = total
         .as_ref()
-        .is_none_or(|t| super::kernels_take(t) && !t.device().is_autodiff() && t.dims() == [1]);
-    if !(plain(&x) && total_fits) {
+        .is_none_or(|t| super::kernels_take_plain(t) && t.dims() == [1]);
+    if !(super::kernels_take_plain(&x) && total_fits) {
         return Err((total, x));
     }
     let total = total.unwrap_or_else(|| Tensor::zeros([1], &x.device()));
