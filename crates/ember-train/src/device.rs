@@ -152,7 +152,7 @@ fn start(name: &str, index: usize) -> Result<Device> {
     if name == "cuda" {
         cuda::check_libdevice()?;
     }
-    #[cfg(feature = "fusion")]
+    #[cfg(feature = "autotune")]
     cache_compiled_kernels();
     probe(name, move || make(index)).map_err(|e| match (name, e) {
         ("cuda", TrainError::Device(message)) => TrainError::Device(cuda::explain(message)),
@@ -165,7 +165,7 @@ fn start(name: &str, index: usize) -> Result<Device> {
 /// (measured on lavapipe with fusion: 200 tokens in 9.2 s instead of 13.5 s). Settings of a
 /// `cubecl.toml` in the working directory and `CUBECL_*` variables still apply. Called before
 /// the first device starts; a configuration already read is left as it is.
-#[cfg(feature = "fusion")]
+#[cfg(feature = "autotune")]
 fn cache_compiled_kernels() {
     use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
