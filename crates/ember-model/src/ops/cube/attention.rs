@@ -252,23 +252,29 @@ impl AttentionKernels for CubeBackend {
             heads,
             dropout > 0.0,
         );
-        kernels::attention_backward_key_value::launch::<f32>(
-            &client,
-            count,
-            dim,
-            qkv.into_tensor_arg(),
-            seed.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            lse.into_tensor_arg(),
-            delta.into_tensor_arg(),
-            dqkv.clone().into_tensor_arg(),
-            dims.scale(),
-            dropout_threshold(dropout),
-            1.0 / (1.0 - dropout),
-            dims.k(),
-            heads,
-            dropout > 0.0,
-        );
+        // Keys, then values: two launches of one kernel, each with one row of accumulators
+        // per unit (with both, 2K accumulators per unit spilled out of registers on an H100:
+        // 18 ms a launch against 1.3 ms for the queries' kernel; docs/benchmarks.md).
+        for values in [false, true] {
+            kernels::attention_backward_key_value::launch::<f32>(
+                &client,
+                count.clone(),
+                dim,
+                qkv.clone().into_tensor_arg(),
+                seed.clone().into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dqkv.clone().into_tensor_arg(),
+                dims.scale(),
+                dropout_threshold(dropout),
+                1.0 / (1.0 - dropout),
+                dims.k(),
+                heads,
+                dropout > 0.0,
+                values,
+            );
+        }
         dqkv
     }
 
@@ -280,12 +286,14 @@ impl AttentionKernels for CubeBackend {
     ) -> CubeTensor {
         let [b, heads, t, head] = q.shape().dims::<4>();
         assert_eq!(q.dtype(), DType::F32, "cached attention kernel: f32 only");
+        let capacity = k.shape().dims::<4>()[2];
         let out = super::empty(&q, [b, heads, t, head]);
-        let (count, dim) = super::launch_size(&q, b * heads * t);
+        // One cube per query row: a token's step has one query row per head, too few rows to
+        // keep a GPU busy with one unit each (measured on an H100: 350 us per layer and token).
         kernels::cached_attention::launch::<f32>(
             &q.client.clone(),
-            count,
-            dim,
+            CubeCount::new_1d((b * heads * t) as u32),
+            CubeDim::new_1d(CACHED_UNITS as u32),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -293,6 +301,8 @@ impl AttentionKernels for CubeBackend {
             start as u32,
             1.0 / (head as f32).sqrt(),
             head,
+            capacity,
+            CACHED_UNITS,
         );
         out
     }
@@ -391,6 +401,9 @@ impl<B: AttentionKernels> Backward<B, 1> for FusedAttention {
         });
     }
 }
+
+/// Units of the cached attention's cube (one cube per query row): a power of two.
+const CACHED_UNITS: usize = 128;
 
 /// The sizes of one call of the training kernels.
 struct Dims {
@@ -613,9 +626,12 @@ mod kernels {
         lse[row] = m + F::ln(l);
     }
 
-    /// Attention over a KV cache's whole buffer: one unit per query row `(b, h, i)` (at
-    /// position `start + i`), a running softmax over keys `0..=start + i`; inputs read through
-    /// their strides (the queries are a view of the projection), the output contiguous.
+    /// Attention over a KV cache's whole buffer: one cube of `units` units per query row
+    /// `(b, h, i)` (at position `start + i`), over keys `0..=start + i`; inputs read through
+    /// their strides (the queries are a view of the projection), the output contiguous. The
+    /// units split the keys for the scores (kept in shared memory, `capacity` of them), reduce
+    /// their maximum and sum through shared memory, and split the head's columns for the
+    /// weighted sum of values.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     pub(super) fn cached_attention<F: Float>(
@@ -626,11 +642,11 @@ mod kernels {
         start: u32,
         scale: f32,
         #[comptime] head: usize,
+        #[comptime] capacity: usize,
+        #[comptime] units: usize,
     ) {
-        let row = ABSOLUTE_POS;
-        if row * head >= out.len() {
-            terminate!();
-        }
+        let row = CUBE_POS;
+        let u = UNIT_POS_X as usize;
         let t = q.shape(2);
         let heads = q.shape(1);
         let i = row % t;
@@ -641,33 +657,73 @@ mod kernels {
         let v0 = b * v.stride(0) + h * v.stride(1);
         let (qc, kc, vc) = (q.stride(3), k.stride(3), v.stride(3));
         let scale = F::cast_from(scale);
+        let n = start as usize + i + 1; // keys this row sees
 
-        let mut m = F::new(0.0);
-        let mut l = F::new(0.0);
-        let mut acc = Array::<F>::new(head);
-        #[unroll]
-        for c in 0..head {
-            acc[c] = F::new(0.0);
-        }
-        for j in 0..start as usize + i + 1 {
+        // Scores of keys u, u + units, ..., and this unit's maximum.
+        let mut scores = Shared::<[F]>::new_slice(capacity);
+        let mut m = F::min_value();
+        // The keys of unit u: u, u + units, ... below n.
+        let mine = (n + units - 1 - u) / units;
+        for r in 0..mine {
+            let j = u + r * units;
             let kj = k0 + j * k.stride(2);
-            let vj = v0 + j * v.stride(2);
             let mut dot = F::new(0.0);
             #[unroll]
             for c in 0..head {
                 dot += q[qi + c * qc] * k[kj + c * kc];
             }
-            let (m_new, correction, p) = online_step::<F>(m, dot * scale, j == 0);
-            l = l * correction + p;
-            #[unroll]
-            for c in 0..head {
-                acc[c] = acc[c] * correction + p * v[vj + c * vc];
+            let s = dot * scale;
+            scores[j] = s;
+            if s > m {
+                m = s;
             }
-            m = m_new;
         }
-        #[unroll]
-        for c in 0..head {
-            out[row * head + c] = acc[c] / l;
+        let mut partial = Shared::<[F]>::new_slice(units);
+        partial[u] = m;
+        sync_cube();
+        // The halving count starts from the runtime cube size: a mutable variable started from
+        // a compile-time value (`units / 2`) fails CubeCL 0.11's verification ("expected
+        // operand type cube.ptr, but found cube.index").
+        let mut half = CUBE_DIM_X as usize / 2;
+        while half > 0 {
+            if u < half {
+                partial[u] = F::max(partial[u], partial[u + half]);
+            }
+            sync_cube();
+            half /= 2;
+        }
+        let row_max = partial[0];
+        sync_cube();
+
+        // Weights `exp(s - m)` in place of the scores, and their sum.
+        let mut l = F::new(0.0);
+        for r in 0..mine {
+            let j = u + r * units;
+            let p = F::exp(scores[j] - row_max);
+            scores[j] = p;
+            l += p;
+        }
+        partial[u] = l;
+        sync_cube();
+        let mut half = CUBE_DIM_X as usize / 2;
+        while half > 0 {
+            if u < half {
+                partial[u] = partial[u] + partial[u + half];
+            }
+            sync_cube();
+            half /= 2;
+        }
+        let total = partial[0];
+
+        // Column c of the output: the weighted sum of the values' column c.
+        let columns = (head + units - 1 - u) / units;
+        for r in 0..columns {
+            let c = u + r * units;
+            let mut acc = F::new(0.0);
+            for j in 0..n {
+                acc += scores[j] * v[v0 + j * v.stride(2) + c * vc];
+            }
+            out[row * head + c] = acc / total;
         }
     }
 
@@ -726,8 +782,9 @@ mod kernels {
         }
     }
 
-    /// Backward pass, keys and values: one unit per key row `(b, h, j)` writes `dK_j` and
-    /// `dV_j` (after [`attention_backward_query`], whose `delta` it reads).
+    /// Backward pass, keys or values (`#[comptime] values`): one unit per key row `(b, h, j)`
+    /// writes `dK_j` or `dV_j`, over queries `i = T-1` down to `j` (after
+    /// [`attention_backward_query`], whose `delta` it reads).
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     pub(super) fn attention_backward_key_value<F: Float>(
@@ -743,6 +800,7 @@ mod kernels {
         #[comptime] k: usize,
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
+        #[comptime] values: bool,
     ) {
         let row = ABSOLUTE_POS;
         if row >= lse.len() {
@@ -758,31 +816,45 @@ mod kernels {
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        let mut dk = Array::<F>::new(k);
-        let mut dv = Array::<F>::new(k);
+        let mut acc = Array::<F>::new(k);
         #[unroll]
         for c in 0..k {
-            dk[c] = F::new(0.0);
-            dv[c] = F::new(0.0);
+            acc[c] = F::new(0.0);
         }
-        for i in j..t {
+        // Latest query first: the units of a warp hold consecutive keys `j`, and this way they
+        // read the same query row at each step (one broadcast load, not one load per unit as
+        // when each unit starts at its own `j`), until the earlier keys' units drop out.
+        for step in 0..t - j {
+            let i = t - 1 - step;
             let q = at.q0 + i * 3 * d;
             let o = at.o0 + i * d;
             let s = dot::<F>(qkv, q, qkv, kj, k) * scale;
-            let dp = dot::<F>(grad, o, qkv, vj, k);
             let p = F::exp(s - lse[first + i]);
             let factor = mask.factor((first + i) * t + j, dropout);
-            let ds = p * (dp * factor - delta[first + i]);
-            #[unroll]
-            for c in 0..k {
-                dv[c] += p * factor * grad[o + c];
-                dk[c] += ds * qkv[q + c];
+            if values {
+                // dV_j = sum_i P_ij (mask) dO_i
+                let w = p * factor;
+                #[unroll]
+                for c in 0..k {
+                    acc[c] += w * grad[o + c];
+                }
+            } else {
+                // dK_j = scale * sum_i dS_ij Q_i, dS_ij = P_ij (dP_ij (mask) - delta_i)
+                let dp = dot::<F>(grad, o, qkv, vj, k);
+                let ds = p * (dp * factor - delta[first + i]);
+                #[unroll]
+                for c in 0..k {
+                    acc[c] += ds * qkv[q + c];
+                }
             }
         }
         #[unroll]
         for c in 0..k {
-            dqkv[kj + c] = dk[c] * scale;
-            dqkv[vj + c] = dv[c];
+            if values {
+                dqkv[vj + c] = acc[c];
+            } else {
+                dqkv[kj + c] = acc[c] * scale;
+            }
         }
     }
 }
@@ -835,6 +907,7 @@ mod tests {
             (1, 3, 16, 32, 5, 3),
             (2, 2, 8, 32, 29, 3),
             (1, 1, 4, 7, 6, 1),
+            (1, 2, 64, 300, 250, 2),
         ] {
             let q = Tensor::<4>::random([b, t, heads, head], normal, &device).swap_dims(1, 2);
             let k = Tensor::<4>::random([b, heads, capacity, head], normal, &device) * 2.0;
