@@ -85,6 +85,11 @@ fn main() -> ExitCode {
         eprintln!("error: internal error{place}: {message} (please report this)");
     }));
     let cli = Cli::parse();
+    // Read by the model's GPU ops wherever they run; a bad value is refused here, once.
+    if let Err(e) = ember_model::ops::GpuKernels::from_env() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Train(args) => match train::run(args) {
             Ok(code) => return code,

@@ -22,6 +22,8 @@ struct Case {
     args: &'static [&'static str],
     /// Fed to standard input, if any.
     stdin: Option<&'static str>,
+    /// An environment variable set for the run, if any.
+    env: Option<(&'static str, &'static str)>,
     /// What the error line must contain (besides what the table records).
     needles: &'static [&'static str],
 }
@@ -37,7 +39,16 @@ const fn case(
         input,
         args,
         stdin: None,
+        env: None,
         needles,
+    }
+}
+
+/// `case` run with the environment variable `name` set to `value`.
+const fn with_env(case: Case, name: &'static str, value: &'static str) -> Case {
+    Case {
+        env: Some((name, value)),
+        ..case
     }
 }
 
@@ -645,6 +656,16 @@ const CASES: &[Case] = &[
         ],
         &["flex,flex", "one device"],
     ),
+    with_env(
+        case(
+            "device",
+            "unknown GPU kernel in `EMBER_GPU_KERNELS`",
+            &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
+            &["EMBER_GPU_KERNELS", "softmax", "layer-norm"],
+        ),
+        "EMBER_GPU_KERNELS",
+        "-attention,-softmax",
+    ),
     // Output and training.
     case(
         "output",
@@ -861,7 +882,11 @@ fn run_case(dir: &Path, case: &Case) -> Output {
         .iter()
         .map(|a| a.replace(TMP, d).replace("$LONG", &long))
         .collect();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ember"));
+    if let Some((name, value)) = case.env {
+        command.env(name, value);
+    }
+    let mut child = command
         .args(&args)
         .current_dir(repo())
         .stdin(Stdio::piped())
@@ -915,9 +940,12 @@ fn table(rows: &[(&Case, String)]) -> String {
             .join(" ");
         let cell = |s: &str| s.replace('|', "\\|");
         text += &format!(
-            "| {} | {} | `ember {}` | `` {} `` |\n",
+            "| {} | {} | `{}ember {}` | `` {} `` |\n",
             case.area,
             cell(case.input),
+            case.env
+                .map(|(name, value)| format!("{name}={value:?} "))
+                .unwrap_or_default(),
             cell(&command),
             cell(line)
         );

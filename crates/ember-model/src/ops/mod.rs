@@ -5,7 +5,8 @@
 //! (`*_reference`, Burn tensor ops, on every backend), and kernels that take over where they
 //! apply: ember's flex CPU kernels, on `f32` flex tensors with or without autodiff, and (features
 //! `wgpu`, `vulkan`, `cuda`) its GPU kernels on Burn's CubeCL backends, with or without fusion
-//! and autodiff (`ops/cube`; the environment variable `EMBER_GPU_KERNELS=off` turns them off).
+//! and autodiff (`ops/cube`; the environment variable `EMBER_GPU_KERNELS` turns them off, all
+//! or some: [`gpu_kernels`]).
 //!
 //! | op | reference | kernel (flex) |
 //! |---|---|---|
@@ -37,6 +38,7 @@ pub mod adamw;
 mod attention;
 mod embedding;
 mod gelu;
+pub mod gpu_kernels;
 mod layer_norm;
 mod linear;
 mod rotary;
@@ -58,6 +60,7 @@ pub use attention::{
 };
 pub use embedding::embed;
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
+pub use gpu_kernels::{GpuKernel, GpuKernels};
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::{affine, affine_reference, linear, matmul, matmul_reference};
 pub use rotary::{rotate_qk, rotate_qk_reference, rotate_qk_rows};

@@ -2,6 +2,7 @@
 //! element, reading the parameter, its gradient and both moments once and writing the three new
 //! tensors (Burn's `AdamW` launches about fifteen kernels for the same step without fusion).
 
+use crate::ops::GpuKernel;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension};
 use burn::tensor::Tensor;
@@ -19,7 +20,7 @@ pub(crate) fn step<const D: usize>(
     moments: Option<(Tensor<D>, Tensor<D>)>,
     k: &AdamWStep,
 ) -> Result<(Tensor<D>, Tensor<D>, Tensor<D>), AdamWInputs<D>> {
-    let plain = super::kernels_take_plain::<D>;
+    let plain = |t: &Tensor<D>| super::kernels_take_plain(GpuKernel::AdamW, t);
     let moments_fit = moments
         .as_ref()
         .is_none_or(|(m1, m2)| plain(m1) && plain(m2));

@@ -19,10 +19,14 @@
 //! [`crate::ops::causal_self_attention_reference`]; the tests below hold the kernels to it on
 //! wgpu (Mesa's lavapipe in CI).
 //!
-//! The kernels keep one row's accumulator in registers (`K` values, the head size, a compile-time
-//! constant) and read keys and values from global memory; units of one cube read the same keys
-//! at the same time. Tiling through shared memory is the next step for speed on large GPUs.
+//! The training kernels keep one row's accumulator in registers (`K` values, the head size, a
+//! compile-time constant; the key and value gradients in two launches, so one row each) and read
+//! keys and values from global memory; units of one cube read the same keys at the same time.
+//! Tiling through shared memory is the next step for speed on large GPUs (on an H100 the three
+//! take about a third of a step of nanoGPT's GPU config; docs/benchmarks.md). Decoding has too
+//! few query rows for one unit each, so its kernel gives each query row a cube.
 
+use crate::ops::GpuKernel;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -75,7 +79,7 @@ pub(crate) fn cached_causal_attention(
 ) -> Result<Tensor<4>, (Tensor<4>, Tensor<4>, Tensor<4>)> {
     let [_, _, t, _] = q.dims();
     let capacity = k.dims()[2];
-    let plain = super::kernels_take_plain::<4>;
+    let plain = |t: &Tensor<4>| super::kernels_take_plain(GpuKernel::CachedAttention, t);
     if t == 0 || start + t > capacity || !(plain(&q) && plain(&k) && plain(&v)) {
         return Err((q, k, v));
     }
@@ -98,7 +102,11 @@ fn seeded(
     seed: impl FnOnce(&Device) -> Tensor<1>,
 ) -> Result<Tensor<3>, Tensor<3>> {
     let [_, t, d3] = qkv.dims();
-    if t == 0 || d3 == 0 || !super::kernels_take(&qkv) || !(0.0..1.0).contains(&dropout) {
+    if t == 0
+        || d3 == 0
+        || !super::kernels_take(GpuKernel::Attention, &qkv)
+        || !(0.0..1.0).contains(&dropout)
+    {
         return Err(qkv);
     }
     assert!(
@@ -880,7 +888,10 @@ mod tests {
             let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
             for on in [device.clone(), device.clone().autodiff()] {
                 let qkv = Tensor::<3>::from_data(x.clone(), &on);
-                assert!(super::super::kernels_take(&qkv), "kernels take wgpu f32");
+                assert!(
+                    super::super::kernels_take(GpuKernel::Attention, &qkv),
+                    "kernels take wgpu f32"
+                );
             }
             agrees_on(
                 &device,

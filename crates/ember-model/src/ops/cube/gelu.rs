@@ -8,6 +8,7 @@
 //! `(1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2)`. The references are
 //! Burn's `gelu` and `gelu_approximate` (`crate::ops`).
 
+use crate::ops::GpuKernel;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -24,7 +25,7 @@ use burn_cubecl::tensor::CubeTensor;
 /// GELU of `x` (the tanh approximation when `tanh`) where `x` is an `f32` tensor on a CubeCL
 /// device, tracked by autodiff or not; `x` back otherwise.
 pub(crate) fn gelu<const D: usize>(x: Tensor<D>, tanh: bool) -> Result<Tensor<D>, Tensor<D>> {
-    if !super::kernels_take(&x) || x.shape().num_elements() == 0 {
+    if !super::kernels_take(GpuKernel::Gelu, &x) || x.shape().num_elements() == 0 {
         return Err(x);
     }
     let y = <Dispatch as GeluKernels>::gelu_kernel(x.into_dispatch(), tanh);

@@ -13,6 +13,7 @@
 //!
 //! Each unit reads its row from global memory; units of a cube read neighbouring rows.
 
+use crate::ops::GpuKernel;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -42,7 +43,9 @@ pub(crate) fn normalize_and_scale<const N: usize>(
     let dims = x.dims();
     let d = dims[N - 1];
     let same_graph = x.device().is_autodiff() == gamma.device().is_autodiff();
-    let take = super::kernels_take(&x) && super::kernels_take(&gamma) && same_graph;
+    let take = super::kernels_take(GpuKernel::LayerNorm, &x)
+        && super::kernels_take(GpuKernel::LayerNorm, &gamma)
+        && same_graph;
     if !take || d == 0 || gamma.dims()[0] != d || x.shape().num_elements() == 0 {
         return Err((x, gamma));
     }

@@ -14,24 +14,17 @@ pub(crate) mod gelu;
 pub(crate) mod layer_norm;
 pub(crate) mod sum_of_squares;
 
+use crate::ops::gpu_kernels::{self, GpuKernel};
 use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};
 use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use std::sync::OnceLock;
 
-/// Whether ember's GPU kernels are on: yes unless the environment variable `EMBER_GPU_KERNELS`
-/// is `off` (read once), which leaves every op to its reference, for comparisons.
-pub fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EMBER_GPU_KERNELS").map_or(true, |v| v != "off"))
-}
-
-/// Whether `x` is an `f32` tensor on a CubeCL device, tracked by autodiff or not (and the
-/// kernels are [`enabled`]).
-pub(crate) fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
-    if !enabled() {
+/// Whether `kernel` is on ([`crate::ops::gpu_kernels`]) and takes `x`: an `f32` tensor on a
+/// CubeCL device, tracked by autodiff or not.
+pub(crate) fn kernels_take<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
+    if !gpu_kernels::uses(kernel) {
         return false;
     }
     let x = x.clone().into_dispatch();
@@ -46,9 +39,9 @@ pub(crate) fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
     }
 }
 
-/// Whether the kernels take `x` and it is not tracked by autodiff (optimizer state, decoding).
-pub(crate) fn kernels_take_plain<const D: usize>(x: &Tensor<D>) -> bool {
-    kernels_take(x) && !x.device().is_autodiff()
+/// Whether `kernel` takes `x` and it is not tracked by autodiff (optimizer state, decoding).
+pub(crate) fn kernels_take_plain<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
+    kernels_take(kernel, x) && !x.device().is_autodiff()
 }
 
 /// A new contiguous `f32` tensor of `shape` on `like`'s device.

@@ -2,6 +2,7 @@
 //! [`UNITS`] units striding over the tensor, partial sums added in shared memory, and the sum
 //! added to the running total in the same launch.
 
+use crate::ops::GpuKernel;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension};
 use burn::tensor::{DType, Shape, Tensor};
@@ -23,8 +24,8 @@ pub(crate) fn add<const D: usize>(
 ) -> Result<Tensor<1>, (Option<Tensor<1>>, Tensor<D>)> {
     let total_fits = total
         .as_ref()
-        .is_none_or(|t| super::kernels_take_plain(t) && t.dims() == [1]);
-    if !(super::kernels_take_plain(&x) && total_fits) {
+        .is_none_or(|t| super::kernels_take_plain(GpuKernel::Norm, t) && t.dims() == [1]);
+    if !(super::kernels_take_plain(GpuKernel::Norm, &x) && total_fits) {
         return Err((total, x));
     }
     let total = total.unwrap_or_else(|| Tensor::zeros([1], &x.device()));

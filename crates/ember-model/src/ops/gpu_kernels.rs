@@ -1,0 +1,181 @@
+//! Which of ember's GPU kernels run: the environment variable `EMBER_GPU_KERNELS`.
+//!
+//! Each op of `ops/cube` is faster than Burn's ops on some GPUs and shapes and not on others (on
+//! one H100, ember's attention kernels are slower than Burn's autotuned products for nanoGPT's
+//! GPU config, while the fused AdamW is faster), so each can be turned off on its own, for
+//! comparisons and until every kernel wins everywhere:
+//!
+//! - unset or `on`: all of them;
+//! - `off`: none (every op runs its reference in Burn's ops);
+//! - `-attention,-layer-norm`: all but the ones named;
+//! - `attention,adamw`: only the ones named.
+//!
+//! Flex's CPU kernels are not affected.
+
+use std::sync::OnceLock;
+
+/// The environment variable that chooses the kernels.
+pub const VARIABLE: &str = "EMBER_GPU_KERNELS";
+
+/// One of ember's GPU kernels (each an op of `ops/cube`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuKernel {
+    /// Causal self-attention in training and on a prompt, forward and backward.
+    Attention,
+    /// Attention over the KV cache's whole buffer, when decoding.
+    CachedAttention,
+    /// LayerNorm, forward and backward.
+    LayerNorm,
+    /// GELU (exact and tanh), forward and backward.
+    Gelu,
+    /// The AdamW update of one parameter and its moments.
+    AdamW,
+    /// The sum of squares of a gradient, for global-norm clipping.
+    Norm,
+}
+
+impl GpuKernel {
+    /// Every kernel, in the order of [`GpuKernel::name`]'s list.
+    pub const ALL: [GpuKernel; 6] = [
+        GpuKernel::Attention,
+        GpuKernel::CachedAttention,
+        GpuKernel::LayerNorm,
+        GpuKernel::Gelu,
+        GpuKernel::AdamW,
+        GpuKernel::Norm,
+    ];
+
+    /// The kernel's name in `EMBER_GPU_KERNELS`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuKernel::Attention => "attention",
+            GpuKernel::CachedAttention => "cached-attention",
+            GpuKernel::LayerNorm => "layer-norm",
+            GpuKernel::Gelu => "gelu",
+            GpuKernel::AdamW => "adamw",
+            GpuKernel::Norm => "norm",
+        }
+    }
+}
+
+/// The set of kernels that run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuKernels {
+    on: [bool; GpuKernel::ALL.len()],
+}
+
+impl Default for GpuKernels {
+    /// All of them.
+    fn default() -> Self {
+        GpuKernels {
+            on: [true; GpuKernel::ALL.len()],
+        }
+    }
+}
+
+impl GpuKernels {
+    /// Parses a value of `EMBER_GPU_KERNELS` (see the module's documentation); the error names
+    /// the variable, the value and what is accepted.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        let value = value.trim();
+        match value {
+            "" | "on" => return Ok(GpuKernels::default()),
+            "off" => {
+                return Ok(GpuKernels {
+                    on: [false; GpuKernel::ALL.len()],
+                });
+            }
+            _ => {}
+        }
+        let entries: Vec<&str> = value.split(',').map(str::trim).collect();
+        let removing = entries.iter().filter(|e| e.starts_with('-')).count();
+        let bad = |why: String| {
+            let names: Vec<&str> = GpuKernel::ALL.iter().map(|k| k.name()).collect();
+            format!(
+                "{VARIABLE}={value:?}: {why} (expected on, off, or a comma-separated list of {}; \
+                 each with a leading '-' to turn just those off)",
+                names.join(", ")
+            )
+        };
+        if removing != 0 && removing != entries.len() {
+            return Err(bad("mixes kernels to keep with kernels to remove".into()));
+        }
+        let mut on = [removing != 0; GpuKernel::ALL.len()];
+        for entry in entries {
+            let name = entry.trim_start_matches('-');
+            let index = GpuKernel::ALL
+                .iter()
+                .position(|k| k.name() == name)
+                .ok_or_else(|| bad(format!("unknown kernel {name:?}")))?;
+            on[index] = removing == 0;
+        }
+        Ok(GpuKernels { on })
+    }
+
+    /// The set the environment asks for (all of them where the variable is unset).
+    pub fn from_env() -> Result<Self, String> {
+        match std::env::var(VARIABLE) {
+            Ok(value) => GpuKernels::parse(&value),
+            Err(std::env::VarError::NotPresent) => Ok(GpuKernels::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(format!("{VARIABLE} is not UTF-8")),
+        }
+    }
+
+    /// Whether `kernel` runs.
+    pub fn uses(&self, kernel: GpuKernel) -> bool {
+        self.on[GpuKernel::ALL.iter().position(|&k| k == kernel).unwrap()]
+    }
+}
+
+/// Whether `kernel` runs in this process: [`GpuKernels::from_env`], read once. A value that does
+/// not parse leaves all kernels on (the `ember` binary refuses it at start-up, in one line).
+pub fn uses(kernel: GpuKernel) -> bool {
+    static KERNELS: OnceLock<GpuKernels> = OnceLock::new();
+    KERNELS
+        .get_or_init(|| GpuKernels::from_env().unwrap_or_default())
+        .uses(kernel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on(kernels: GpuKernels) -> Vec<&'static str> {
+        GpuKernel::ALL
+            .into_iter()
+            .filter(|&k| kernels.uses(k))
+            .map(GpuKernel::name)
+            .collect()
+    }
+
+    #[test]
+    fn parses_on_off_and_lists() {
+        let all: Vec<_> = GpuKernel::ALL.map(GpuKernel::name).into();
+        assert_eq!(on(GpuKernels::parse("on").unwrap()), all);
+        assert_eq!(on(GpuKernels::parse("").unwrap()), all);
+        assert!(on(GpuKernels::parse("off").unwrap()).is_empty());
+        assert_eq!(
+            on(GpuKernels::parse("-attention, -layer-norm").unwrap()),
+            ["cached-attention", "gelu", "adamw", "norm"]
+        );
+        assert_eq!(
+            on(GpuKernels::parse("adamw,cached-attention").unwrap()),
+            ["cached-attention", "adamw"]
+        );
+    }
+
+    #[test]
+    fn refuses_unknown_names_and_mixed_lists_in_one_line() {
+        let unknown = GpuKernels::parse("attention,softmax").unwrap_err();
+        assert!(
+            unknown.contains("EMBER_GPU_KERNELS=\"attention,softmax\""),
+            "{unknown}"
+        );
+        assert!(unknown.contains("unknown kernel \"softmax\""), "{unknown}");
+        assert!(unknown.contains("cached-attention"), "{unknown}");
+        let mixed = GpuKernels::parse("attention,-gelu").unwrap_err();
+        assert!(mixed.contains("mixes"), "{mixed}");
+        assert!(!unknown.contains('\n') && !mixed.contains('\n'));
+        assert!(GpuKernels::parse("-").is_err());
+    }
+}
