@@ -467,6 +467,8 @@ mod kernels {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
+    use crate::ops::cube::reduce_cube;
+
     /// Chris Wellons' `lowbias32` integer hash (a bijection of `u32`).
     #[cube]
     pub(super) fn mix(x: u32) -> u32 {
@@ -687,21 +689,7 @@ mod kernels {
             }
         }
         let mut partial = Shared::<[F]>::new_slice(units);
-        partial[u] = m;
-        sync_cube();
-        // The halving count starts from the runtime cube size: a mutable variable started from
-        // a compile-time value (`units / 2`) fails CubeCL 0.11's verification ("expected
-        // operand type cube.ptr, but found cube.index").
-        let mut half = CUBE_DIM_X as usize / 2;
-        while half > 0 {
-            if u < half {
-                partial[u] = F::max(partial[u], partial[u + half]);
-            }
-            sync_cube();
-            half /= 2;
-        }
-        let row_max = partial[0];
-        sync_cube();
+        let row_max = reduce_cube::<F>(&mut partial, m, true);
 
         // Weights `exp(s - m)` in place of the scores, and their sum.
         let mut l = F::new(0.0);
@@ -711,17 +699,7 @@ mod kernels {
             scores[j] = p;
             l += p;
         }
-        partial[u] = l;
-        sync_cube();
-        let mut half = CUBE_DIM_X as usize / 2;
-        while half > 0 {
-            if u < half {
-                partial[u] = partial[u] + partial[u + half];
-            }
-            sync_cube();
-            half /= 2;
-        }
-        let total = partial[0];
+        let total = reduce_cube::<F>(&mut partial, l, false);
 
         // Column c of the output: the weighted sum of the values' column c.
         let columns = (head + units - 1 - u) / units;

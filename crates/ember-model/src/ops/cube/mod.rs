@@ -17,6 +17,8 @@ pub(crate) mod sum_of_squares;
 use crate::ops::gpu_kernels::{self, GpuKernel};
 use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};
 use burn::tensor::{DType, Shape, Tensor};
+use burn_cubecl::cubecl;
+use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
@@ -58,4 +60,37 @@ pub(crate) fn empty(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
 pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(&like.client, units);
     (calculate_cube_count_elemwise(&like.client, units, dim), dim)
+}
+
+/// The sum (or with `max`, the maximum) of every unit's `value` over a one-dimensional cube
+/// whose size is a power of two, returned to every unit: a halving tree through `scratch` (one
+/// slot per unit), synchronised at each level and before returning, so `scratch` can be used
+/// again at once.
+#[cube]
+pub(crate) fn reduce_cube<F: Float>(
+    scratch: &mut Shared<[F]>,
+    value: F,
+    #[comptime] max: bool,
+) -> F {
+    let u = UNIT_POS_X as usize;
+    scratch[u] = value;
+    sync_cube();
+    // The halving count starts from the runtime cube size: a mutable variable started from a
+    // compile-time value fails CubeCL 0.11's verification ("expected operand type cube.ptr, but
+    // found cube.index"; docs/burn-findings.md, 20).
+    let mut half = CUBE_DIM_X as usize / 2;
+    while half > 0 {
+        if u < half {
+            if max {
+                scratch[u] = F::max(scratch[u], scratch[u + half]);
+            } else {
+                scratch[u] = scratch[u] + scratch[u + half];
+            }
+        }
+        sync_cube();
+        half /= 2;
+    }
+    let result = scratch[0];
+    sync_cube();
+    result
 }

@@ -71,6 +71,8 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
+    use crate::ops::cube::reduce_cube;
+
     /// One cube of `units` units (a power of two): unit `u` sums the squares of
     /// `x[u], x[u + units], ...`, then the partial sums are halved pairwise in shared memory.
     #[cube(launch)]
@@ -88,18 +90,9 @@ mod kernel {
             i += units;
         }
         let mut sums = Shared::<[F]>::new_slice(units);
-        sums[u] = partial;
-        sync_cube();
-        let mut half = CUBE_DIM_X as usize / 2;
-        while half > 0 {
-            if u < half {
-                sums[u] = sums[u] + sums[u + half];
-            }
-            sync_cube();
-            half /= 2;
-        }
+        let sum = reduce_cube::<F>(&mut sums, partial, false);
         if u == 0 {
-            out[0] = total[0] + sums[0];
+            out[0] = total[0] + sum;
         }
     }
 }
