@@ -17,7 +17,8 @@ use std::sync::OnceLock;
 /// The environment variable that chooses the kernels.
 pub const VARIABLE: &str = "EMBER_GPU_KERNELS";
 
-/// One of ember's GPU kernels (each an op of `ops/cube`).
+/// One of ember's GPU kernels (each an op of `ops/cube`); its discriminant is its place in
+/// [`GpuKernel::ALL`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GpuKernel {
     /// Causal self-attention in training and on a prompt, forward and backward.
@@ -103,11 +104,11 @@ impl GpuKernels {
         let mut on = [removing != 0; GpuKernel::ALL.len()];
         for entry in entries {
             let name = entry.trim_start_matches('-');
-            let index = GpuKernel::ALL
-                .iter()
-                .position(|k| k.name() == name)
+            let kernel = GpuKernel::ALL
+                .into_iter()
+                .find(|k| k.name() == name)
                 .ok_or_else(|| bad(format!("unknown kernel {name:?}")))?;
-            on[index] = removing == 0;
+            on[kernel as usize] = removing == 0;
         }
         Ok(GpuKernels { on })
     }
@@ -123,7 +124,7 @@ impl GpuKernels {
 
     /// Whether `kernel` runs.
     pub fn uses(&self, kernel: GpuKernel) -> bool {
-        self.on[GpuKernel::ALL.iter().position(|&k| k == kernel).unwrap()]
+        self.on[kernel as usize]
     }
 }
 
