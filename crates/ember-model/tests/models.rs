@@ -139,6 +139,34 @@ fn positions_break_permutation_equivariance_of_the_encoder() {
     assert!(gap(PositionalKind::Learned) > 1e-3);
 }
 
+/// The embedded input is dropped in training, as GPT-2's and nanoGPT's `drop(wte + wpe)`: with
+/// every other dropout at 0, a training forward pass (autodiff device) differs from the
+/// evaluation pass of the same weights; with the input's dropout at 0 it equals it.
+#[test]
+fn the_embedded_input_is_dropped_in_training_only() {
+    use burn::nn::DropoutConfig;
+    let device = Device::flex().autodiff();
+    let mut model = lm(PositionalKind::Learned, true, &device);
+    let x = tokens(
+        &[&[1, 2, 3, 4, 5, 6, 7, 8], &[8, 7, 6, 5, 4, 3, 2, 1]],
+        &device,
+    );
+    let eval = model.valid().forward(x.clone().inner());
+    device.seed(3);
+    let undropped = model.forward(x.clone());
+    assert!(max_diff(undropped.inner(), eval.clone()) < 1e-6);
+
+    model.drop = DropoutConfig::new(0.5).init();
+    device.seed(3);
+    let dropped = model.forward(x.clone());
+    assert!(
+        max_diff(dropped.inner(), eval.clone()) > 1e-3,
+        "a training pass with the input's dropout at 0.5 equals the evaluation pass"
+    );
+    // Evaluation never drops.
+    assert!(max_diff(model.valid().forward(x.inner()), eval) < 1e-6);
+}
+
 #[test]
 fn kv_cache_gives_the_logits_of_full_recomputation_decoder_only() {
     let device = Device::flex();

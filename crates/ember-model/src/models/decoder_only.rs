@@ -3,7 +3,8 @@
 
 use burn::module::Module;
 use burn::nn::{
-    Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
+    Linear, LinearConfig,
 };
 use burn::tensor::{Bool, Device, Int, Tensor};
 
@@ -20,6 +21,9 @@ pub struct DecoderOnly {
     pub wte: Embedding,
     /// Additive positions (learned or sinusoidal); none for rotary.
     pub wpe: Option<AdditivePositions>,
+    /// Dropout on the embedded input (tokens plus positions), as in GPT-2 and nanoGPT: with
+    /// the blocks' dropout alone a model overfits sooner.
+    pub drop: Dropout,
     /// The decoder blocks.
     pub blocks: Vec<DecoderBlock>,
     /// Final LayerNorm.
@@ -59,6 +63,7 @@ impl DecoderOnly {
                 config.d_model,
                 device,
             ),
+            drop: DropoutConfig::new(config.dropout).init(),
             blocks: (0..config.n_layers)
                 .map(|_| DecoderBlock::new(&block, false, device))
                 .collect(),
@@ -129,6 +134,7 @@ impl DecoderOnly {
                 None => wpe.forward(start, t, &device),
             };
         }
+        let mut x = self.drop.forward(x);
         let mut weights = Vec::new();
         for (i, block) in self.blocks.iter().enumerate() {
             let caches = cache.as_mut().map(|c| {

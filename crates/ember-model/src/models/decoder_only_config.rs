@@ -39,7 +39,8 @@ pub struct DecoderOnlyConfig {
     pub norm_first: bool,
     /// `gelu` (default), `gelu_tanh` or `relu`.
     pub activation: Activation,
-    /// Dropout probability in `[0, 1)`. Default 0.
+    /// Dropout probability in `[0, 1)` on the embedded input, the attention weights, each
+    /// sub-layer's output and the MLP (where GPT-2 and nanoGPT drop). Default 0.
     pub dropout: f64,
     /// Biases in linear layers. Default true.
     pub bias: bool,
