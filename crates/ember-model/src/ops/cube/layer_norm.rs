@@ -4,14 +4,16 @@
 //! root, division, scale, shift) and their backward passes: about 25 kernel launches per layer
 //! norm and step on a GPU without fusion, each a buffer written and read back.
 //!
-//! Forward, one unit per row: `mean`, `rstd = 1 / sqrt(mean((x - mean)^2) + eps)`,
+//! Forward, one cube per row: `mean`, `rstd = 1 / sqrt(mean((x - mean)^2) + eps)`,
 //! `y = (x - mean) rstd gamma`, and the row's `[mean, rstd]` kept for the backward pass, which
-//! (one unit per row again) recomputes `xhat = (x - mean) rstd` and writes
+//! (one cube per row again) recomputes `xhat = (x - mean) rstd` and writes
 //! `dx = rstd (h - mean(h) - xhat mean(h xhat))` with `h = dy gamma`, and `dy xhat`, whose sum
 //! over the rows is gamma's gradient. The expressions of flex's kernel
 //! ([`crate::ops::kernels::layer_norm`]); the reference is Burn's `LayerNorm`.
 //!
-//! Each unit reads its row from global memory; units of a cube read neighbouring rows.
+//! The units of a row's cube split its columns (unit `u` takes `u`, `u + units`, ...: neighbouring
+//! units read neighbouring columns, one memory transaction per warp) and reduce their sums
+//! through shared memory ([`super::reduce_cube`]).
 
 use crate::ops::GpuKernel;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -113,7 +115,7 @@ impl LayerNormKernels for CubeBackend {
         let [rows, d] = x.shape().dims::<2>();
         assert_eq!(x.dtype(), DType::F32, "LayerNorm kernel: f32 only");
         let (y, stats) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, 2]));
-        let (count, dim) = super::launch_size(&x, rows);
+        let (count, dim) = super::row_cubes(rows, d);
         kernels::layer_norm_forward::launch::<f32>(
             &x.client.clone(),
             count,
@@ -136,7 +138,7 @@ impl LayerNormKernels for CubeBackend {
         let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
         let (dx, gx) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, d]));
-        let (count, dim) = super::launch_size(&x, rows);
+        let (count, dim) = super::row_cubes(rows, d);
         kernels::layer_norm_backward::launch::<f32>(
             &x.client.clone(),
             count,
@@ -221,7 +223,9 @@ mod kernels {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    /// One unit per row `r` of `x` `[R, D]`: `y` and `stats[r] = [mean, rstd]`.
+    use crate::ops::cube::{MAX_ROW_UNITS, cube_row, reduce_cube};
+
+    /// One cube per row `r` of `x` `[R, D]`: `y` and `stats[r] = [mean, rstd]`.
     #[cube(launch)]
     pub(super) fn layer_norm_forward<F: Float>(
         x: &Tensor<F>,
@@ -230,32 +234,37 @@ mod kernels {
         stats: &mut Tensor<F>,
         eps: f32,
     ) {
-        let r = ABSOLUTE_POS;
+        let r = cube_row();
         if r >= stats.shape(0) {
             terminate!();
         }
+        let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
         let d = gamma.len();
         let at = r * d;
         let n = F::cast_from(d);
+        let mut scratch = Shared::<[F]>::new_slice(MAX_ROW_UNITS);
         let mut sum = F::new(0.0);
-        for j in 0..d {
+        for j in range_stepped(u, d, units) {
             sum += x[at + j];
         }
-        let mean = sum / n;
+        let mean = reduce_cube::<F>(&mut scratch, sum, false) / n;
         let mut squares = F::new(0.0);
-        for j in 0..d {
+        for j in range_stepped(u, d, units) {
             let c = x[at + j] - mean;
             squares += c * c;
         }
+        let squares = reduce_cube::<F>(&mut scratch, squares, false);
         let rstd = F::new(1.0) / F::sqrt(squares / n + F::cast_from(eps));
-        for j in 0..d {
-            y[at + j] = (x[at + j] - mean) * (rstd * gamma[j]);
+        for j in range_stepped(u, d, units) {
+            y[at + j] = (x[at + j] - mean) * rstd * gamma[j];
         }
-        stats[2 * r] = mean;
-        stats[2 * r + 1] = rstd;
+        if u == 0 {
+            stats[2 * r] = mean;
+            stats[2 * r + 1] = rstd;
+        }
     }
 
-    /// One unit per row `r`: `dx` and `dy xhat` of the row.
+    /// One cube per row `r`: `dx` and `gx = dy xhat` (whose column sums are gamma's gradient).
     #[cube(launch)]
     pub(super) fn layer_norm_backward<F: Float>(
         x: &Tensor<F>,
@@ -265,10 +274,11 @@ mod kernels {
         dx: &mut Tensor<F>,
         gx: &mut Tensor<F>,
     ) {
-        let r = ABSOLUTE_POS;
+        let r = cube_row();
         if r >= stats.shape(0) {
             terminate!();
         }
+        let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
         let d = gamma.len();
         let at = r * d;
         let n = F::cast_from(d);
@@ -277,16 +287,17 @@ mod kernels {
         // a = mean(h), b = mean(h xhat), h = dy gamma.
         let mut a = F::new(0.0);
         let mut b = F::new(0.0);
-        for j in 0..d {
+        for j in range_stepped(u, d, units) {
             let xhat = (x[at + j] - mean) * rstd;
             let h = grad[at + j] * gamma[j];
             a += h;
             b += h * xhat;
             gx[at + j] = grad[at + j] * xhat;
         }
-        a /= n;
-        b /= n;
-        for j in 0..d {
+        let mut scratch = Shared::<[F]>::new_slice(MAX_ROW_UNITS);
+        let a = reduce_cube::<F>(&mut scratch, a, false) / n;
+        let b = reduce_cube::<F>(&mut scratch, b, false) / n;
+        for j in range_stepped(u, d, units) {
             let xhat = (x[at + j] - mean) * rstd;
             let h = grad[at + j] * gamma[j];
             dx[at + j] = rstd * (h - a - xhat * b);

@@ -62,6 +62,28 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
     (calculate_cube_count_elemwise(&like.client, units, dim), dim)
 }
 
+/// The most units of a cube that works on one row ([`row_cubes`]).
+pub(crate) const MAX_ROW_UNITS: usize = 128;
+
+/// One cube per each of `rows` rows of `d` elements, of a power of two units between 32 (a
+/// warp) and [`MAX_ROW_UNITS`], no more than `d` needs; cubes laid out in a grid whose rows
+/// [`cube_row`] numbers (a launch has at most 65535 cubes a side on some backends).
+pub(crate) fn row_cubes(rows: usize, d: usize) -> (CubeCount, CubeDim) {
+    let units = d.next_power_of_two().clamp(32, MAX_ROW_UNITS);
+    let x = rows.clamp(1, 32768);
+    (
+        CubeCount::new_2d(x as u32, rows.div_ceil(x) as u32),
+        CubeDim::new_1d(units as u32),
+    )
+}
+
+/// The row of this cube in a [`row_cubes`] launch (past the last row in the grid's last line:
+/// such cubes end at once).
+#[cube]
+pub(crate) fn cube_row() -> usize {
+    CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize
+}
+
 /// The sum (or with `max`, the maximum) of every unit's `value` over a one-dimensional cube
 /// whose size is a power of two, returned to every unit: a halving tree through `scratch` (one
 /// slot per unit), synchronised at each level and before returning, so `scratch` can be used
