@@ -19,9 +19,9 @@
 # the speed stage times (default 60); PYTHON the PyTorch interpreter and
 # TORCH_DEVICE its device (default cuda); ROUNDS how many times `speed` trains ember with and
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
-# (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS (default `f32:on f32:off
-# bf16:on`; e.g. `f32:-attention f32:-layer-norm` to time one kernel's part); PRECISION the
-# precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
+# (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS (default `f32:on
+# f32:-attention f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one kernel's
+# part); PRECISION the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
 # the steps `profile` times (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and
 # PyTorch run on an NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi,
 # polled every 0.2 s: the same yardstick for both, CUDA context included). Backends draw
@@ -126,7 +126,7 @@ speed() {
     # tensor-core matmuls on sm80+; Vulkan: plain f32), eager and compiled, and in bf16 autocast
     # (ember's bf16 counterpart). A device without bf16 refuses that run in one line.
     for round in $(seq "${ROUNDS:-1}"); do
-        for run in ${SPEED_RUNS:-f32:on f32:off bf16:on}; do
+        for run in ${SPEED_RUNS:-f32:on f32:-attention f32:off bf16:on}; do
             precision=${run%%:*} kernels=${run##*:}
             rm -rf "$RUNS/speed"
             echo "round $round, precision $precision, EMBER_GPU_KERNELS=$kernels"

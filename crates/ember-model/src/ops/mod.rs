@@ -12,11 +12,11 @@
 //! |---|---|---|
 //! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
-//! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one unit per row (`cube::layer_norm`) |
+//! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row (`cube::layer_norm`) |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
-//! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |
+//! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, keys and values tiled through shared memory, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
-//! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one unit per query row over the cache's whole buffer, online softmax (`cube::attention`) |
+//! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one cube per query row over the cache's whole buffer (`cube::attention`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
 //! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one launch per tensor, one cube reducing in shared memory (`cube::sum_of_squares`) |
 //! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter (`cube::adamw`) |

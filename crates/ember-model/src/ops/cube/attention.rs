@@ -19,12 +19,16 @@
 //! [`crate::ops::causal_self_attention_reference`]; the tests below hold the kernels to it on
 //! wgpu (Mesa's lavapipe in CI).
 //!
-//! The training kernels keep one row's accumulator in registers (`K` values, the head size, a
-//! compile-time constant; the key and value gradients in two launches, so one row each) and read
-//! keys and values from global memory; units of one cube read the same keys at the same time.
-//! Tiling through shared memory is the next step for speed on large GPUs (on an H100 the three
-//! take about a third of a step of nanoGPT's GPU config; docs/benchmarks.md). Decoding has too
-//! few query rows for one unit each, so its kernel gives each query row a cube.
+//! The training kernels give each cube a block of rows of one head (one unit per row) and
+//! stream the other side through shared memory in tiles: the forward pass and the queries'
+//! gradient keep their query row (and its output gradient) and accumulator in registers and read
+//! tiles of keys and values, which every unit of the cube loads together once per tile instead
+//! of each unit reading every key from global memory; the key and value gradients keep their key
+//! row and read tiles of queries, output gradients, log-sum-exps and `delta`s the same way (in
+//! two launches, keys then values, so that one row of accumulators fits in registers). Every
+//! unit of a cube reads the same tile row at the same time (a broadcast, no bank conflicts).
+//! Decoding has too few query rows for one unit each, so its kernel gives each query row a
+//! cube.
 
 use crate::ops::GpuKernel;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -208,7 +212,8 @@ impl AttentionKernels for CubeBackend {
         let dims = Dims::of(&qkv, heads);
         let out = super::empty(&qkv, [dims.b, dims.t, dims.d]);
         let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
-        let (count, dim) = dims.launch_size(&qkv);
+        let (count, dim) = dims.launch_size();
+        let tile = dims.tile(&qkv);
         kernels::attention_forward::launch::<f32>(
             &qkv.client.clone(),
             count,
@@ -223,6 +228,7 @@ impl AttentionKernels for CubeBackend {
             dims.k(),
             heads,
             dropout > 0.0,
+            tile,
         );
         (out, lse)
     }
@@ -241,7 +247,8 @@ impl AttentionKernels for CubeBackend {
         let dqkv = super::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
         let delta = super::empty(&qkv, [dims.b, heads, dims.t]);
         let client = qkv.client.clone();
-        let (count, dim) = dims.launch_size(&qkv);
+        let (count, dim) = dims.launch_size();
+        let tile = dims.tile(&qkv);
         kernels::attention_backward_query::launch::<f32>(
             &client,
             count.clone(),
@@ -259,10 +266,12 @@ impl AttentionKernels for CubeBackend {
             dims.k(),
             heads,
             dropout > 0.0,
+            tile,
         );
         // Keys, then values: two launches of one kernel, each with one row of accumulators
         // per unit (with both, 2K accumulators per unit spilled out of registers on an H100:
-        // 18 ms a launch against 1.3 ms for the queries' kernel; docs/benchmarks.md).
+        // 18 ms a launch against 1.3 ms for the queries' kernel, before the kernels were
+        // tiled; docs/benchmarks.md).
         for values in [false, true] {
             kernels::attention_backward_key_value::launch::<f32>(
                 &client,
@@ -281,6 +290,7 @@ impl AttentionKernels for CubeBackend {
                 heads,
                 dropout > 0.0,
                 values,
+                tile,
             );
         }
         dqkv
@@ -441,11 +451,35 @@ impl Dims {
         1.0 / (self.k() as f32).sqrt()
     }
 
-    /// One unit per row of every head of every sequence.
-    fn launch_size(&self, like: &CubeTensor) -> (CubeCount, CubeDim) {
-        super::launch_size(like, self.b * self.heads * self.t)
+    /// One cube per block of [`ROWS`] rows of one head of one sequence, one unit per row:
+    /// blocks along `x`, heads of sequences along `y` (each within a launch's 65535 cubes a
+    /// side on every backend).
+    fn launch_size(&self) -> (CubeCount, CubeDim) {
+        let blocks = self.t.div_ceil(ROWS);
+        (
+            CubeCount::new_2d(blocks as u32, (self.b * self.heads) as u32),
+            CubeDim::new_1d(ROWS as u32),
+        )
+    }
+
+    /// Rows of each tile that a cube streams through shared memory: the most, up to
+    /// [`MAX_TILE`], whose two `K`-wide tiles and two scalar columns fit the device's shared
+    /// memory (16 KiB on some wgpu adapters, 48 KiB on CUDA GPUs).
+    fn tile(&self, like: &CubeTensor) -> usize {
+        let bytes = like.client.properties().hardware.max_shared_memory_size;
+        let mut tile = MAX_TILE;
+        while tile > 1 && tile * (2 * self.k() + 2) * size_of::<f32>() > bytes {
+            tile /= 2;
+        }
+        tile
     }
 }
+
+/// Rows per cube of the training kernels (units of a cube): a multiple of a warp.
+const ROWS: usize = 64;
+
+/// The most rows of a shared-memory tile.
+const MAX_TILE: usize = 32;
 
 /// The hash threshold for dropping with probability `dropout`: `dropout * 2^32`, rounded.
 fn dropout_threshold(dropout: f32) -> u32 {
@@ -522,12 +556,18 @@ mod kernels {
         }
     }
 
-    /// Where row `row = (b * H + h) * T + r` of a training kernel reads and writes: `r`, and
-    /// the offsets of row 0 of its head's Q, K and V columns in `[B, T, 3D]` and of its output
-    /// columns in `[B, T, D]` (row `n` of each is `3D` or `D` further per row).
+    /// Where the cube's block of rows of one head reads and writes: the head's index among all
+    /// sequences' heads `bh = b * H + h`, the unit's row `r` (query or key) and whether it is
+    /// a row at all (the last block of a sequence runs past `T`), and the offsets of row 0 of
+    /// the head's Q, K and V columns in `[B, T, 3D]` and of its output columns in `[B, T, D]`
+    /// (row `n` of each is `3D` or `D` further per row).
     #[derive(CubeType, Clone, Copy)]
-    struct Head {
+    struct Block {
+        bh: usize,
         r: usize,
+        active: bool,
+        /// The block's first row.
+        first: usize,
         q0: usize,
         k0: usize,
         v0: usize,
@@ -535,18 +575,150 @@ mod kernels {
     }
 
     #[cube]
-    fn head_of(row: usize, t: usize, #[comptime] k: usize, #[comptime] heads: usize) -> Head {
+    fn block_of(t: usize, #[comptime] k: usize, #[comptime] heads: usize) -> Block {
         let d = heads * k;
-        let h = (row / t) % heads;
-        let b = row / t / heads;
+        let bh = CUBE_POS_Y as usize;
+        let h = bh % heads;
+        let b = bh / heads;
+        let first = CUBE_POS_X as usize * CUBE_DIM_X as usize;
+        let r = first + UNIT_POS_X as usize;
         let q0 = b * t * 3 * d + h * k;
-        Head {
-            r: row % t,
+        Block {
+            bh,
+            r,
+            active: r < t,
+            first,
             q0,
             k0: q0 + d,
             v0: q0 + 2 * d,
             o0: b * t * d + h * k,
         }
+    }
+
+    /// Rows `j0..j0 + rows` of one head's `k` columns of `src` (row 0 at `base`, rows `stride`
+    /// apart) into `tile`, row after row, zeros for rows past `t`. Every unit of the cube takes
+    /// part (consecutive units, consecutive elements); the caller synchronises the cube before
+    /// reading the tile.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn load_tile<F: Float>(
+        src: &Tensor<F>,
+        tile: &mut Shared<[F]>,
+        base: usize,
+        stride: usize,
+        j0: usize,
+        t: usize,
+        #[comptime] k: usize,
+        #[comptime] rows: usize,
+    ) {
+        let units = CUBE_DIM_X as usize;
+        let n = comptime!(rows * k);
+        let steps = (n + units - 1) / units;
+        for step in 0..steps {
+            let e = UNIT_POS_X as usize + step * units;
+            if e < n {
+                let j = j0 + e / k;
+                let mut x = F::new(0.0);
+                if j < t {
+                    x = src[base + j * stride + e % k];
+                }
+                tile[e] = x;
+            }
+        }
+    }
+
+    /// `src[base + j0..base + j0 + rows]` into `tile`, zeros past `t` (one value per row:
+    /// log-sum-exps, `delta`s).
+    #[cube]
+    fn load_scalars<F: Float>(
+        src: &Tensor<F>,
+        tile: &mut Shared<[F]>,
+        base: usize,
+        j0: usize,
+        t: usize,
+        #[comptime] rows: usize,
+    ) {
+        let u = UNIT_POS_X as usize;
+        if u < rows {
+            let mut x = F::new(0.0);
+            if j0 + u < t {
+                x = src[base + j0 + u];
+            }
+            tile[u] = x;
+        }
+    }
+
+    /// Row `r` of one head's `k` columns (row 0 at `base`, rows `stride` apart) into registers.
+    #[cube]
+    fn load_row<F: Float>(
+        src: &Tensor<F>,
+        base: usize,
+        stride: usize,
+        r: usize,
+        #[comptime] k: usize,
+    ) -> Array<F> {
+        let mut row = Array::<F>::new(k);
+        #[unroll]
+        for c in 0..k {
+            row[c] = src[base + r * stride + c];
+        }
+        row
+    }
+
+    /// `row . tile[jj]` (row `jj` of a shared tile of `k` columns).
+    #[cube]
+    fn dot_tile<F: Float>(
+        row: &Array<F>,
+        tile: &Shared<[F]>,
+        jj: usize,
+        #[comptime] k: usize,
+    ) -> F {
+        let mut sum = F::new(0.0);
+        #[unroll]
+        for c in 0..k {
+            sum += row[c] * tile[jj * k + c];
+        }
+        sum
+    }
+
+    /// `acc += w * tile[jj]`.
+    #[cube]
+    fn add_scaled<F: Float>(
+        acc: &mut Array<F>,
+        w: F,
+        tile: &Shared<[F]>,
+        jj: usize,
+        #[comptime] k: usize,
+    ) {
+        #[unroll]
+        for c in 0..k {
+            acc[c] += w * tile[jj * k + c];
+        }
+    }
+
+    /// A row of `k` zeros in registers.
+    #[cube]
+    fn zeros<F: Float>(#[comptime] k: usize) -> Array<F> {
+        let mut row = Array::<F>::new(k);
+        #[unroll]
+        for c in 0..k {
+            row[c] = F::new(0.0);
+        }
+        row
+    }
+
+    /// `min(hi, lo + rows) - lo` clamped at 0: how many of the tile rows `lo..lo + rows` lie
+    /// below `hi`.
+    #[cube]
+    fn rows_below(lo: usize, hi: usize, #[comptime] rows: usize) -> usize {
+        let mut n = 0usize;
+        if hi > lo {
+            n = hi - lo;
+            if n > rows {
+                n = rows;
+            }
+        }
+        n
     }
 
     /// `a[ai..ai + k] . b[bi..bi + k]`.
@@ -581,7 +753,8 @@ mod kernels {
         (m_new, correction, F::exp(s - m_new))
     }
 
-    /// Forward pass: one unit per query row `(b, h, i)`, a running softmax over keys `0..=i`.
+    /// Forward pass: one unit per query row `(b, h, i)`, a running softmax over keys `0..=i`,
+    /// the keys and values `tile` rows at a time through shared memory.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     pub(super) fn attention_forward<F: Float>(
@@ -595,45 +768,60 @@ mod kernels {
         #[comptime] k: usize,
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
+        #[comptime] tile: usize,
     ) {
-        let row = ABSOLUTE_POS;
-        if row >= lse.len() {
-            terminate!();
-        }
         let t = qkv.shape(1);
         let d = heads * k;
-        let at = head_of(row, t, k, heads);
+        let at = block_of(t, k, heads);
         let i = at.r;
-        let q = at.q0 + i * 3 * d;
+        let row = at.bh * t + i;
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
+        let mut q = zeros::<F>(k);
+        if at.active {
+            q = load_row::<F>(qkv, at.q0, 3 * d, i, k);
+        }
         // A running maximum `m`, sum `l` and output `acc` over the keys seen so far.
         let mut m = F::new(0.0);
         let mut l = F::new(0.0);
-        let mut acc = Array::<F>::new(k);
-        #[unroll]
-        for c in 0..k {
-            acc[c] = F::new(0.0);
+        let mut acc = zeros::<F>(k);
+        let mut keys = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut values = Shared::<[F]>::new_slice(comptime!(tile * k));
+        // Keys up to the block's last row; every unit runs every tile (they synchronise).
+        let mut seen = at.first + CUBE_DIM_X as usize;
+        if seen > t {
+            seen = t;
         }
-        for j in 0..i + 1 {
-            let vj = at.v0 + j * 3 * d;
-            let s = dot::<F>(qkv, q, qkv, at.k0 + j * 3 * d, k) * scale;
-            let (m_new, correction, p) = online_step::<F>(m, s, j == 0);
-            l = l * correction + p;
-            let weight = p * mask.factor(row * t + j, dropout);
+        let mut j0 = 0usize;
+        while j0 < seen {
+            load_tile::<F>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
+            load_tile::<F>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
+            sync_cube();
+            if at.active {
+                for jj in 0..rows_below(j0, i + 1, tile) {
+                    let s = dot_tile::<F>(&q, &keys, jj, k) * scale;
+                    let (m_new, correction, p) = online_step::<F>(m, s, j0 + jj == 0);
+                    l = l * correction + p;
+                    let weight = p * mask.factor(row * t + j0 + jj, dropout);
+                    #[unroll]
+                    for c in 0..k {
+                        acc[c] = acc[c] * correction + weight * values[jj * k + c];
+                    }
+                    m = m_new;
+                }
+            }
+            sync_cube();
+            j0 += tile;
+        }
+        if at.active {
+            let o = at.o0 + i * d;
             #[unroll]
             for c in 0..k {
-                acc[c] = acc[c] * correction + weight * qkv[vj + c];
+                out[o + c] = acc[c] / l;
             }
-            m = m_new;
+            lse[row] = m + F::ln(l);
         }
-        let o = at.o0 + i * d;
-        #[unroll]
-        for c in 0..k {
-            out[o + c] = acc[c] / l;
-        }
-        lse[row] = m + F::ln(l);
     }
 
     /// Attention over a KV cache's whole buffer: one cube of `units` units per query row
@@ -713,7 +901,8 @@ mod kernels {
         }
     }
 
-    /// Backward pass, queries: one unit per query row `(b, h, i)` writes `delta_i` and `dQ_i`.
+    /// Backward pass, queries: one unit per query row `(b, h, i)` writes `delta_i` and `dQ_i`,
+    /// the keys and values `tile` rows at a time through shared memory.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     pub(super) fn attention_backward_query<F: Float>(
@@ -730,47 +919,64 @@ mod kernels {
         #[comptime] k: usize,
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
+        #[comptime] tile: usize,
     ) {
-        let row = ABSOLUTE_POS;
-        if row >= lse.len() {
-            terminate!();
-        }
         let t = qkv.shape(1);
         let d = heads * k;
-        let at = head_of(row, t, k, heads);
+        let at = block_of(t, k, heads);
         let i = at.r;
-        let q = at.q0 + i * 3 * d;
-        let o = at.o0 + i * d;
+        let row = at.bh * t + i;
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        let di = dot::<F>(grad, o, out, o, k);
-        delta[row] = di;
-        let li = lse[row];
-        let mut acc = Array::<F>::new(k);
-        #[unroll]
-        for c in 0..k {
-            acc[c] = F::new(0.0);
+        let mut q = zeros::<F>(k);
+        let mut g = zeros::<F>(k);
+        let mut di = F::new(0.0);
+        let mut li = F::new(0.0);
+        if at.active {
+            q = load_row::<F>(qkv, at.q0, 3 * d, i, k);
+            g = load_row::<F>(grad, at.o0, d, i, k);
+            di = dot::<F>(grad, at.o0 + i * d, out, at.o0 + i * d, k);
+            delta[row] = di;
+            li = lse[row];
         }
-        for j in 0..i + 1 {
-            let kj = at.k0 + j * 3 * d;
-            let s = dot::<F>(qkv, q, qkv, kj, k) * scale;
-            let dp = dot::<F>(grad, o, qkv, at.v0 + j * 3 * d, k);
-            let ds = F::exp(s - li) * (dp * mask.factor(row * t + j, dropout) - di);
+        let mut acc = zeros::<F>(k);
+        let mut keys = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut values = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut seen = at.first + CUBE_DIM_X as usize;
+        if seen > t {
+            seen = t;
+        }
+        let mut j0 = 0usize;
+        while j0 < seen {
+            load_tile::<F>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
+            load_tile::<F>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
+            sync_cube();
+            if at.active {
+                for jj in 0..rows_below(j0, i + 1, tile) {
+                    let s = dot_tile::<F>(&q, &keys, jj, k) * scale;
+                    let dp = dot_tile::<F>(&g, &values, jj, k);
+                    let factor = mask.factor(row * t + j0 + jj, dropout);
+                    let ds = F::exp(s - li) * (dp * factor - di);
+                    add_scaled::<F>(&mut acc, ds, &keys, jj, k);
+                }
+            }
+            sync_cube();
+            j0 += tile;
+        }
+        if at.active {
+            let q = at.q0 + i * 3 * d;
             #[unroll]
             for c in 0..k {
-                acc[c] += ds * qkv[kj + c];
+                dqkv[q + c] = acc[c] * scale;
             }
-        }
-        #[unroll]
-        for c in 0..k {
-            dqkv[q + c] = acc[c] * scale;
         }
     }
 
     /// Backward pass, keys or values (`#[comptime] values`): one unit per key row `(b, h, j)`
-    /// writes `dK_j` or `dV_j`, over queries `i = T-1` down to `j` (after
-    /// [`attention_backward_query`], whose `delta` it reads).
+    /// writes `dK_j` or `dV_j`, over queries `i >= j` read `tile` rows at a time through shared
+    /// memory with their output gradients, log-sum-exps and `delta`s (after
+    /// [`attention_backward_query`], which writes `delta`).
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     pub(super) fn attention_backward_key_value<F: Float>(
@@ -787,59 +993,72 @@ mod kernels {
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
         #[comptime] values: bool,
+        #[comptime] tile: usize,
     ) {
-        let row = ABSOLUTE_POS;
-        if row >= lse.len() {
-            terminate!();
-        }
         let t = qkv.shape(1);
         let d = heads * k;
-        let at = head_of(row, t, k, heads);
+        let at = block_of(t, k, heads);
         let j = at.r;
-        let kj = at.k0 + j * 3 * d;
-        let vj = at.v0 + j * 3 * d;
-        let first = row - j; // query row 0 of this (b, h)
+        let first = at.bh * t; // query row 0 of this (b, h)
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        let mut acc = Array::<F>::new(k);
-        #[unroll]
-        for c in 0..k {
-            acc[c] = F::new(0.0);
-        }
-        // Latest query first: the units of a warp hold consecutive keys `j`, and this way they
-        // read the same query row at each step (one broadcast load, not one load per unit as
-        // when each unit starts at its own `j`), until the earlier keys' units drop out.
-        for step in 0..t - j {
-            let i = t - 1 - step;
-            let q = at.q0 + i * 3 * d;
-            let o = at.o0 + i * d;
-            let s = dot::<F>(qkv, q, qkv, kj, k) * scale;
-            let p = F::exp(s - lse[first + i]);
-            let factor = mask.factor((first + i) * t + j, dropout);
-            if values {
-                // dV_j = sum_i P_ij (mask) dO_i
-                let w = p * factor;
-                #[unroll]
-                for c in 0..k {
-                    acc[c] += w * grad[o + c];
-                }
-            } else {
-                // dK_j = scale * sum_i dS_ij Q_i, dS_ij = P_ij (dP_ij (mask) - delta_i)
-                let dp = dot::<F>(grad, o, qkv, vj, k);
-                let ds = p * (dp * factor - delta[first + i]);
-                #[unroll]
-                for c in 0..k {
-                    acc[c] += ds * qkv[q + c];
-                }
+        let mut kj = zeros::<F>(k);
+        let mut vj = zeros::<F>(k);
+        if at.active {
+            kj = load_row::<F>(qkv, at.k0, 3 * d, j, k);
+            if !values {
+                vj = load_row::<F>(qkv, at.v0, 3 * d, j, k);
             }
         }
-        #[unroll]
-        for c in 0..k {
-            if values {
-                dqkv[vj + c] = acc[c];
-            } else {
-                dqkv[kj + c] = acc[c] * scale;
+        let mut acc = zeros::<F>(k);
+        let mut queries = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut grads = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut lses = Shared::<[F]>::new_slice(tile);
+        let mut deltas = Shared::<[F]>::new_slice(tile);
+        // Queries before the block's first key see none of its keys.
+        let mut i0 = at.first;
+        while i0 < t {
+            load_tile::<F>(qkv, &mut queries, at.q0, 3 * d, i0, t, k, tile);
+            load_tile::<F>(grad, &mut grads, at.o0, d, i0, t, k, tile);
+            load_scalars::<F>(lse, &mut lses, first, i0, t, tile);
+            if !values {
+                load_scalars::<F>(delta, &mut deltas, first, i0, t, tile);
+            }
+            sync_cube();
+            if at.active {
+                // Tile rows of queries i >= j (and below T).
+                let mut start = 0usize;
+                if j > i0 {
+                    start = j - i0;
+                }
+                for ii in start..rows_below(i0, t, tile) {
+                    let i = i0 + ii;
+                    let s = dot_tile::<F>(&kj, &queries, ii, k) * scale;
+                    let p = F::exp(s - lses[ii]);
+                    let factor = mask.factor((first + i) * t + j, dropout);
+                    if values {
+                        // dV_j = sum_i P_ij (mask) dO_i
+                        add_scaled::<F>(&mut acc, p * factor, &grads, ii, k);
+                    } else {
+                        // dK_j = scale * sum_i dS_ij Q_i, dS_ij = P_ij (dP_ij (mask) - delta_i)
+                        let dp = dot_tile::<F>(&vj, &grads, ii, k);
+                        let ds = p * (dp * factor - deltas[ii]);
+                        add_scaled::<F>(&mut acc, ds, &queries, ii, k);
+                    }
+                }
+            }
+            sync_cube();
+            i0 += tile;
+        }
+        if at.active {
+            #[unroll]
+            for c in 0..k {
+                if values {
+                    dqkv[at.v0 + j * 3 * d + c] = acc[c];
+                } else {
+                    dqkv[at.k0 + j * 3 * d + c] = acc[c] * scale;
+                }
             }
         }
     }
@@ -853,12 +1072,20 @@ mod tests {
 
     /// Output and the projection's gradient against the op's reference (split heads, masked
     /// softmax, merge: what every other backend runs) on wgpu, plain, under autodiff and with
-    /// checkpointing: head sizes 4 to 32, one position and several, lengths that are not a
-    /// multiple of a cube's units, one head and several.
+    /// checkpointing: head sizes 4 to 64, one position and several, lengths that are not a
+    /// multiple of a cube's rows or of a tile (two and three blocks of rows), one head and
+    /// several.
     #[test]
     fn equals_the_reference_on_wgpu() {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
-        for (b, t, heads, k) in [(2, 9, 3, 4), (1, 1, 2, 7), (3, 37, 2, 16), (2, 70, 1, 32)] {
+        let cases = [
+            (2, 9, 3, 4),
+            (1, 1, 2, 7),
+            (3, 37, 2, 16),
+            (2, 70, 1, 32),
+            (1, 150, 2, 64),
+        ];
+        for (b, t, heads, k) in cases {
             let d = heads * k;
             let draw = |dims: [usize; 3]| {
                 Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
