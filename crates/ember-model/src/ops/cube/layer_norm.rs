@@ -115,7 +115,7 @@ impl LayerNormKernels for CubeBackend {
         let [rows, d] = x.shape().dims::<2>();
         assert_eq!(x.dtype(), DType::F32, "LayerNorm kernel: f32 only");
         let (y, stats) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, 2]));
-        let (count, dim) = super::row_cubes(rows, d);
+        let (count, dim) = super::row_cubes(rows);
         kernels::layer_norm_forward::launch::<f32>(
             &x.client.clone(),
             count,
@@ -138,7 +138,7 @@ impl LayerNormKernels for CubeBackend {
         let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
         let (dx, gx) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, d]));
-        let (count, dim) = super::row_cubes(rows, d);
+        let (count, dim) = super::row_cubes(rows);
         kernels::layer_norm_backward::launch::<f32>(
             &x.client.clone(),
             count,
@@ -223,7 +223,7 @@ mod kernels {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    use crate::ops::cube::{MAX_ROW_UNITS, cube_row, reduce_cube};
+    use crate::ops::cube::{ROW_UNITS, cube_row, reduce_cube};
 
     /// One cube per row `r` of `x` `[R, D]`: `y` and `stats[r] = [mean, rstd]`.
     #[cube(launch)]
@@ -242,7 +242,7 @@ mod kernels {
         let d = gamma.len();
         let at = r * d;
         let n = F::cast_from(d);
-        let mut scratch = Shared::<[F]>::new_slice(MAX_ROW_UNITS);
+        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
         let mut sum = F::new(0.0);
         for j in range_stepped(u, d, units) {
             sum += x[at + j];
@@ -294,7 +294,7 @@ mod kernels {
             b += h * xhat;
             gx[at + j] = grad[at + j] * xhat;
         }
-        let mut scratch = Shared::<[F]>::new_slice(MAX_ROW_UNITS);
+        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
         let a = reduce_cube::<F>(&mut scratch, a, false) / n;
         let b = reduce_cube::<F>(&mut scratch, b, false) / n;
         for j in range_stepped(u, d, units) {

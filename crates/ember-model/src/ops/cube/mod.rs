@@ -62,18 +62,18 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
     (calculate_cube_count_elemwise(&like.client, units, dim), dim)
 }
 
-/// The most units of a cube that works on one row ([`row_cubes`]).
-pub(crate) const MAX_ROW_UNITS: usize = 128;
+/// Units of a cube that works on one row ([`row_cubes`]): a warp. Wider cubes (up to 128 for
+/// rows of 128 or more) made LayerNorm 3x slower on lavapipe, which runs a cube's units one
+/// after another and pays for every synchronisation of the reductions.
+pub(crate) const ROW_UNITS: usize = 32;
 
-/// One cube per each of `rows` rows of `d` elements, of a power of two units between 32 (a
-/// warp) and [`MAX_ROW_UNITS`], no more than `d` needs; cubes laid out in a grid whose rows
+/// One cube of [`ROW_UNITS`] units per each of `rows` rows, laid out in a grid whose rows
 /// [`cube_row`] numbers (a launch has at most 65535 cubes a side on some backends).
-pub(crate) fn row_cubes(rows: usize, d: usize) -> (CubeCount, CubeDim) {
-    let units = d.next_power_of_two().clamp(32, MAX_ROW_UNITS);
+pub(crate) fn row_cubes(rows: usize) -> (CubeCount, CubeDim) {
     let x = rows.clamp(1, 32768);
     (
         CubeCount::new_2d(x as u32, rows.div_ceil(x) as u32),
-        CubeDim::new_1d(units as u32),
+        CubeDim::new_1d(ROW_UNITS as u32),
     )
 }
 
