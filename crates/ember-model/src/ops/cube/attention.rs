@@ -451,14 +451,15 @@ impl Dims {
         1.0 / (self.k() as f32).sqrt()
     }
 
-    /// One cube per block of [`ROWS`] rows of one head of one sequence, one unit per row:
-    /// blocks along `x`, heads of sequences along `y` (each within a launch's 65535 cubes a
-    /// side on every backend).
+    /// One cube per block of rows of one head of one sequence, one unit per row: blocks
+    /// along `x`, heads of sequences along `y` (each within a launch's 65535 cubes a side on
+    /// every backend). A block is [`ROWS`] rows, or fewer (down to a warp's 32) when the
+    /// sequence is shorter, so that short sequences leave fewer units idle.
     fn launch_size(&self) -> (CubeCount, CubeDim) {
-        let blocks = self.t.div_ceil(ROWS);
+        let rows = self.t.next_power_of_two().clamp(32, ROWS);
         (
-            CubeCount::new_2d(blocks as u32, (self.b * self.heads) as u32),
-            CubeDim::new_1d(ROWS as u32),
+            CubeCount::new_2d(self.t.div_ceil(rows) as u32, (self.b * self.heads) as u32),
+            CubeDim::new_1d(rows as u32),
         )
     }
 
@@ -475,7 +476,8 @@ impl Dims {
     }
 }
 
-/// Rows per cube of the training kernels (units of a cube): a multiple of a warp.
+/// Rows per cube of the training kernels (units of a cube) for sequences of 64 or more: a
+/// multiple of a warp.
 const ROWS: usize = 64;
 
 /// The most rows of a shared-memory tile.
