@@ -615,22 +615,20 @@ mod kernels {
     ) {
         let units = CUBE_DIM_X as usize;
         let n = comptime!(rows * k);
-        let steps = (n + units - 1) / units;
-        for step in 0..steps {
-            let e = UNIT_POS_X as usize + step * units;
-            if e < n {
-                let j = j0 + e / k;
-                let mut x = F::new(0.0);
-                if j < t {
-                    x = src[base + j * stride + e % k];
-                }
-                tile[e] = x;
+        let mut e = UNIT_POS_X as usize;
+        while e < n {
+            let j = j0 + e / k;
+            let mut x = F::new(0.0);
+            if j < t {
+                x = src[base + j * stride + e % k];
             }
+            tile[e] = x;
+            e += units;
         }
     }
 
     /// `src[base + j0..base + j0 + rows]` into `tile`, zeros past `t` (one value per row:
-    /// log-sum-exps, `delta`s).
+    /// log-sum-exps, `delta`s), one per unit (a tile has no more rows than a cube has units).
     #[cube]
     fn load_scalars<F: Float>(
         src: &Tensor<F>,
