@@ -18,7 +18,7 @@
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
 //! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one cube per query row over the cache's whole buffer (`cube::attention`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
-//! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one launch per tensor, one cube reducing in shared memory (`cube::sum_of_squares`) |
+//! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one cube per small tensor, up to 512 and a second launch for a large one, reducing in shared memory (`cube::sum_of_squares`) |
 //! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter (`cube::adamw`) |
 //!
 //! Mixed precision ([`crate::precision`]): [`affine`] and [`matmul`] compute in their weight's
