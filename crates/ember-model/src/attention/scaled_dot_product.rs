@@ -99,7 +99,7 @@ fn weigh_values(
     return_weights: bool,
 ) -> AttentionOutput {
     let attended = match dropout {
-        Some(dropout) => dropout.forward(weights.clone()),
+        Some(dropout) => crate::ops::dropout(dropout, weights.clone()),
         None => weights.clone(),
     };
     AttentionOutput {

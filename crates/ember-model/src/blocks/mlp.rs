@@ -90,6 +90,6 @@ impl Mlp {
     /// - output: `[B, T, D]`
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let h = self.activation.forward(linear(&self.c_fc, x)); // [B, T, F]
-        self.dropout.forward(linear(&self.c_proj, h))
+        crate::ops::dropout(&self.dropout, linear(&self.c_proj, h))
     }
 }

@@ -56,7 +56,7 @@ impl Residual {
 
 fn apply(dropout: Option<&Dropout>, y: Tensor<3>) -> Tensor<3> {
     match dropout {
-        Some(dropout) => dropout.forward(y),
+        Some(dropout) => crate::ops::dropout(dropout, y),
         None => y,
     }
 }

@@ -134,7 +134,7 @@ impl DecoderOnly {
                 None => wpe.forward(start, t, &device),
             };
         }
-        let mut x = self.drop.forward(x);
+        let mut x = crate::ops::dropout(&self.drop, x);
         let mut weights = Vec::new();
         for (i, block) in self.blocks.iter().enumerate() {
             let caches = cache.as_mut().map(|c| {

@@ -233,6 +233,6 @@ impl EncoderDecoder {
         if let Some(positions) = &self.positions {
             x = x + positions.forward(start, t, &device);
         }
-        self.dropout.forward(x)
+        crate::ops::dropout(&self.dropout, x)
     }
 }

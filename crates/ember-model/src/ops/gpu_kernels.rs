@@ -29,6 +29,8 @@ pub enum GpuKernel {
     LayerNorm,
     /// GELU (exact and tanh), forward and backward.
     Gelu,
+    /// Dropout in training, forward and backward.
+    Dropout,
     /// The AdamW update of one parameter and its moments.
     AdamW,
     /// The sum of squares of a gradient, for global-norm clipping.
@@ -37,11 +39,12 @@ pub enum GpuKernel {
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 6] = [
+    pub const ALL: [GpuKernel; 7] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
         GpuKernel::Gelu,
+        GpuKernel::Dropout,
         GpuKernel::AdamW,
         GpuKernel::Norm,
     ];
@@ -53,6 +56,7 @@ impl GpuKernel {
             GpuKernel::CachedAttention => "cached-attention",
             GpuKernel::LayerNorm => "layer-norm",
             GpuKernel::Gelu => "gelu",
+            GpuKernel::Dropout => "dropout",
             GpuKernel::AdamW => "adamw",
             GpuKernel::Norm => "norm",
         }
@@ -157,7 +161,7 @@ mod tests {
         assert!(on(GpuKernels::parse("off").unwrap()).is_empty());
         assert_eq!(
             on(GpuKernels::parse("-attention, -layer-norm").unwrap()),
-            ["cached-attention", "gelu", "adamw", "norm"]
+            ["cached-attention", "gelu", "dropout", "adamw", "norm"]
         );
         assert_eq!(
             on(GpuKernels::parse("adamw,cached-attention").unwrap()),

@@ -18,6 +18,7 @@
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
 //! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one cube per query row over the cache's whole buffer (`cube::attention`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
+//! | [`dropout`] | Burn's `Dropout::forward` | none on flex; on GPUs one kernel each way, a hashed mask recomputed from a seed, nothing stored (`cube::dropout`) |
 //! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one cube per small tensor, up to 512 and a second launch for a large one, reducing in shared memory (`cube::sum_of_squares`) |
 //! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter (`cube::adamw`) |
 //!
@@ -36,6 +37,7 @@
 
 pub mod adamw;
 mod attention;
+mod dropout;
 mod embedding;
 mod gelu;
 pub mod gpu_kernels;
@@ -58,6 +60,7 @@ pub use attention::{
     cached_causal_attention, cached_causal_attention_reference, causal_self_attention,
     causal_self_attention_reference, single_query_attention, single_query_attention_reference,
 };
+pub use dropout::{dropout, dropout_reference};
 pub use embedding::embed;
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{GpuKernel, GpuKernels};

@@ -10,7 +10,9 @@
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
+pub(crate) mod dropout;
 pub(crate) mod gelu;
+pub(crate) mod hashed_mask;
 pub(crate) mod layer_norm;
 pub(crate) mod sum_of_squares;
 
