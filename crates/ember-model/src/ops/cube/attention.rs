@@ -223,7 +223,7 @@ impl AttentionKernels for CubeBackend {
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             dims.scale(),
-            dropout_threshold(dropout),
+            super::hashed_mask::threshold(dropout),
             1.0 / (1.0 - dropout),
             dims.k(),
             heads,
@@ -261,7 +261,7 @@ impl AttentionKernels for CubeBackend {
             delta.clone().into_tensor_arg(),
             dqkv.clone().into_tensor_arg(),
             dims.scale(),
-            dropout_threshold(dropout),
+            super::hashed_mask::threshold(dropout),
             1.0 / (1.0 - dropout),
             dims.k(),
             heads,
@@ -284,7 +284,7 @@ impl AttentionKernels for CubeBackend {
                 delta.clone().into_tensor_arg(),
                 dqkv.clone().into_tensor_arg(),
                 dims.scale(),
-                dropout_threshold(dropout),
+                super::hashed_mask::threshold(dropout),
                 1.0 / (1.0 - dropout),
                 dims.k(),
                 heads,
@@ -483,80 +483,20 @@ const ROWS: usize = 64;
 /// The most rows of a shared-memory tile.
 const MAX_TILE: usize = 32;
 
-/// The hash threshold for dropping with probability `dropout`: `dropout * 2^32`, rounded.
-fn dropout_threshold(dropout: f32) -> u32 {
-    (dropout as f64 * 4_294_967_296.0)
-        .round()
-        .min(u32::MAX as f64) as u32
-}
-
 /// The CubeCL kernels (CubeCL's `Tensor`, not Burn's). Loops over a row's `K` columns are
 /// unrolled (`K` is a compile-time constant), so the accumulators can stay in registers.
 ///
 /// Dropout (`#[comptime] dropout`; without it the mask is never computed): weight `(r, j)` of
-/// query row `r = (b * H + h) * T + i` is kept when `mix(mix(seed) ^ (r * T + j))` is at least
-/// `threshold`, and then multiplied by `keep_scale`; `seed` is the first 24 bits of the seed
-/// tensor's first value (a uniform number in `[0, 1)`). The log-sum-exp is that of the weights
+/// query row `r = (b * H + h) * T + i` is element `r * T + j` of a hashed mask
+/// ([`super::hashed_mask`]). The log-sum-exp is that of the weights
 /// before dropout, so `delta_i = dO_i . O_i` still equals `sum_j P_ij dP_ij` with the mask in
 /// `dP`.
 mod kernels {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
+    use crate::ops::cube::hashed_mask::Mask;
     use crate::ops::cube::reduce_cube;
-
-    /// Chris Wellons' `lowbias32` integer hash (a bijection of `u32`).
-    #[cube]
-    pub(super) fn mix(x: u32) -> u32 {
-        let mut x = x;
-        x ^= x >> 16;
-        x *= 0x7feb_352d;
-        x ^= x >> 15;
-        x *= 0x846c_a68b;
-        x ^= x >> 16;
-        x
-    }
-
-    /// The dropout mask of one kernel call.
-    #[derive(CubeType, Clone, Copy)]
-    struct Mask<F: Float> {
-        /// The seed's 24 bits, hashed.
-        seed: u32,
-        threshold: u32,
-        keep_scale: F,
-    }
-
-    #[cube]
-    impl<F: Float> Mask<F> {
-        fn new(
-            seed: &Tensor<F>,
-            threshold: u32,
-            keep_scale: f32,
-            #[comptime] dropout: bool,
-        ) -> Mask<F> {
-            let mut hashed = 0u32;
-            if dropout {
-                hashed = mix(u32::cast_from(seed[0] * F::new(16_777_216.0)));
-            }
-            Mask::<F> {
-                seed: hashed,
-                threshold,
-                keep_scale: F::cast_from(keep_scale),
-            }
-        }
-
-        /// What weight `index` is multiplied by: 1 without dropout, else 0 or `keep_scale`.
-        fn factor(&self, index: usize, #[comptime] dropout: bool) -> F {
-            let mut factor = F::new(1.0);
-            if dropout {
-                factor = F::new(0.0);
-                if mix(self.seed ^ (index as u32)) >= self.threshold {
-                    factor = self.keep_scale;
-                }
-            }
-            factor
-        }
-    }
 
     /// Where the cube's block of rows of one head reads and writes: the head's index among all
     /// sequences' heads `bh = b * H + h`, the unit's row `r` (query or key) and whether it is
@@ -568,8 +508,9 @@ mod kernels {
         bh: usize,
         r: usize,
         active: bool,
-        /// The block's first row.
+        /// The block's first row, and the end of its rows (`T` at most).
         first: usize,
+        end: usize,
         q0: usize,
         k0: usize,
         v0: usize,
@@ -584,12 +525,17 @@ mod kernels {
         let b = bh / heads;
         let first = CUBE_POS_X as usize * CUBE_DIM_X as usize;
         let r = first + UNIT_POS_X as usize;
+        let mut end = first + CUBE_DIM_X as usize;
+        if end > t {
+            end = t;
+        }
         let q0 = b * t * 3 * d + h * k;
         Block {
             bh,
             r,
             active: r < t,
             first,
+            end,
             q0,
             k0: q0 + d,
             v0: q0 + 2 * d,
@@ -789,12 +735,8 @@ mod kernels {
         let mut keys = Shared::<[F]>::new_slice(comptime!(tile * k));
         let mut values = Shared::<[F]>::new_slice(comptime!(tile * k));
         // Keys up to the block's last row; every unit runs every tile (they synchronise).
-        let mut seen = at.first + CUBE_DIM_X as usize;
-        if seen > t {
-            seen = t;
-        }
         let mut j0 = 0usize;
-        while j0 < seen {
+        while j0 < at.end {
             load_tile::<F>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
             load_tile::<F>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
             sync_cube();
@@ -943,12 +885,8 @@ mod kernels {
         let mut acc = zeros::<F>(k);
         let mut keys = Shared::<[F]>::new_slice(comptime!(tile * k));
         let mut values = Shared::<[F]>::new_slice(comptime!(tile * k));
-        let mut seen = at.first + CUBE_DIM_X as usize;
-        if seen > t {
-            seen = t;
-        }
         let mut j0 = 0usize;
-        while j0 < seen {
+        while j0 < at.end {
             load_tile::<F>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
             load_tile::<F>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
             sync_cube();
@@ -1143,26 +1081,9 @@ mod tests {
         assert!(cached_causal_attention(x.clone(), x.clone(), x, 0).is_err());
     }
 
-    /// `kernels::mix` on the host.
-    fn mix(mut x: u32) -> u32 {
-        x ^= x >> 16;
-        x = x.wrapping_mul(0x7feb_352d);
-        x ^= x >> 15;
-        x = x.wrapping_mul(0x846c_a68b);
-        x ^= x >> 16;
-        x
-    }
-
     /// The kernels' dropout factors `[B, H, T, T]` (0 or `1 / (1 - p)`), computed on the host.
     fn dropout_factors(b: usize, heads: usize, t: usize, seed: f32, p: f32) -> Vec<f32> {
-        let hashed = mix((seed * 16_777_216.0) as u32);
-        let threshold = dropout_threshold(p);
-        (0..b * heads * t * t)
-            .map(|index| {
-                let keep = mix(hashed ^ index as u32) >= threshold;
-                if keep { 1.0 / (1.0 - p) } else { 0.0 }
-            })
-            .collect()
+        crate::ops::cube::hashed_mask::host_factors(seed, p, b * heads * t * t)
     }
 
     /// With dropout: output and gradient against the reference with the same mask applied to
