@@ -2,8 +2,8 @@
 //!
 //! Reference: Burn's `LayerNorm::forward`. Kernels (flex `f32` tensors, and on the GPU
 //! backends `f32` tensors on a CubeCL device, tracked by autodiff or not): the normalisation and
-//! scale in one pass with its own backward pass ([`crate::ops::flex::layer_norm`],
-//! `ops/cube/layer_norm`), then the bias as a tensor op. Burn 0.22.1 builds
+//! scale in one pass with its own backward pass ([`crate::ops::flex::layer_norm`], then the
+//! bias as a tensor op; `ops/cube/layer_norm`, the bias in the same pass). Burn 0.22.1 builds
 //! LayerNorm under autodiff from nine tensor ops, each with a buffer and a backward: a tenth of
 //! a baby-GPT training step on flex. Burn's `LayerNorm` keeps its epsilon private, so the
 //! caller passes the one the module was built with.
@@ -29,14 +29,14 @@ pub fn layer_norm<const N: usize>(norm: &LayerNorm, x: Tensor<N>, eps: f64) -> T
         Err((x, _)) => x,
     };
     #[cfg(feature = "cube")]
-    let x = match super::cube::layer_norm::normalize_and_scale(x, norm.gamma.val(), eps) {
-        Ok(y) => {
-            return match &norm.beta {
-                Some(beta) => y + beta.val().unsqueeze::<N>(),
-                None => y,
-            };
-        }
-        Err((x, _)) => x,
+    let x = match super::cube::layer_norm::layer_norm(
+        x,
+        norm.gamma.val(),
+        norm.beta.as_ref().map(|b| b.val()),
+        eps,
+    ) {
+        Ok(y) => return y,
+        Err((x, ..)) => x,
     };
     #[cfg(not(any(feature = "flex", feature = "cube")))]
     let _ = eps;

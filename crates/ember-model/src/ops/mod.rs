@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
-//! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row (`cube::layer_norm`) |
+//! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row, the bias in the same pass (`cube::layer_norm`) |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
 //! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, keys and values tiled through shared memory, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |

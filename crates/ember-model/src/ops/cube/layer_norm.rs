@@ -5,10 +5,11 @@
 //! norm and step on a GPU without fusion, each a buffer written and read back.
 //!
 //! Forward, one cube per row: `mean`, `rstd = 1 / sqrt(mean((x - mean)^2) + eps)`,
-//! `y = (x - mean) rstd gamma`, and the row's `[mean, rstd]` kept for the backward pass, which
+//! `y = (x - mean) rstd gamma + beta` (the bias in the same pass: a separate addition is one more
+//! launch per norm, in training and at every decoding step), and the row's `[mean, rstd]` kept for the backward pass, which
 //! (one cube per row again) recomputes `xhat = (x - mean) rstd` and writes
 //! `dx = rstd (h - mean(h) - xhat mean(h xhat))` with `h = dy gamma`, and `dy xhat`, whose sum
-//! over the rows is gamma's gradient. The expressions of flex's kernel
+//! over the rows is gamma's gradient (beta's is the column sum of `dy`). The expressions of flex's kernel
 //! ([`crate::ops::kernels::layer_norm`]); the reference is Burn's `LayerNorm`.
 //!
 //! The units of a row's cube split its columns (unit `u` takes `u`, `u + units`, ...: neighbouring
@@ -30,32 +31,45 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
-/// `(x - mean) * rstd * gamma` over the last axis with epsilon `eps`, where `x` and `gamma` are
-/// `f32` tensors on a CubeCL device, both tracked by autodiff or both not; otherwise both back.
+/// `(x - mean) * rstd * gamma + beta` over the last axis with epsilon `eps` (no `+ beta` without
+/// one), where `x`, `gamma` and `beta` are `f32` tensors on a CubeCL device, all tracked by
+/// autodiff or none; otherwise all back.
 ///
 /// # Shapes
 /// - x: `[..., D]`
-/// - gamma: `[D]`
+/// - gamma, beta: `[D]`
 /// - output: `[..., D]`
-pub(crate) fn normalize_and_scale<const N: usize>(
+#[allow(clippy::type_complexity)]
+pub(crate) fn layer_norm<const N: usize>(
     x: Tensor<N>,
     gamma: Tensor<1>,
+    beta: Option<Tensor<1>>,
     eps: f64,
-) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>, Option<Tensor<1>>)> {
     let dims = x.dims();
     let d = dims[N - 1];
-    let same_graph = x.device().is_autodiff() == gamma.device().is_autodiff();
+    let tracked = x.device().is_autodiff();
+    let fits = |p: &Tensor<1>| {
+        super::kernels_take(GpuKernel::LayerNorm, p)
+            && p.device().is_autodiff() == tracked
+            && p.dims()[0] == d
+    };
     let take = super::kernels_take(GpuKernel::LayerNorm, &x)
-        && super::kernels_take(GpuKernel::LayerNorm, &gamma)
-        && same_graph;
-    if !take || d == 0 || gamma.dims()[0] != d || x.shape().num_elements() == 0 {
-        return Err((x, gamma));
+        && fits(&gamma)
+        && beta.as_ref().is_none_or(fits);
+    if !take || d == 0 || x.shape().num_elements() == 0 {
+        return Err((x, gamma, beta));
     }
     let rows = x.shape().num_elements() / d;
+    let bias = beta.is_some();
+    // Without a bias the kernel never reads its `beta`: gamma stands in.
+    let beta = beta.unwrap_or_else(|| gamma.clone());
     let y = <Dispatch as LayerNormKernels>::layer_norm(
         x.reshape([rows, d]).into_dispatch(),
         gamma.into_dispatch(),
+        beta.into_dispatch(),
         eps as f32,
+        bias,
     );
     Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
 }
@@ -64,10 +78,16 @@ pub(crate) fn normalize_and_scale<const N: usize>(
 /// autodiff over either.
 #[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
 pub trait LayerNormKernels: Backend {
-    /// `(x - mean) rstd gamma` of the rows of `x` `[R, D]`.
+    /// `(x - mean) rstd gamma (+ beta with bias)` of the rows of `x` `[R, D]`.
     #[fusion(default)]
-    fn layer_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
-        Self::layer_norm_forward(x, gamma, eps).0
+    fn layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f32,
+        bias: bool,
+    ) -> FloatTensor<Self> {
+        Self::layer_norm_forward(x, gamma, beta, eps, bias).0
     }
 
     /// The output `[R, D]` and each row's `[mean, rstd]` (`[R, 2]`).
@@ -75,7 +95,9 @@ pub trait LayerNormKernels: Backend {
     fn layer_norm_forward(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
         eps: f32,
+        bias: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// The gradients of `x` `[R, D]` and `gamma` `[D]` from the output's `grad` `[R, D]`.
@@ -93,7 +115,13 @@ use burn::backend::fusion::custom::TensorSpec;
 
 /// The shapes of the forward pass's outputs, for fusion (which defers the kernels).
 #[cfg(feature = "fusion")]
-fn forward_specs(x: &TensorSpec, _gamma: &TensorSpec, _eps: &f32) -> (TensorSpec, TensorSpec) {
+fn forward_specs(
+    x: &TensorSpec,
+    _gamma: &TensorSpec,
+    _beta: &TensorSpec,
+    _eps: &f32,
+    _bias: &bool,
+) -> (TensorSpec, TensorSpec) {
     let [rows, _] = x.shape.dims::<2>();
     (x.clone(), TensorSpec::new(Shape::new([rows, 2]), x.dtype))
 }
@@ -110,8 +138,14 @@ fn backward_specs(
 }
 
 impl LayerNormKernels for CubeBackend {
-    fn layer_norm_forward(x: CubeTensor, gamma: CubeTensor, eps: f32) -> (CubeTensor, CubeTensor) {
-        let [x, gamma] = [x, gamma].map(into_contiguous);
+    fn layer_norm_forward(
+        x: CubeTensor,
+        gamma: CubeTensor,
+        beta: CubeTensor,
+        eps: f32,
+        bias: bool,
+    ) -> (CubeTensor, CubeTensor) {
+        let [x, gamma, beta] = [x, gamma, beta].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
         assert_eq!(x.dtype(), DType::F32, "LayerNorm kernel: f32 only");
         let (y, stats) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, 2]));
@@ -122,9 +156,11 @@ impl LayerNormKernels for CubeBackend {
             dim,
             x.into_tensor_arg(),
             gamma.into_tensor_arg(),
+            beta.into_tensor_arg(),
             y.clone().into_tensor_arg(),
             stats.clone().into_tensor_arg(),
             eps,
+            bias,
         );
         (y, stats)
     }
@@ -157,20 +193,52 @@ impl LayerNormKernels for CubeBackend {
 }
 
 impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B, C> {
-    fn layer_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
-        match ScaledNorm
-            .prepare::<C>([x.node(), gamma.node()])
+    fn layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f32,
+        bias: bool,
+    ) -> FloatTensor<Self> {
+        if !bias {
+            return match ScaledNorm
+                .prepare::<C>([x.node(), gamma.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
+                    let (y, stats) =
+                        B::layer_norm_forward(x.clone(), gamma.clone(), gamma.clone(), eps, false);
+                    prep.finish((x, gamma, stats), y)
+                }
+                OpsKind::UnTracked(prep) => {
+                    let gamma = gamma.into_primitive();
+                    let y =
+                        B::layer_norm_forward(x.into_primitive(), gamma.clone(), gamma, eps, false);
+                    prep.finish(y.0)
+                }
+            };
+        }
+        match ShiftedNorm
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
                 let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
-                let (y, stats) = B::layer_norm_forward(x.clone(), gamma.clone(), eps);
+                let (y, stats) = B::layer_norm_forward(
+                    x.clone(),
+                    gamma.clone(),
+                    beta.into_primitive(),
+                    eps,
+                    true,
+                );
                 prep.finish((x, gamma, stats), y)
             }
             OpsKind::UnTracked(prep) => {
-                let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
-                prep.finish(B::layer_norm_forward(x, gamma, eps).0)
+                let [x, gamma, beta] = [x, gamma, beta].map(|t| t.into_primitive());
+                prep.finish(B::layer_norm_forward(x, gamma, beta, eps, true).0)
             }
         }
     }
@@ -179,9 +247,12 @@ impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B
     fn layer_norm_forward(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
         eps: f32,
+        bias: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (y, stats) = B::layer_norm_forward(Self::inner(x), Self::inner(gamma), eps);
+        let [x, gamma, beta] = [x, gamma, beta].map(Self::inner);
+        let (y, stats) = B::layer_norm_forward(x, gamma, beta, eps, bias);
         (Self::from_inner(y), Self::from_inner(stats))
     }
 
@@ -197,24 +268,51 @@ impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B
     }
 }
 
-/// The autodiff node of the LayerNorm kernels.
+/// The autodiff node of the LayerNorm kernels without a bias.
 #[derive(Debug)]
 struct ScaledNorm;
 
+/// The autodiff node of the LayerNorm kernels with a bias.
+#[derive(Debug)]
+struct ShiftedNorm;
+
+/// The input, gamma and each row's `[mean, rstd]`.
+type NormState<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
 impl<B: LayerNormKernels> Backward<B, 2> for ScaledNorm {
-    /// The input, gamma and each row's `[mean, rstd]`.
-    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+    type State = NormState<B>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (x, gamma, stats) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
         let [x_node, gamma_node] = ops.parents;
-        if let Some(node) = x_node {
-            grads.register::<B>(node.id, dx);
+        for (node, grad) in [(x_node, dx), (gamma_node, dgamma)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
         }
-        if let Some(node) = gamma_node {
-            grads.register::<B>(node.id, dgamma);
+    }
+}
+
+impl<B: LayerNormKernels> Backward<B, 3> for ShiftedNorm {
+    type State = NormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, gamma, stats) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [x_node, gamma_node, beta_node] = ops.parents;
+        if let Some(node) = beta_node {
+            // Beta's gradient: the column sums of `dy`, by the backend's reduction.
+            let d = gamma.shape().dims::<1>()[0];
+            let dbeta = B::float_reshape(B::float_sum_dim(grad.clone(), 0), Shape::new([d]));
+            grads.register::<B>(node.id, dbeta);
+        }
+        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
+        for (node, grad) in [(x_node, dx), (gamma_node, dgamma)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
         }
     }
 }
@@ -225,14 +323,17 @@ mod kernels {
 
     use crate::ops::cube::{ROW_UNITS, cube_row, reduce_cube};
 
-    /// One cube per row `r` of `x` `[R, D]`: `y` and `stats[r] = [mean, rstd]`.
+    /// One cube per row `r` of `x` `[R, D]`: `y` (with `beta` added when `bias`) and
+    /// `stats[r] = [mean, rstd]`.
     #[cube(launch)]
     pub(super) fn layer_norm_forward<F: Float>(
         x: &Tensor<F>,
         gamma: &Tensor<F>,
+        beta: &Tensor<F>,
         y: &mut Tensor<F>,
         stats: &mut Tensor<F>,
         eps: f32,
+        #[comptime] bias: bool,
     ) {
         let r = cube_row();
         if r >= stats.shape(0) {
@@ -256,7 +357,11 @@ mod kernels {
         let squares = reduce_cube::<F>(&mut scratch, squares, false);
         let rstd = F::new(1.0) / F::sqrt(squares / n + F::cast_from(eps));
         for j in range_stepped(u, d, units) {
-            y[at + j] = (x[at + j] - mean) * rstd * gamma[j];
+            let mut v = (x[at + j] - mean) * rstd * gamma[j];
+            if bias {
+                v += beta[j];
+            }
+            y[at + j] = v;
         }
         if u == 0 {
             stats[2 * r] = mean;
