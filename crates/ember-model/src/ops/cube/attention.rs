@@ -1010,9 +1010,9 @@ mod tests {
 
     /// Output and the projection's gradient against the op's reference (split heads, masked
     /// softmax, merge: what every other backend runs) on wgpu, plain, under autodiff and with
-    /// checkpointing: head sizes 4 to 64, one position and several, lengths that are not a
-    /// multiple of a cube's rows or of a tile (two and three blocks of rows), one head and
-    /// several.
+    /// checkpointing: head sizes 4 to 128 (smaller tiles), one position and several, lengths
+    /// that are not a multiple of a cube's rows or of a tile (two and three blocks of rows), one
+    /// head and several.
     #[test]
     fn equals_the_reference_on_wgpu() {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
@@ -1022,6 +1022,7 @@ mod tests {
             (3, 37, 2, 16),
             (2, 70, 1, 32),
             (1, 150, 2, 64),
+            (1, 40, 1, 128),
         ];
         for (b, t, heads, k) in cases {
             let d = heads * k;
