@@ -5,16 +5,17 @@
 //! norm and step on a GPU without fusion, each a buffer written and read back.
 //!
 //! Forward, one cube per row: `mean`, `rstd = 1 / sqrt(mean((x - mean)^2) + eps)`,
-//! `y = (x - mean) rstd gamma + beta` (the bias in the same pass: a separate addition is one more
-//! launch per norm, in training and at every decoding step), and the row's `[mean, rstd]` kept for the backward pass, which
-//! (one cube per row again) recomputes `xhat = (x - mean) rstd` and writes
-//! `dx = rstd (h - mean(h) - xhat mean(h xhat))` with `h = dy gamma`, and `dy xhat`, whose sum
-//! over the rows is gamma's gradient (beta's is the column sum of `dy`). The expressions of flex's kernel
-//! ([`crate::ops::kernels::layer_norm`]); the reference is Burn's `LayerNorm`.
+//! `y = (x - mean) rstd gamma + beta` (the bias in the same pass: a separate addition is one
+//! more launch per norm, in training and at every decoding step), and the row's `[mean, rstd]`
+//! kept for the backward pass, which (one cube per row again) recomputes `xhat = (x - mean) rstd`
+//! and writes `dx = rstd (h - mean(h) - xhat mean(h xhat))` with `h = dy gamma`, and `dy xhat`,
+//! whose sum over the rows is gamma's gradient (beta's is the column sum of `dy`). The
+//! expressions of flex's kernel ([`crate::ops::kernels::layer_norm`]); the reference is Burn's
+//! `LayerNorm`.
 //!
-//! The units of a row's cube split its columns (unit `u` takes `u`, `u + units`, ...: neighbouring
-//! units read neighbouring columns, one memory transaction per warp) and reduce their sums
-//! through shared memory ([`super::reduce_cube`]).
+//! The units of a row's cube split its columns (unit `u` takes `u`, `u + units`, ...:
+//! neighbouring units read neighbouring columns, one memory transaction per warp) and reduce
+//! their sums through shared memory ([`super::reduce_cube`]).
 
 use crate::ops::GpuKernel;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
