@@ -39,7 +39,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Device, Distribution, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
@@ -61,9 +61,7 @@ pub(crate) fn causal_self_attention(
     heads: usize,
     dropout: f64,
 ) -> Result<Tensor<3>, Tensor<3>> {
-    seeded(qkv, heads, dropout, |device| {
-        Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), device)
-    })
+    seeded(qkv, heads, dropout, super::hashed_mask::draw_seed)
 }
 
 /// `softmax(Q K^T / sqrt(K) + mask) V` for `T` queries at positions `start..start + T` over a
@@ -1006,7 +1004,7 @@ mod kernels {
 mod tests {
     use super::*;
     use crate::ops::check::agrees_on;
-    use burn::tensor::{Device, DeviceKind};
+    use burn::tensor::{Device, DeviceKind, Distribution};
 
     /// Output and the projection's gradient against the op's reference (split heads, masked
     /// softmax, merge: what every other backend runs) on wgpu, plain, under autodiff and with

@@ -19,7 +19,7 @@ use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
 use burn::nn::Dropout;
-use burn::tensor::{DType, Device, Distribution, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -38,9 +38,7 @@ pub(crate) fn dropout<const D: usize>(
     if !dropout.training.is_enabled() || !x.device().is_autodiff() {
         return Err(x);
     }
-    seeded(x, dropout.prob, |device| {
-        Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), device)
-    })
+    seeded(x, dropout.prob, super::hashed_mask::draw_seed)
 }
 
 /// [`dropout`] with probability `p` and the seed drawn by `seed` on the tensor's device (a
@@ -152,7 +150,7 @@ mod kernel {
 mod tests {
     use super::*;
     use burn::nn::DropoutConfig;
-    use burn::tensor::{DeviceKind, TensorData};
+    use burn::tensor::{DeviceKind, Distribution, TensorData};
 
     /// Output and input gradient against the reference's arithmetic (`x * mask`) with the
     /// kernel's mask rebuilt on the host, under autodiff and with checkpointing, through a graph

@@ -6,8 +6,14 @@
 //! numbers (so `Device::seed` makes a run repeatable); element `index` is kept when
 //! `mix(mix(seed) ^ index) >= p * 2^32`, and then multiplied by `1 / (1 - p)`.
 
+use burn::tensor::{Device, Distribution};
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
+
+/// A mask's seed for one call: a uniform number in `[0, 1)` from `device`'s random numbers.
+pub(crate) fn draw_seed(device: &Device) -> burn::tensor::Tensor<1> {
+    burn::tensor::Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), device)
+}
 
 /// The hash threshold for dropping with probability `p`: `p * 2^32`, rounded.
 pub(crate) fn threshold(p: f32) -> u32 {
