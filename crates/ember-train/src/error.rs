@@ -92,9 +92,85 @@ pub(crate) fn write_err(path: &std::path::Path, e: impl std::fmt::Display) -> Tr
     }
 }
 
+/// A read from the device failed: the kernels that were to compute the values did not run
+/// (Burn reports the failure, e.g. an allocation the device refused, only when the values are
+/// read). One line: what was being read, and the innermost cause of Burn's chain of errors.
+pub(crate) fn device_read_err(what: &str, e: &(dyn std::error::Error + 'static)) -> TrainError {
+    let mut root = e;
+    while let Some(inner) = root.source() {
+        root = inner;
+    }
+    // CubeCL's errors carry their own chain in the text: "...\nCaused by:\n  <cause>\n...";
+    // the innermost is the line after the last "Caused by:".
+    let text = root.to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    let cause = match lines.iter().rposition(|l| l.trim() == "Caused by:") {
+        Some(i) if i + 1 < lines.len() => lines[i + 1].trim(),
+        _ => lines.first().map_or("", |l| l.trim()),
+    };
+    let hint = if cause.contains("allocate") {
+        " (the device is out of memory: a smaller training.batch_size, with training.grad_accum \
+         for the same batch, needs less)"
+    } else {
+        ""
+    };
+    TrainError::Device(format!(
+        "the device failed while computing {what}: {cause}{hint}"
+    ))
+}
+
 pub(crate) fn value_err(key: &str, message: impl Into<String>) -> TrainError {
     TrainError::ConfigValue {
         key: key.to_string(),
         message: message.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error whose text carries a chain, as CubeCL's do, behind one `source()` level.
+    #[derive(Debug)]
+    struct Outer(Inner);
+    #[derive(Debug)]
+    struct Inner(&'static str);
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Error while reading data")
+        }
+    }
+    impl std::fmt::Display for Inner {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+    impl std::error::Error for Inner {}
+
+    #[test]
+    fn a_failed_device_read_names_what_and_the_innermost_cause_on_one_line() {
+        // The text of the failure seen on lavapipe when a training step did not fit.
+        let chain = "An error happened during execution\nCaused by:\n  Several failures at \
+                     once\nCaused by:\n  The bytes were never written (failure #177)\n  skipped \
+                     `SliceAssignKernel`\nCaused by:\n  An IO error happened\nCaused by:\n  \
+                     can't allocate buffer of size: 150994944\nNo backtrace available";
+        let message = device_read_err("the training loss of step 2", &Outer(Inner(chain)));
+        assert_eq!(
+            message.to_string(),
+            "the device failed while computing the training loss of step 2: can't allocate \
+             buffer of size: 150994944 (the device is out of memory: a smaller \
+             training.batch_size, with training.grad_accum for the same batch, needs less)"
+        );
+        // Without a chain in the text: the innermost error's first line, and no memory hint.
+        let message = device_read_err("the weights", &Outer(Inner("lost device\nmore")));
+        assert_eq!(
+            message.to_string(),
+            "the device failed while computing the weights: lost device"
+        );
     }
 }

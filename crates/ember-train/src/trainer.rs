@@ -504,8 +504,12 @@ impl LogWindow {
 
     /// Reads the window, fails on the first non-finite loss (naming its step), and resets.
     fn flush(&mut self, step: u64, lr: f64, elapsed: f64) -> Result<Record> {
-        let losses = read_all(std::mem::take(&mut self.losses));
-        let norms = read_all(std::mem::take(&mut self.norms));
+        let steps = match self.first_step + 1 {
+            first if first == step => format!("the training loss of step {step}"),
+            first => format!("the training loss of steps {first}-{step}"),
+        };
+        let losses = read_all(std::mem::take(&mut self.losses), &steps)?;
+        let norms = read_all(std::mem::take(&mut self.norms), &steps)?;
         if let Some(i) = losses.iter().position(|l| !l.is_finite()) {
             return Err(TrainError::Diverged {
                 step: self.first_step + i as u64 + 1,
@@ -528,13 +532,15 @@ impl LogWindow {
     }
 }
 
-fn read_all(values: Vec<Tensor<1>>) -> Vec<f32> {
+/// The values of `values`, one read from the device; a failed read (the kernels that were to
+/// compute them did not run) is an error naming `what`, never an empty or zero result.
+fn read_all(values: Vec<Tensor<1>>, what: &str) -> Result<Vec<f32>> {
     if values.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     Tensor::cat(values, 0)
         .try_into_vec_as::<f32>()
-        .unwrap_or_default()
+        .map_err(|e| crate::error::device_read_err(what, &e))
 }
 
 /// Sum of |w| over all parameters, to catch a NaN/inf before it is saved.
@@ -549,7 +555,8 @@ impl ModuleVisitor for Finite {
 fn ensure_finite<M: Module>(model: &M, step: u64) -> Result<()> {
     let mut finite = Finite(Vec::new());
     model.visit(&mut finite);
-    let total: f32 = read_all(finite.0).iter().sum();
+    let what = format!("the weights of step {step} (before saving them)");
+    let total: f32 = read_all(finite.0, &what)?.iter().sum();
     if total.is_finite() {
         Ok(())
     } else {
