@@ -120,6 +120,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     if let Some(peak) = peak_memory() {
         eprintln!("peak memory: {peak}");
     }
+    if let Some(memory) = &summary.device_memory {
+        eprintln!("GPU memory: {memory}");
+    }
     if let Some(profile) = &summary.kernel_profile {
         eprint!("{profile}");
     }

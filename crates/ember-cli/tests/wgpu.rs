@@ -102,6 +102,7 @@ fn wgpu_trains_and_generates_like_the_cpu() {
         }
     }
     assert_kernel_profile(&profile);
+    assert_device_memory(&profile);
     // Tolerance: f32 sums in another order, compounded over 20 AdamW steps.
     let (a, b) = (losses(&cpu), losses(&gpu));
     assert_eq!(a.len(), 4);
@@ -136,6 +137,41 @@ fn wgpu_trains_and_generates_like_the_cpu() {
         assert_clear_error(&out, &["training.precision", "`wgpu`", "bf16"]);
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The GPU run's memory line: its allocator holds at least the weights and AdamW's two moments
+/// at the end (f32 each), and the peak is at least what is reserved, which is at least what is
+/// in use.
+fn assert_device_memory(stderr: &str) {
+    let number_after = |prefix: &str| -> f64 {
+        let at = stderr
+            .find(prefix)
+            .unwrap_or_else(|| panic!("no `{prefix}` in: {stderr}"));
+        let rest = stderr[at + prefix.len()..].trim_start();
+        let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == ','));
+        rest[..end.unwrap_or(rest.len())]
+            .replace(',', "")
+            .parse()
+            .unwrap()
+    };
+    let params = number_after("total parameters");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("GPU memory: "))
+        .unwrap_or_else(|| panic!("no GPU memory line in: {stderr}"));
+    let mib: Vec<f64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [peak, reserved, in_use] = mib[..] else {
+        panic!("expected three figures in `{line}`")
+    };
+    let weights_and_moments = 3.0 * 4.0 * params / (1 << 20) as f64;
+    assert!(
+        in_use >= weights_and_moments - 0.05,
+        "{line}: less in use than the weights and moments ({weights_and_moments:.2} MiB)"
+    );
+    assert!(peak >= reserved && reserved >= in_use, "{line}");
 }
 
 /// The kernel profile of the last 5 of 20 steps of a 2-layer model (one micro-batch per step):

@@ -34,6 +34,6 @@ pub use lm::train_lm;
 pub use lm_source::{LmSource, LoadedLm, load_lm, open_lm};
 pub use precision::Precision;
 pub use task::{Split, Task};
-pub use trainer::{Launch, RunOptions, RunSummary};
+pub use trainer::{DeviceMemory, Launch, RunOptions, RunSummary};
 pub use translation::{LoadedTranslator, load_translator, train_translation};
 pub use translation_config::TranslationRunConfig;

@@ -148,6 +148,54 @@ pub struct RunSummary {
     pub stopped_early: bool,
     /// Where the profiled steps' GPU time went (`profile_steps`).
     pub kernel_profile: Option<KernelProfile>,
+    /// What the GPU's allocator held (`None` on CPU devices, whose backends do not report it).
+    pub device_memory: Option<DeviceMemory>,
+}
+
+/// The memory a GPU device's allocator (CubeCL's pools, every stream) held for a run: what
+/// `torch.cuda.max_memory_reserved` is to PyTorch. The driver's context and buffers outside the
+/// pools (which `nvidia-smi` counts too) are not in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Each pool's most pages held at once, times its page size, summed over the pools (the
+    /// pools may have peaked at different moments, so this is at most the true peak).
+    pub peak_reserved: u64,
+    /// Bytes reserved when the run ended.
+    pub reserved: u64,
+    /// Bytes of live tensors when the run ended (the weights, the optimizer's moments).
+    pub in_use: u64,
+}
+
+impl DeviceMemory {
+    /// What `device`'s allocator holds now, and its pools' peaks; `None` where the backend does
+    /// not report them.
+    pub fn of(device: &Device) -> Option<Self> {
+        let usage = device.memory_pool_usage()?;
+        let pools = device.memory_pool_report()?;
+        let peak = pools
+            .iter()
+            .map(|p| p.pages_peak * p.page_size)
+            .sum::<u64>();
+        Some(Self {
+            peak_reserved: peak.max(usage.bytes_reserved),
+            reserved: usage.bytes_reserved,
+            in_use: usage.bytes_in_use,
+        })
+    }
+}
+
+impl std::fmt::Display for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        write!(
+            f,
+            "peak {:.1} MiB reserved by the allocator's pools, {:.1} MiB reserved and {:.1} MiB \
+             in use at the end",
+            mib(self.peak_reserved),
+            mib(self.reserved),
+            mib(self.in_use)
+        )
+    }
 }
 
 /// Trains `model` (built on `device.autodiff()`) on `task`. On resume, weights, optimizer state
@@ -272,6 +320,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     summary.best = checkpoint::resolve_best(out).ok().zip(best.loss());
     summary.stopped_early = stopped_early;
     summary.kernel_profile = profiler.and_then(KernelProfiler::finish);
+    summary.device_memory = DeviceMemory::of(&device);
     Ok(summary)
 }
 
@@ -464,6 +513,7 @@ impl Clock {
             best: None,
             stopped_early: false,
             kernel_profile: None,
+            device_memory: None,
         }
     }
 }
