@@ -133,7 +133,7 @@ speed() {
             EMBER_GPU_KERNELS=$kernels logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
                 --device "$DEVICE" --out "$RUNS/speed" --stop-after "$STEPS" \
                 --set "training.precision=\"$precision\"" || continue
-            grep -E "^(peak|checkpoint:)" "$RUNS/speed.log"
+            grep -E "^(peak|GPU memory|checkpoint:)" "$RUNS/speed.log"
             ms_per_step "$RUNS/speed"
         done
     done
@@ -163,7 +163,7 @@ full() {
     logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full" \
         --set "training.precision=\"${PRECISION:-f32}\""
     echo "wall: $(($(date +%s) - start)) s"
-    grep -E "^(step .*val|done|peak|checkpoint:)" "$RUNS/full.log"
+    grep -E "^(step .*val|done|peak|GPU memory|checkpoint:)" "$RUNS/full.log"
     ms_per_step "$RUNS/full"
     "$EMBER_GEN" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
 }
