@@ -306,9 +306,10 @@ impl AttentionKernels for CubeBackend {
         let out = super::empty(&q, [b, heads, t, head]);
         // One cube per query row: a token's step has one query row per head, too few rows to
         // keep a GPU busy with one unit each (measured on an H100: 350 us per layer and token).
+        // A batch of prompts has many rows: in a grid, not one line.
         kernels::cached_attention::launch::<f32>(
             &q.client.clone(),
-            CubeCount::new_1d((b * heads * t) as u32),
+            super::row_grid(b * heads * t),
             CubeDim::new_1d(CACHED_UNITS as u32),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
@@ -494,7 +495,7 @@ mod kernels {
     use burn_cubecl::cubecl::prelude::*;
 
     use crate::ops::cube::hashed_mask::Mask;
-    use crate::ops::cube::reduce_cube;
+    use crate::ops::cube::{cube_row, reduce_cube};
 
     /// Where the cube's block of rows of one head reads and writes: the head's index among all
     /// sequences' heads `bh = b * H + h`, the unit's row `r` (query or key) and whether it is
@@ -783,10 +784,13 @@ mod kernels {
         #[comptime] capacity: usize,
         #[comptime] units: usize,
     ) {
-        let row = CUBE_POS;
-        let u = UNIT_POS_X as usize;
+        let row = cube_row();
         let t = q.shape(2);
         let heads = q.shape(1);
+        if row >= q.shape(0) * heads * t {
+            terminate!();
+        }
+        let u = UNIT_POS_X as usize;
         let i = row % t;
         let h = (row / t) % heads;
         let b = row / t / heads;
@@ -1061,6 +1065,8 @@ mod tests {
             (2, 2, 8, 32, 29, 3),
             (1, 1, 4, 7, 6, 1),
             (1, 2, 64, 300, 250, 2),
+            // A batch of long prompts: more query rows (66,560) than a launch has cubes a side.
+            (64, 4, 8, 300, 0, 260),
         ] {
             let q = Tensor::<4>::random([b, t, heads, head], normal, &device).swap_dims(1, 2);
             let k = Tensor::<4>::random([b, heads, capacity, head], normal, &device) * 2.0;

@@ -69,17 +69,20 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
 /// after another and pays for every synchronisation of the reductions.
 pub(crate) const ROW_UNITS: usize = 32;
 
-/// One cube of [`ROW_UNITS`] units per each of `rows` rows, laid out in a grid whose rows
-/// [`cube_row`] numbers (a launch has at most 65535 cubes a side on some backends).
+/// One cube of [`ROW_UNITS`] units per each of `rows` rows, laid out in a [`row_grid`].
 pub(crate) fn row_cubes(rows: usize) -> (CubeCount, CubeDim) {
-    let x = rows.clamp(1, 32768);
-    (
-        CubeCount::new_2d(x as u32, rows.div_ceil(x) as u32),
-        CubeDim::new_1d(ROW_UNITS as u32),
-    )
+    (row_grid(rows), CubeDim::new_1d(ROW_UNITS as u32))
 }
 
-/// The row of this cube in a [`row_cubes`] launch (past the last row in the grid's last line:
+/// One cube per each of `rows` rows, laid out in a grid whose rows [`cube_row`] numbers: a
+/// launch has at most 65535 cubes a side on some backends (Vulkan's guaranteed minimum; a
+/// one-dimensional launch of more fails there), so lines of at most 32768 cubes.
+pub(crate) fn row_grid(rows: usize) -> CubeCount {
+    let x = rows.clamp(1, 32768);
+    CubeCount::new_2d(x as u32, rows.div_ceil(x) as u32)
+}
+
+/// The row of this cube in a [`row_grid`] launch (past the last row in the grid's last line:
 /// such cubes end at once).
 #[cube]
 pub(crate) fn cube_row() -> usize {
