@@ -61,7 +61,7 @@ pub use attention::{
     causal_self_attention_reference, single_query_attention, single_query_attention_reference,
 };
 pub use dropout::{dropout, dropout_reference};
-pub use embedding::embed;
+pub use embedding::{embed, embed_range};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{GpuKernel, GpuKernels};
 pub use layer_norm::{layer_norm, layer_norm_reference};

@@ -81,10 +81,7 @@ impl AdditivePositions {
     /// - output: `[1, T, D]`
     pub fn forward(&self, start: usize, t: usize, device: &Device) -> Tensor<3> {
         match &self.wpe {
-            Some(wpe) => {
-                let positions = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, device);
-                crate::ops::embed(wpe, positions.reshape([1, t]))
-            }
+            Some(wpe) => crate::ops::embed_range(wpe, start, t),
             None => sinusoidal_table(start, t, self.sinusoidal_width, device).unsqueeze(),
         }
     }
