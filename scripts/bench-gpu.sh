@@ -21,7 +21,8 @@
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
 # (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS (default `f32:on
 # f32:-attention f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one kernel's
-# part); PRECISION the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
+# part); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -linear`,
+# the first also without the cache); PRECISION the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
 # the steps `profile` times (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and
 # PyTorch run on an NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi,
 # polled every 0.2 s: the same yardstick for both, CUDA context included). Backends draw
@@ -146,11 +147,19 @@ speed() {
         echo "\$ ${torch[*]}"
         with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch $extra"
     done
+    local gen_kernels=${GEN_KERNELS:-on -linear}
     for mode in "" "--no-cache"; do
-        # shellcheck disable=SC2086 # $mode is empty or one flag
-        logged "$RUNS/generate.log" "$EMBER_GEN" generate --checkpoint "$RUNS/speed" \
-            --device "$DEVICE" --prompt ROMEO: --max-tokens 500 --seed 1 $mode
-        grep "tokens/s" "$RUNS/generate.log"
+        # With the KV cache, once per GEN_KERNELS setting (default: all kernels, then all but
+        # decoding's few-row linear kernel); without it, the first setting only.
+        for kernels in $gen_kernels; do
+            [ -n "$mode" ] && [ "$kernels" != "${gen_kernels%% *}" ] && continue
+            echo "EMBER_GPU_KERNELS=$kernels"
+            # shellcheck disable=SC2086 # $mode is empty or one flag
+            EMBER_GPU_KERNELS=$kernels logged "$RUNS/generate.log" "$EMBER_GEN" generate \
+                --checkpoint "$RUNS/speed" --device "$DEVICE" --prompt ROMEO: --max-tokens 500 \
+                --seed 1 $mode
+            grep "tokens/s" "$RUNS/generate.log"
+        done
         # shellcheck disable=SC2086 # $mode is empty or one flag
         "$PYTHON" scripts/torch_reference.py generate --device "$TORCH_DEVICE" --d-model 384 \
             --heads 6 --layers 6 --context 256 --tokens 500 $mode

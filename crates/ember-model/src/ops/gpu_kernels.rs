@@ -35,11 +35,13 @@ pub enum GpuKernel {
     AdamW,
     /// The sum of squares of a gradient, for global-norm clipping.
     Norm,
+    /// A linear layer's product and bias for a few rows, when decoding.
+    Linear,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 7] = [
+    pub const ALL: [GpuKernel; 8] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -47,6 +49,7 @@ impl GpuKernel {
         GpuKernel::Dropout,
         GpuKernel::AdamW,
         GpuKernel::Norm,
+        GpuKernel::Linear,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -59,6 +62,7 @@ impl GpuKernel {
             GpuKernel::Dropout => "dropout",
             GpuKernel::AdamW => "adamw",
             GpuKernel::Norm => "norm",
+            GpuKernel::Linear => "linear",
         }
     }
 }
@@ -161,7 +165,14 @@ mod tests {
         assert!(on(GpuKernels::parse("off").unwrap()).is_empty());
         assert_eq!(
             on(GpuKernels::parse("-attention, -layer-norm").unwrap()),
-            ["cached-attention", "gelu", "dropout", "adamw", "norm"]
+            [
+                "cached-attention",
+                "gelu",
+                "dropout",
+                "adamw",
+                "norm",
+                "linear"
+            ]
         );
         assert_eq!(
             on(GpuKernels::parse("adamw,cached-attention").unwrap()),

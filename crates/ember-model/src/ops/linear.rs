@@ -3,7 +3,8 @@
 //! Reference: Burn's `module::linear` and `matmul`. Kernel (flex `f32` tensors, tracked by
 //! autodiff or not): `gemm` straight into a new buffer, with its own backward pass
 //! ([`crate::ops::flex::matmul`]); a linear layer's rows from every leading axis go through one
-//! product, forward and backward.
+//! product, forward and backward. On the GPU backends, a plain input of at most eight rows (a
+//! decoding step) takes one kernel for the product and the bias (`ops/cube/linear`).
 
 use burn::nn::Linear;
 use burn::tensor::{FloatDType, Tensor};
@@ -45,6 +46,11 @@ pub fn affine<const D: usize>(
             None => y,
         };
     }
+    #[cfg(feature = "cube")]
+    let (x, weight, bias) = match super::cube::linear::affine(x, weight, bias) {
+        Ok(y) => return y,
+        Err(parts) => parts,
+    };
     if D < 2 || !kernels_take(&x) {
         return affine_reference(x, weight, bias);
     }
