@@ -322,6 +322,11 @@ mod wgpu_tests {
     /// attention, an untied head), so its logits are far apart and its greedy text depends on
     /// position and context (at init scale it repeats one token).
     fn model(positional: PositionalKind) -> DecoderOnly {
+        // The tests run in parallel on one device, whose random numbers are one stream: the
+        // seeding and the draws under a lock, or another test's draws land between them and the
+        // weights change from run to run (once, a model that repeated one token).
+        static DRAWS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _draws = DRAWS.lock().unwrap_or_else(|e| e.into_inner());
         let device = Device::wgpu(DeviceKind::DefaultDevice);
         // Seeded: the same weights in every run.
         device.seed(11);
