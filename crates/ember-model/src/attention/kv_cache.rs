@@ -124,13 +124,13 @@ impl KvCache {
             self.k = Some(grow(self.k.take()));
             self.v = Some(grow(self.v.take()));
         }
-        let range = [0..b, 0..h, self.len..end, 0..d];
-        let keys = self
-            .k
-            .take()
-            .expect("allocated")
-            .slice_assign(range.clone(), k);
-        let values = self.v.take().expect("allocated").slice_assign(range, v);
+        let (keys, values) = crate::ops::write_cache_rows(
+            self.k.take().expect("allocated"),
+            self.v.take().expect("allocated"),
+            k,
+            v,
+            self.len,
+        );
         self.len = end;
         self.k = Some(keys.clone());
         self.v = Some(values.clone());

@@ -37,11 +37,13 @@ pub enum GpuKernel {
     Norm,
     /// A linear layer's product and bias for a few rows, when decoding.
     Linear,
+    /// The write of a decoding step's keys and values into the KV cache.
+    CacheWrite,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 8] = [
+    pub const ALL: [GpuKernel; 9] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -50,6 +52,7 @@ impl GpuKernel {
         GpuKernel::AdamW,
         GpuKernel::Norm,
         GpuKernel::Linear,
+        GpuKernel::CacheWrite,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -63,6 +66,7 @@ impl GpuKernel {
             GpuKernel::AdamW => "adamw",
             GpuKernel::Norm => "norm",
             GpuKernel::Linear => "linear",
+            GpuKernel::CacheWrite => "cache-write",
         }
     }
 }
@@ -171,7 +175,8 @@ mod tests {
                 "dropout",
                 "adamw",
                 "norm",
-                "linear"
+                "linear",
+                "cache-write"
             ]
         );
         assert_eq!(

@@ -17,6 +17,7 @@
 //! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, keys and values tiled through shared memory, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |
 //! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
 //! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one cube per query row over the cache's whole buffer (`cube::attention`) |
+//! | [`write_cache_rows`] (a decoding step's keys and values into the KV cache) | two `slice_assign`s | none on flex; on GPUs one kernel writes both buffers, in place where they are not shared (`cube::cache_write`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
 //! | [`dropout`] | Burn's `Dropout::forward` | none on flex; on GPUs one kernel each way, a hashed mask recomputed from a seed, nothing stored (`cube::dropout`) |
 //! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one cube per small tensor, up to 512 and a second launch for a large one, reducing in shared memory (`cube::sum_of_squares`) |
@@ -37,6 +38,7 @@
 
 pub mod adamw;
 mod attention;
+mod cache_write;
 mod dropout;
 mod embedding;
 mod gelu;
@@ -60,6 +62,7 @@ pub use attention::{
     cached_causal_attention, cached_causal_attention_reference, causal_self_attention,
     causal_self_attention_reference, single_query_attention, single_query_attention_reference,
 };
+pub use cache_write::{write_cache_rows, write_cache_rows_reference};
 pub use dropout::{dropout, dropout_reference};
 pub use embedding::{embed, embed_range};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};

@@ -10,6 +10,7 @@
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
+pub(crate) mod cache_write;
 pub(crate) mod dropout;
 pub(crate) mod gelu;
 pub(crate) mod hashed_mask;
