@@ -14,11 +14,7 @@ use burn::tensor::{DType, FloatDType, Int, Tensor};
 /// - table: `[V, D]`
 /// - output: `[B, T, D]`
 pub fn embed(table: &Embedding, ids: Tensor<2, Int>) -> Tensor<3> {
-    let rows = table.forward(ids);
-    match rows.dtype() {
-        DType::F32 => rows,
-        _ => rows.cast(FloatDType::F32),
-    }
+    widened(table.forward(ids))
 }
 
 /// Rows `start..start + T` of `table`, in `f32` whatever type the table is held in: [`embed`]
@@ -29,7 +25,11 @@ pub fn embed(table: &Embedding, ids: Tensor<2, Int>) -> Tensor<3> {
 /// - table: `[V, D]`, `start + T <= V`
 /// - output: `[1, T, D]`
 pub fn embed_range(table: &Embedding, start: usize, t: usize) -> Tensor<3> {
-    let rows = table.weight.val().narrow(0, start, t).unsqueeze::<3>();
+    widened(table.weight.val().narrow(0, start, t).unsqueeze())
+}
+
+/// A table's rows in `f32`, the type activations keep.
+fn widened(rows: Tensor<3>) -> Tensor<3> {
     match rows.dtype() {
         DType::F32 => rows,
         _ => rows.cast(FloatDType::F32),

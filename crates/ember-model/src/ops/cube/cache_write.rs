@@ -115,6 +115,12 @@ mod kernels {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
+    /// The index of element `[b, h, p, c]` of `t`, by its strides.
+    #[cube]
+    fn at<F: Float>(t: &Tensor<F>, b: usize, h: usize, p: usize, c: usize) -> usize {
+        b * t.stride(0) + h * t.stride(1) + p * t.stride(2) + c * t.stride(3)
+    }
+
     /// Unit `i < n` (`n` the elements of `k`) writes element `i` of `k`, unit `n + i` element
     /// `i` of `v`, each at its row's position plus `start` in its buffer.
     #[cube(launch)]
@@ -137,19 +143,11 @@ mod kernels {
         let h = (j / d / t) % heads;
         let b = j / d / t / heads;
         if i < n {
-            let at = b * k_buffer.stride(0)
-                + h * k_buffer.stride(1)
-                + (start + row) * k_buffer.stride(2)
-                + c * k_buffer.stride(3);
-            k_buffer[at] =
-                k[b * k.stride(0) + h * k.stride(1) + row * k.stride(2) + c * k.stride(3)];
+            let to = at(&*k_buffer, b, h, start + row, c);
+            k_buffer[to] = k[at(k, b, h, row, c)];
         } else {
-            let at = b * v_buffer.stride(0)
-                + h * v_buffer.stride(1)
-                + (start + row) * v_buffer.stride(2)
-                + c * v_buffer.stride(3);
-            v_buffer[at] =
-                v[b * v.stride(0) + h * v.stride(1) + row * v.stride(2) + c * v.stride(3)];
+            let to = at(&*v_buffer, b, h, start + row, c);
+            v_buffer[to] = v[at(v, b, h, row, c)];
         }
     }
 }

@@ -65,12 +65,16 @@ pub(crate) fn affine<const D: usize>(
         return Err((x, weight, bias));
     }
     let has_bias = bias.is_some();
-    // Without a bias the kernel never reads its `bias`: the weight stands in.
-    let bias = bias.unwrap_or_else(|| weight.clone().reshape([k * n]));
+    // Without a bias the kernel never reads its `bias`: the weight stands in as it is (a reshape
+    // of a sliced or transposed weight would copy it).
+    let bias = match bias {
+        Some(bias) => bias.into_dispatch(),
+        None => weight.clone().into_dispatch(),
+    };
     let y = <Dispatch as LinearKernels>::affine_rows(
         x.reshape([rows, k]).into_dispatch(),
         weight.into_dispatch(),
-        bias.into_dispatch(),
+        bias,
         has_bias,
     );
     let mut out = dims;
