@@ -39,11 +39,13 @@ pub enum GpuKernel {
     Linear,
     /// The write of a decoding step's keys and values into the KV cache.
     CacheWrite,
+    /// The cross-entropy loss, forward and backward.
+    CrossEntropy,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 9] = [
+    pub const ALL: [GpuKernel; 10] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -53,6 +55,7 @@ impl GpuKernel {
         GpuKernel::Norm,
         GpuKernel::Linear,
         GpuKernel::CacheWrite,
+        GpuKernel::CrossEntropy,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -67,6 +70,7 @@ impl GpuKernel {
             GpuKernel::Norm => "norm",
             GpuKernel::Linear => "linear",
             GpuKernel::CacheWrite => "cache-write",
+            GpuKernel::CrossEntropy => "cross-entropy",
         }
     }
 }
@@ -176,7 +180,8 @@ mod tests {
                 "adamw",
                 "norm",
                 "linear",
-                "cache-write"
+                "cache-write",
+                "cross-entropy"
             ]
         );
         assert_eq!(

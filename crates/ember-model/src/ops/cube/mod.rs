@@ -11,6 +11,7 @@
 pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod cache_write;
+pub(crate) mod cross_entropy;
 pub(crate) mod dropout;
 pub(crate) mod gelu;
 pub(crate) mod hashed_mask;
