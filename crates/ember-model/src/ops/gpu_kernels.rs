@@ -35,7 +35,8 @@ pub enum GpuKernel {
     AdamW,
     /// The sum of squares of a gradient, for global-norm clipping.
     Norm,
-    /// A linear layer's product and bias for a few rows, when decoding.
+    /// A linear layer's rows as one product (training, prompts), and its product and bias for
+    /// a few rows in one kernel (decoding).
     Linear,
     /// The write of a decoding step's keys and values into the KV cache.
     CacheWrite,

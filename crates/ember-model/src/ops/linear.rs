@@ -3,8 +3,10 @@
 //! Reference: Burn's `module::linear` and `matmul`. Kernel (flex `f32` tensors, tracked by
 //! autodiff or not): `gemm` straight into a new buffer, with its own backward pass
 //! ([`crate::ops::flex::matmul`]); a linear layer's rows from every leading axis go through one
-//! product, forward and backward. On the GPU backends, a plain input of at most eight rows (a
-//! decoding step) takes one kernel for the product and the bias (`ops/cube/linear`).
+//! product, forward and backward. On the GPU backends, the same one product over all rows by
+//! Burn's `matmul` (one weight gradient `X^T dY`, not one per sequence summed afterwards), and a
+//! plain input of at most eight rows (a decoding step) takes one kernel for the product and the
+//! bias (`ops/cube/linear`).
 
 use burn::nn::Linear;
 use burn::tensor::{FloatDType, Tensor};
@@ -51,10 +53,12 @@ pub fn affine<const D: usize>(
         Ok(y) => return y,
         Err(parts) => parts,
     };
-    if D < 2 || !kernels_take(&x) {
+    if D < 2 || !(kernels_take(&x) || rows_as_one_product_on_gpu(&x)) {
         return affine_reference(x, weight, bias);
     }
-    // All leading axes as the rows of one product.
+    // All leading axes as the rows of one product: under autodiff Burn's `linear` keeps the
+    // batch axis, multiplies the weight per sequence and computes the weight's gradient as
+    // `[B, K, N]` before summing over `B` (docs/burn-findings.md, 10).
     let dims = x.dims();
     let d_input = dims[D - 1];
     let rows = dims[..D - 1].iter().product();
@@ -65,6 +69,13 @@ pub fn affine<const D: usize>(
     let mut out = dims;
     out[D - 1] = y.dims()[1];
     y.reshape(out)
+}
+
+/// Whether `x` is on a GPU backend whose linear layers take the rows-as-one-product path of
+/// [`affine`] (`EMBER_GPU_KERNELS`' `linear`, on unless turned off).
+fn rows_as_one_product_on_gpu<const D: usize>(x: &Tensor<D>) -> bool {
+    use super::gpu_kernels::{GpuKernel, uses};
+    uses(GpuKernel::Linear) && super::on_cubecl(&x.device())
 }
 
 /// `a @ b`.
@@ -147,6 +158,47 @@ mod tests {
                     &format!("bias {bias}, transposed {transposed}"),
                 );
             }
+        }
+    }
+
+    /// On wgpu, training-sized inputs (rows as one product, not the few-row kernel): output and
+    /// the gradients of input, weight and bias against Burn's `linear` (which multiplies per
+    /// sequence), for a rank-3 input, a transposed view of one, and a column slice of a larger
+    /// weight, with and without a bias.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn many_rows_equal_burns_on_wgpu() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let w = Tensor::<2>::random([24, 56], normal, &device).require_grad();
+        let b = Tensor::<1>::random([56], normal, &device).require_grad();
+        let base = Tensor::<3>::random([3, 24, 7], normal, &device);
+        for (bias, transposed) in [(true, false), (false, true), (true, true)] {
+            let run = |ours: bool| {
+                let x = base.clone().require_grad();
+                let input = if transposed {
+                    x.clone().swap_dims(1, 2)
+                } else {
+                    x.clone().reshape([3, 7, 24])
+                };
+                let (ws, bs) = (w.clone().slice([0..24, 8..48]), b.clone().narrow(0, 8, 40));
+                let bs = bias.then_some(bs);
+                let y = if ours {
+                    affine(input, ws, bs)
+                } else {
+                    affine_reference(input, ws, bs)
+                };
+                assert_eq!(y.dims(), [3, 7, 40]);
+                let grads = (y.clone() * y.clone().sin()).sum().backward();
+                let mut out = vec![y.inner(), x.grad(&grads).unwrap().reshape([3, 7, 24])];
+                out.push(w.grad(&grads).unwrap().unsqueeze());
+                if bias {
+                    out.push(b.grad(&grads).unwrap().unsqueeze());
+                }
+                out
+            };
+            let what = format!("wgpu, bias {bias}, transposed {transposed}");
+            assert_close(run(true), run(false), &what);
         }
     }
 

@@ -10,7 +10,7 @@
 //!
 //! | op | reference | kernel (flex) |
 //! |---|---|---|
-//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`); on GPUs a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
+//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`); on GPUs all rows as one product in Burn's `matmul`, and a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row, the bias in the same pass (`cube::layer_norm`) |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
