@@ -1,8 +1,10 @@
 //! The embedding op: rows of a table picked by token (or position) ids.
 //!
-//! Reference and only path: Burn's `Embedding::forward`. It is an op because of mixed precision
-//! ([`crate::precision`]): a table held in bf16 for the products it also serves (the tied
-//! output head) gives its rows widened to `f32`, the type activations keep.
+//! Reference: Burn's `Embedding::forward` ([`embed_reference`]). It is an op because of mixed
+//! precision ([`crate::precision`]): a table held in bf16 for the products it also serves (the
+//! tied output head) gives its rows widened to `f32`, the type activations keep. Kernel (GPU
+//! backends, an `f32` table tracked by autodiff, a small vocabulary): the table's gradient with
+//! one unit per table element instead of Burn's one per column (`ops/cube/embedding`).
 
 use burn::nn::Embedding;
 use burn::tensor::{DType, FloatDType, Int, Tensor};
@@ -14,6 +16,16 @@ use burn::tensor::{DType, FloatDType, Int, Tensor};
 /// - table: `[V, D]`
 /// - output: `[B, T, D]`
 pub fn embed(table: &Embedding, ids: Tensor<2, Int>) -> Tensor<3> {
+    #[cfg(feature = "cube")]
+    let ids = match super::cube::embedding::embed(table.weight.val(), ids) {
+        Ok(rows) => return rows,
+        Err(ids) => ids,
+    };
+    embed_reference(table, ids)
+}
+
+/// [`embed`] through Burn's `Embedding::forward`, on every backend.
+pub fn embed_reference(table: &Embedding, ids: Tensor<2, Int>) -> Tensor<3> {
     widened(table.forward(ids))
 }
 

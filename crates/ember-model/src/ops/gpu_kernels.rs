@@ -42,11 +42,13 @@ pub enum GpuKernel {
     CacheWrite,
     /// The cross-entropy loss, forward and backward.
     CrossEntropy,
+    /// The gradient of an embedding table (small vocabularies).
+    Embedding,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 10] = [
+    pub const ALL: [GpuKernel; 11] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -57,6 +59,7 @@ impl GpuKernel {
         GpuKernel::Linear,
         GpuKernel::CacheWrite,
         GpuKernel::CrossEntropy,
+        GpuKernel::Embedding,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -72,6 +75,7 @@ impl GpuKernel {
             GpuKernel::Linear => "linear",
             GpuKernel::CacheWrite => "cache-write",
             GpuKernel::CrossEntropy => "cross-entropy",
+            GpuKernel::Embedding => "embedding",
         }
     }
 }
@@ -182,7 +186,8 @@ mod tests {
                 "norm",
                 "linear",
                 "cache-write",
-                "cross-entropy"
+                "cross-entropy",
+                "embedding"
             ]
         );
         assert_eq!(

@@ -22,6 +22,7 @@
 //! | [`dropout`] | Burn's `Dropout::forward` | none on flex; on GPUs one kernel each way, a hashed mask recomputed from a seed, nothing stored (`cube::dropout`) |
 //! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one cube per small tensor, up to 512 and a second launch for a large one, reducing in shared memory (`cube::sum_of_squares`) |
 //! | [`cross_entropy`] (a training step's loss) | `log_softmax`, `gather`, the padding mask, the mean | none on flex; on GPUs a cube per row for its log-sum-exp and loss, one cube for the mean, one launch backward from the kept log-sum-exps (`cube::cross_entropy`) |
+//! | [`embed`] | Burn's `Embedding::forward` | none on flex; on GPUs, for a tracked `f32` table of a small vocabulary, the table's gradient with one unit per table element (`cube::embedding`) |
 //! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter (`cube::adamw`) |
 //!
 //! Mixed precision ([`crate::precision`]): [`affine`] and [`matmul`] compute in their weight's
@@ -67,7 +68,7 @@ pub use attention::{
 pub use cache_write::{write_cache_rows, write_cache_rows_reference};
 pub use cross_entropy::{cross_entropy, cross_entropy_reference};
 pub use dropout::{dropout, dropout_reference};
-pub use embedding::{embed, embed_range};
+pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{GpuKernel, GpuKernels};
 pub use layer_norm::{layer_norm, layer_norm_reference};

@@ -13,6 +13,7 @@ pub(crate) mod attention;
 pub(crate) mod cache_write;
 pub(crate) mod cross_entropy;
 pub(crate) mod dropout;
+pub(crate) mod embedding;
 pub(crate) mod gelu;
 pub(crate) mod hashed_mask;
 pub(crate) mod layer_norm;
