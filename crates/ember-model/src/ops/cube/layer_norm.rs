@@ -1,5 +1,5 @@
 //! LayerNorm's normalisation and scale on the GPU: one CubeCL kernel forward, one backward (and
-//! a column sum for gamma's gradient), with its own autodiff op. Under autodiff Burn 0.22.1
+//! one reduction for the gain's and bias's gradients together), with its own autodiff op. Under autodiff Burn 0.22.1
 //! builds LayerNorm from nine tensor ops (mean, subtraction, square, mean, `+ eps`, square
 //! root, division, scale, shift) and their backward passes: about 25 kernel launches per layer
 //! norm and step on a GPU without fusion, each a buffer written and read back.
@@ -7,11 +7,14 @@
 //! Forward, one cube per row: `mean`, `rstd = 1 / sqrt(mean((x - mean)^2) + eps)`,
 //! `y = (x - mean) rstd gamma + beta` (the bias in the same pass: a separate addition is one
 //! more launch per norm, in training and at every decoding step), and the row's `[mean, rstd]`
-//! kept for the backward pass, which (one cube per row again) recomputes `xhat = (x - mean) rstd`
-//! and writes `dx = rstd (h - mean(h) - xhat mean(h xhat))` with `h = dy gamma`, and `dy xhat`,
-//! whose sum over the rows is gamma's gradient (beta's is the column sum of `dy`). The
-//! expressions of flex's kernel ([`crate::ops::kernels::layer_norm`]); the reference is Burn's
-//! `LayerNorm`.
+//! kept for the backward pass. Backward, one cube per [`CHUNK`] rows: for each row the cube
+//! reduces `mean(h)` and `mean(h xhat)` (`h = dy gamma`, `xhat = (x - mean) rstd`), then each
+//! unit walks its columns down the chunk, writing `dx = rstd (h - mean(h) - xhat mean(h xhat))`
+//! and adding up `dy xhat` (gamma's gradient) and `dy` (beta's) over the chunk's rows; one
+//! reduction over the chunks' sums gives both gradients. Before, the kernel wrote `dy xhat` for
+//! every element (a buffer as large as the input) and two column sums over all rows followed, a
+//! launch each. The expressions of flex's kernel ([`crate::ops::kernels::layer_norm`]); the
+//! reference is Burn's `LayerNorm`.
 //!
 //! The units of a row's cube split its columns (unit `u` takes `u`, `u + units`, ...:
 //! neighbouring units read neighbouring columns, one memory transaction per warp) and reduce
@@ -27,7 +30,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Shape, Tensor};
+use burn::tensor::{DType, Shape, Slice, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -101,7 +104,8 @@ pub trait LayerNormKernels: Backend {
         bias: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// The gradients of `x` `[R, D]` and `gamma` `[D]` from the output's `grad` `[R, D]`.
+    /// The gradient of `x` `[R, D]`, and those of `gamma` and `beta` as the rows of `[2, D]`,
+    /// from the output's `grad` `[R, D]`.
     #[fusion(meta = backward_specs)]
     fn layer_norm_backward(
         x: FloatTensor<Self>,
@@ -127,7 +131,7 @@ fn forward_specs(
     (x.clone(), TensorSpec::new(Shape::new([rows, 2]), x.dtype))
 }
 
-/// The shapes of the backward pass's outputs: `x`'s and `gamma`'s.
+/// The shapes of the backward pass's outputs: `x`'s, and `gamma`'s and `beta`'s as two rows.
 #[cfg(feature = "fusion")]
 fn backward_specs(
     x: &TensorSpec,
@@ -135,8 +139,14 @@ fn backward_specs(
     _stats: &TensorSpec,
     _grad: &TensorSpec,
 ) -> (TensorSpec, TensorSpec) {
-    (x.clone(), gamma.clone())
+    let [d] = gamma.shape.dims::<1>();
+    (x.clone(), TensorSpec::new(Shape::new([2, d]), gamma.dtype))
 }
+
+/// Rows of one cube of the backward kernel: each cube writes one row of gain and bias sums, so
+/// the reduction after it reads `R / CHUNK` rows instead of two passes over `R`, while the launch
+/// keeps `R / CHUNK` cubes (2048 for nanoGPT's GPU config) to fill a GPU.
+const CHUNK: usize = 8;
 
 impl LayerNormKernels for CubeBackend {
     fn layer_norm_forward(
@@ -174,8 +184,12 @@ impl LayerNormKernels for CubeBackend {
     ) -> (CubeTensor, CubeTensor) {
         let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
-        let (dx, gx) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, d]));
-        let (count, dim) = super::row_cubes(rows);
+        let chunks = rows.div_ceil(CHUNK);
+        let (dx, sums) = (
+            super::empty(&x, [rows, d]),
+            super::empty(&x, [chunks, 2 * d]),
+        );
+        let (count, dim) = super::row_cubes(chunks);
         kernels::layer_norm_backward::launch::<f32>(
             &x.client.clone(),
             count,
@@ -185,11 +199,15 @@ impl LayerNormKernels for CubeBackend {
             stats.into_tensor_arg(),
             grad.into_tensor_arg(),
             dx.clone().into_tensor_arg(),
-            gx.clone().into_tensor_arg(),
+            sums.clone().into_tensor_arg(),
+            CHUNK,
         );
-        // Gamma's gradient: the column sums of `dy xhat`, by the backend's reduction.
-        let dgamma = CubeBackend::float_sum_dim(gx, 0);
-        (dx, CubeBackend::float_reshape(dgamma, Shape::new([d])))
+        // The chunks' sums added by the backend's reduction: `[gamma's | beta's]`.
+        let sums = match chunks {
+            1 => sums,
+            _ => CubeBackend::float_sum_dim(sums, 0),
+        };
+        (dx, CubeBackend::float_reshape(sums, Shape::new([2, d])))
     }
 }
 
@@ -286,14 +304,22 @@ impl<B: LayerNormKernels> Backward<B, 2> for ScaledNorm {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (x, gamma, stats) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
-        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
+        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad);
         let [x_node, gamma_node] = ops.parents;
-        for (node, grad) in [(x_node, dx), (gamma_node, dgamma)] {
+        for (node, grad) in [(x_node, dx), (gamma_node, param_row::<B>(&params, 0))] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
             }
         }
     }
+}
+
+/// Row `row` of the backward pass's `[2, D]` parameter gradients (0: gamma's, 1: beta's), as
+/// `[D]`.
+fn param_row<B: Backend>(params: &FloatTensor<B>, row: usize) -> FloatTensor<B> {
+    let [_, d] = params.shape().dims::<2>();
+    let slice = B::float_slice(params.clone(), &[Slice::from(row..row + 1)]);
+    B::float_reshape(slice, Shape::new([d]))
 }
 
 impl<B: LayerNormKernels> Backward<B, 3> for ShiftedNorm {
@@ -303,14 +329,9 @@ impl<B: LayerNormKernels> Backward<B, 3> for ShiftedNorm {
         let (x, gamma, stats) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let [x_node, gamma_node, beta_node] = ops.parents;
-        if let Some(node) = beta_node {
-            // Beta's gradient: the column sums of `dy`, by the backend's reduction.
-            let d = gamma.shape().dims::<1>()[0];
-            let dbeta = B::float_reshape(B::float_sum_dim(grad.clone(), 0), Shape::new([d]));
-            grads.register::<B>(node.id, dbeta);
-        }
-        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
-        for (node, grad) in [(x_node, dx), (gamma_node, dgamma)] {
+        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad);
+        let (dgamma, dbeta) = (param_row::<B>(&params, 0), param_row::<B>(&params, 1));
+        for (node, grad) in [(x_node, dx), (gamma_node, dgamma), (beta_node, dbeta)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
             }
@@ -370,7 +391,8 @@ mod kernels {
         }
     }
 
-    /// One cube per row `r`: `dx` and `gx = dy xhat` (whose column sums are gamma's gradient).
+    /// One cube per `chunk` rows (fewer in the last): `dx` of each row, and in row `c` of
+    /// `sums` `[chunks, 2 D]` the chunk's column sums of `dy xhat` (`0..D`) and `dy` (`D..2 D`).
     #[cube(launch)]
     pub(super) fn layer_norm_backward<F: Float>(
         x: &Tensor<F>,
@@ -378,35 +400,62 @@ mod kernels {
         stats: &Tensor<F>,
         grad: &Tensor<F>,
         dx: &mut Tensor<F>,
-        gx: &mut Tensor<F>,
+        sums: &mut Tensor<F>,
+        #[comptime] chunk: usize,
     ) {
-        let r = cube_row();
-        if r >= stats.shape(0) {
+        let c = cube_row();
+        if c >= sums.shape(0) {
             terminate!();
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
         let d = gamma.len();
-        let at = r * d;
         let n = F::cast_from(d);
-        let mean = stats[2 * r];
-        let rstd = stats[2 * r + 1];
-        // a = mean(h), b = mean(h xhat), h = dy gamma.
-        let mut a = F::new(0.0);
-        let mut b = F::new(0.0);
-        for j in range_stepped(u, d, units) {
-            let xhat = (x[at + j] - mean) * rstd;
-            let h = grad[at + j] * gamma[j];
-            a += h;
-            b += h * xhat;
-            gx[at + j] = grad[at + j] * xhat;
+        let first = c * chunk;
+        let mut last = first + chunk;
+        if last > stats.shape(0) {
+            last = stats.shape(0);
         }
+        // Each row's a = mean(h) and b = mean(h xhat), h = dy gamma, for the column walk below.
         let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
-        let a = reduce_cube::<F>(&mut scratch, a, false) / n;
-        let b = reduce_cube::<F>(&mut scratch, b, false) / n;
+        let mut means = Shared::<[F]>::new_slice(2 * chunk);
+        for r in first..last {
+            let at = r * d;
+            let mean = stats[2 * r];
+            let rstd = stats[2 * r + 1];
+            let mut a = F::new(0.0);
+            let mut b = F::new(0.0);
+            for j in range_stepped(u, d, units) {
+                let xhat = (x[at + j] - mean) * rstd;
+                let h = grad[at + j] * gamma[j];
+                a += h;
+                b += h * xhat;
+            }
+            let a = reduce_cube::<F>(&mut scratch, a, false) / n;
+            let b = reduce_cube::<F>(&mut scratch, b, false) / n;
+            if u == 0 {
+                means[2 * (r - first)] = a;
+                means[2 * (r - first) + 1] = b;
+            }
+        }
+        sync_cube();
+        // Each unit down its columns: dx, and the chunk's sums for gamma and beta.
         for j in range_stepped(u, d, units) {
-            let xhat = (x[at + j] - mean) * rstd;
-            let h = grad[at + j] * gamma[j];
-            dx[at + j] = rstd * (h - a - xhat * b);
+            let g = gamma[j];
+            let mut gain = F::new(0.0);
+            let mut shift = F::new(0.0);
+            for r in first..last {
+                let at = r * d;
+                let rstd = stats[2 * r + 1];
+                let xhat = (x[at + j] - stats[2 * r]) * rstd;
+                let dy = grad[at + j];
+                let a = means[2 * (r - first)];
+                let b = means[2 * (r - first) + 1];
+                dx[at + j] = rstd * (dy * g - a - xhat * b);
+                gain += dy * xhat;
+                shift += dy;
+            }
+            sums[c * 2 * d + j] = gain;
+            sums[c * 2 * d + d + j] = shift;
         }
     }
 }
