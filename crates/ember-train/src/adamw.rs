@@ -8,9 +8,31 @@
 //! for every tensor the op does not take (another backend, AMSGrad state) it is Burn's `AdamW`.
 //! Its state is Burn's [`AdamWState`], so checkpoints of either load into the other.
 
+use std::sync::{Arc, Mutex};
+
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::tensor::{Device, Tensor};
+use ember_model::ops::adamw::scaled;
 use ember_model::ops::{AdamWStep, adamw_step};
+
+/// A factor for the gradients of the next optimizer steps (global-norm clipping's), shared by
+/// the trainer, which sets it, and the [`FusedAdamW`]s it was given to, which apply it: on GPUs
+/// the AdamW kernel multiplies each gradient value as it reads it, so clipping launches nothing
+/// per gradient beyond its norm.
+#[derive(Clone, Default)]
+pub struct GradScale(Arc<Mutex<Option<Tensor<1>>>>);
+
+impl GradScale {
+    /// Scale the gradients by `factor` (`[1]`, on the gradients' device) from now on; `None`: 1.
+    pub fn set(&self, factor: Option<Tensor<1>>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = factor;
+    }
+
+    /// The factor now.
+    fn get(&self) -> Option<Tensor<1>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
 
 /// AdamW (decoupled weight decay, bias-corrected moments), fused.
 #[derive(Clone)]
@@ -19,6 +41,8 @@ pub struct FusedAdamW {
     beta_2: f32,
     epsilon: f32,
     weight_decay: f32,
+    /// The gradients' factor ([`GradScale`]; 1 unless set).
+    grad_scale: GradScale,
     /// Burn's AdamW with the same settings, for tensors the fused step does not take.
     burn: AdamW,
 }
@@ -37,8 +61,15 @@ impl FusedAdamW {
             beta_2,
             epsilon,
             weight_decay,
+            grad_scale: GradScale::default(),
             burn,
         }
+    }
+
+    /// The same optimizer, its gradients multiplied by `grad_scale`'s factor whenever one is set.
+    pub fn with_grad_scale(mut self, grad_scale: GradScale) -> Self {
+        self.grad_scale = grad_scale;
+        self
     }
 }
 
@@ -52,12 +83,15 @@ impl Optimizer for FusedAdamW {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
+        let scale = self.grad_scale.get();
         // AMSGrad's running maximum is Burn's alone.
         if state
             .as_ref()
             .is_some_and(|s| s.momentum.max_moment_2.is_some())
         {
-            return self.burn.step(lr, tensor, grad, state);
+            return self
+                .burn
+                .step(lr, tensor, scaled(grad, scale.as_ref()), state);
         }
         let (time, moments) = match state {
             Some(state) => {
@@ -74,7 +108,8 @@ impl Optimizer for FusedAdamW {
             lr,
             time,
         );
-        match adamw_step(tensor, grad, moments, &k) {
+        // Handed back (not taken), the gradient comes scaled.
+        match adamw_step(tensor, grad, moments, &k, scale.as_ref()) {
             Ok((param, m1, m2)) => {
                 let momentum = AdaptiveMomentumState::new(time, m1, m2);
                 (param, Some(AdamWState::new(momentum)))
@@ -134,11 +169,42 @@ mod tests {
         }
     }
 
+    /// With a gradient scale set, the steps equal Burn's `AdamW` given the scaled gradient, to
+    /// the bit (flex multiplies first, with the same `f32` product), on the op's path and on
+    /// Burn's (an autodiff device's tensors); cleared, the gradient is used as it is.
+    #[test]
+    fn a_grad_scale_scales_the_gradients() {
+        for device in [Device::flex(), Device::flex().autodiff()] {
+            let scale = GradScale::default();
+            let fused = FusedAdamW::new(0.9, 0.99, 1e-8, 0.1).with_grad_scale(scale.clone());
+            let burn = AdamWConfig::new()
+                .with_beta_2(0.99)
+                .with_epsilon(1e-8)
+                .with_weight_decay(0.1)
+                .build();
+            let normal = Distribution::Normal(0.0, 1.0);
+            let (mut ours, mut theirs) = {
+                let start = Tensor::<2>::random([7, 5], normal, &device);
+                (start.clone(), start)
+            };
+            let (mut our_state, mut their_state) = (None, None);
+            for step in 0..4 {
+                let grad = Tensor::<2>::random([7, 5], normal, &device);
+                let factor = (step % 2 == 0).then(|| Tensor::<1>::from_floats([0.3], &device));
+                scale.set(factor.clone());
+                (ours, our_state) = fused.step(1e-2, ours, grad.clone(), our_state);
+                let grad = scaled(grad, factor.as_ref());
+                (theirs, their_state) = burn.step(1e-2, theirs, grad, their_state);
+                same(&ours, &theirs, &format!("{device:?}, step {step}"));
+            }
+        }
+    }
+
     /// Whether ember-model's op (not Burn's AdamW) takes this step.
     fn takes<const D: usize>(p: &Tensor<D>, g: &Tensor<D>, state: Option<&AdamWState<D>>) -> bool {
         let moments = state.map(|s| (s.momentum.moment_1.clone(), s.momentum.moment_2.clone()));
         let k = AdamWStep::new(0.9, 0.99, 1e-8, 0.0, 1e-3, 1);
-        adamw_step(p.clone(), g.clone(), moments, &k).is_ok()
+        adamw_step(p.clone(), g.clone(), moments, &k, None).is_ok()
     }
 
     fn same(a: &Tensor<2>, b: &Tensor<2>, what: &str) {

@@ -6,7 +6,7 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 use ember_model::ops::add_sum_of_squares;
 
-use crate::adamw::FusedAdamW;
+use crate::adamw::{FusedAdamW, GradScale};
 use crate::config::TrainingConfig;
 
 /// Collects the ids of parameters with fewer than two axes: biases, LayerNorm scales.
@@ -23,6 +23,16 @@ impl ModuleVisitor for VectorParams {
 /// AdamW as the config says; biases and norm parameters get no weight decay (as in GPT-2 and
 /// nanoGPT), weight matrices and embeddings do.
 pub fn adamw<M: Module>(config: &TrainingConfig, model: &M) -> ModuleOptimizer {
+    adamw_scaled(config, model, &GradScale::default())
+}
+
+/// [`adamw`] whose gradients are multiplied by `grad_scale`'s factor whenever one is set (the
+/// trainer's clipping: [`clip_factor`]).
+pub fn adamw_scaled<M: Module>(
+    config: &TrainingConfig,
+    model: &M,
+    grad_scale: &GradScale,
+) -> ModuleOptimizer {
     let adam = |weight_decay: f64| {
         FusedAdamW::new(
             config.beta1 as f32,
@@ -30,6 +40,7 @@ pub fn adamw<M: Module>(config: &TrainingConfig, model: &M) -> ModuleOptimizer {
             config.eps as f32,
             weight_decay as f32,
         )
+        .with_grad_scale(grad_scale.clone())
     };
     let mut vectors = VectorParams(Vec::new());
     model.visit(&mut vectors);
@@ -77,20 +88,33 @@ pub fn clip_global_norm<M: Module>(
     grads: &mut GradientsParams,
     max_norm: f64,
 ) -> Option<Tensor<1>> {
-    let mut norm = SquaredNorm { grads, total: None };
-    model.visit(&mut norm);
-    let norm = norm.total?.sqrt();
-    if max_norm > 0.0 {
-        // min(1, max_norm / norm), computed on the device: no synchronisation.
-        let factor = norm
-            .clone()
-            .add_scalar(1e-6)
-            .recip()
-            .mul_scalar(max_norm)
-            .clamp_max(1.0);
+    let (norm, factor) = clip_factor(model, grads, max_norm)?;
+    if let Some(factor) = factor {
         model.visit(&mut Scale { grads, factor });
     }
     Some(norm)
+}
+
+/// The global L2 norm of all gradients (`[1]`) and the factor that clips it to `max_norm`,
+/// `min(1, max_norm / norm)` (`None` when `max_norm` is 0: no clipping), both computed on the
+/// device without a synchronisation; the gradients are left as they are, for an optimizer that
+/// applies the factor itself ([`adamw_scaled`]). `None` without gradients.
+pub fn clip_factor<M: Module>(
+    model: &M,
+    grads: &GradientsParams,
+    max_norm: f64,
+) -> Option<(Tensor<1>, Option<Tensor<1>>)> {
+    let mut norm = SquaredNorm { grads, total: None };
+    model.visit(&mut norm);
+    let norm = norm.total?.sqrt();
+    let factor = (max_norm > 0.0).then(|| {
+        norm.clone()
+            .add_scalar(1e-6)
+            .recip()
+            .mul_scalar(max_norm)
+            .clamp_max(1.0)
+    });
+    Some((norm, factor))
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::adamw::GradScale;
 use crate::checkpoint::{
     self, CheckpointState, FORMAT_VERSION, load_model, load_optimizer, save_weights,
 };
@@ -19,7 +20,7 @@ use crate::config::TrainingConfig;
 use crate::error::{Result, TrainError};
 use crate::kernel_profile::{self, KernelProfile, KernelProfiler, Part};
 use crate::metrics::{Metrics, Record};
-use crate::optimizer::{adamw, clip_global_norm};
+use crate::optimizer::{adamw_scaled, clip_factor};
 use crate::task::{DROPOUT_SALT, Split, Task, accumulate, param_device};
 
 /// Where and how a run goes.
@@ -207,7 +208,10 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     std::fs::create_dir_all(out).map_err(|e| crate::error::write_err(out, e))?;
     check_writable(out)?;
     let schedule = config.schedule();
-    let (mut state, mut model, mut optim, mut last_checkpoint) = start(task, model, options)?;
+    // Clipping's factor, applied by the optimizer as it reads each gradient.
+    let grad_scale = GradScale::default();
+    let (mut state, mut model, mut optim, mut last_checkpoint) =
+        start(task, model, options, &grad_scale)?;
     let metrics = Metrics::open(out, options.resume.then_some(state.step))?;
     let mut best = Best::open(out, &metrics, options.resume);
     let device = param_device(&model);
@@ -242,7 +246,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             Some(profiler) => profiler.begin(step + 1)?,
             None => None,
         };
-        let (loss, tokens, mut grads) =
+        let (loss, tokens, grads) =
             kernel_profile::part(&mut profiled, Part::Gradients, || {
                 if options.devices.len() > 1 {
                     crate::parallel::accumulate(task, &model, step, config, &options.devices)
@@ -251,11 +255,14 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
                 }
             })?;
         let norm = kernel_profile::part(&mut profiled, Part::Clip, || {
-            clip_global_norm(&model, &mut grads, config.grad_clip)
+            let (norm, factor) = clip_factor(&model, &grads, config.grad_clip).unzip();
+            grad_scale.set(factor.flatten());
+            norm
         })?;
         model = kernel_profile::part(&mut profiled, Part::Optimizer, || {
             optim.step(lr, model, grads)
         })?;
+        grad_scale.set(None);
         if let Some(profiled) = profiled {
             profiled.end();
         }
@@ -354,6 +361,7 @@ fn start<T: Task>(
     task: &T,
     model: T::Model,
     options: &RunOptions,
+    grad_scale: &GradScale,
 ) -> Result<(CheckpointState, T::Model, ModuleOptimizer, PathBuf)> {
     let config = &options.training;
     let fresh = CheckpointState {
@@ -368,7 +376,7 @@ fn start<T: Task>(
     // The optimizer is built from the model it will update: its weight-decay groups are keyed
     // by parameter id, and loading a checkpoint restores the ids its state was saved under.
     if !options.resume {
-        let optim = adamw(config, &model);
+        let optim = adamw_scaled(config, &model, grad_scale);
         return Ok((fresh, model, optim, PathBuf::new()));
     }
     let dir = checkpoint::resolve(&options.out_dir)?;
@@ -384,7 +392,7 @@ fn start<T: Task>(
         });
     }
     let model = load_model(model, &dir)?;
-    let optim = load_optimizer(adamw(config, &model), &dir)?;
+    let optim = load_optimizer(adamw_scaled(config, &model, grad_scale), &dir)?;
     eprintln!("resuming from {} (step {})", dir.display(), saved.step);
     saved.seed = config.seed;
     Ok((saved, model, optim, dir))

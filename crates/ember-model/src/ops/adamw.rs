@@ -63,29 +63,45 @@ impl AdamWStep {
 /// A parameter, its gradient and its moments (`None` before the first step).
 pub type AdamWInputs<const D: usize> = (Tensor<D>, Tensor<D>, Option<(Tensor<D>, Tensor<D>)>);
 
-/// The new parameter and moments `(param, m1, m2)` after one step of `k`; the inputs back where
-/// no kernel takes them (not plain `f32` tensors of one shape on flex or a CubeCL device, or
-/// moments elsewhere than the parameter).
+/// The new parameter and moments `(param, m1, m2)` after one step of `k` on the gradient times
+/// `grad_scale` (a `[1]` factor, such as global-norm clipping's; `None`: 1); the inputs back,
+/// the gradient already scaled, where no kernel takes them (not plain `f32` tensors of one shape
+/// on flex or a CubeCL device, or moments elsewhere than the parameter).
+///
+/// The GPU kernel multiplies each gradient value by the factor as it reads it, so clipping
+/// costs no launch and no pass over the gradients of its own; elsewhere the product is a
+/// tensor op first. Either way the same `f32` product as multiplying first.
 pub fn adamw_step<const D: usize>(
     param: Tensor<D>,
     grad: Tensor<D>,
     moments: Option<(Tensor<D>, Tensor<D>)>,
     k: &AdamWStep,
+    grad_scale: Option<&Tensor<1>>,
 ) -> Result<(Tensor<D>, Tensor<D>, Tensor<D>), AdamWInputs<D>> {
     if param.shape() != grad.shape() {
-        return Err((param, grad, moments));
+        return Err((param, scaled(grad, grad_scale), moments));
     }
+    #[cfg(feature = "cube")]
+    let (param, grad, moments) = match super::cube::adamw::step(param, grad, moments, k, grad_scale)
+    {
+        Ok(out) => return Ok(out),
+        Err(inputs) => inputs,
+    };
+    let grad = scaled(grad, grad_scale);
     #[cfg(feature = "flex")]
     let (param, grad, moments) = match super::flex::adamw::step(param, grad, moments, k) {
         Ok(out) => return Ok(out),
         Err(inputs) => inputs,
     };
-    #[cfg(feature = "cube")]
-    let (param, grad, moments) = match super::cube::adamw::step(param, grad, moments, k) {
-        Ok(out) => return Ok(out),
-        Err(inputs) => inputs,
-    };
     Err((param, grad, moments))
+}
+
+/// `grad * scale` (the `[1]` factor broadcast), or `grad` without one.
+pub fn scaled<const D: usize>(grad: Tensor<D>, scale: Option<&Tensor<1>>) -> Tensor<D> {
+    match scale {
+        Some(scale) => grad * scale.clone().reshape([1; D]),
+        None => grad,
+    }
 }
 
 /// [`adamw_step`] in Burn's tensor ops, the expression of Burn's `AdamW` (on any backend).
@@ -94,7 +110,9 @@ pub fn adamw_step_reference<const D: usize>(
     grad: Tensor<D>,
     moments: Option<(Tensor<D>, Tensor<D>)>,
     k: &AdamWStep,
+    grad_scale: Option<&Tensor<1>>,
 ) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
+    let grad = scaled(grad, grad_scale);
     let (m1, m2) = match moments {
         Some((m1, m2)) => (
             m1.mul_scalar(k.beta_1) + grad.clone().mul_scalar(k.factor_1),

@@ -1,6 +1,8 @@
 //! [`crate::ops::adamw_step`] on the GPU: one CubeCL kernel per parameter, one unit per
 //! element, reading the parameter, its gradient and both moments once and writing the three new
-//! tensors (Burn's `AdamW` launches about fifteen kernels for the same step without fusion).
+//! tensors (Burn's `AdamW` launches about fifteen kernels for the same step without fusion). A
+//! gradient scale (global-norm clipping's factor, a `[1]` tensor on the device) multiplies each
+//! gradient value as it is read: clipping then launches nothing per gradient beyond its norm.
 
 use crate::ops::GpuKernel;
 use burn::backend::tensor::FloatTensor;
@@ -19,22 +21,36 @@ pub(crate) fn step<const D: usize>(
     grad: Tensor<D>,
     moments: Option<(Tensor<D>, Tensor<D>)>,
     k: &AdamWStep,
+    grad_scale: Option<&Tensor<1>>,
 ) -> Result<(Tensor<D>, Tensor<D>, Tensor<D>), AdamWInputs<D>> {
     let plain = |t: &Tensor<D>| super::kernels_take_plain(GpuKernel::AdamW, t);
     let moments_fit = moments
         .as_ref()
         .is_none_or(|(m1, m2)| plain(m1) && plain(m2));
-    if param.shape().num_elements() == 0 || !(plain(&param) && plain(&grad) && moments_fit) {
+    let scale_fits = grad_scale.is_none_or(|s| {
+        super::kernels_take_plain(GpuKernel::AdamW, s) && s.device() == grad.device()
+    });
+    if param.shape().num_elements() == 0
+        || !(plain(&param) && plain(&grad) && moments_fit && scale_fits)
+    {
         return Err((param, grad, moments));
     }
     // Before the first step the moments are zero (Burn's first step gives the same values).
     let (m1, m2) = moments.unwrap_or_else(|| (grad.zeros_like(), grad.zeros_like()));
+    let has_scale = grad_scale.is_some();
+    // Without a scale the kernel never reads its `scale`: the gradient stands in.
+    let scale = match grad_scale {
+        Some(scale) => scale.clone().into_dispatch(),
+        None => grad.clone().into_dispatch(),
+    };
     let (p, m1, m2) = <Dispatch as AdamWKernels>::adamw_step(
         param.into_dispatch(),
         grad.into_dispatch(),
         m1.into_dispatch(),
         m2.into_dispatch(),
+        scale,
         Scalars::of(k),
+        has_scale,
     );
     Ok((
         Tensor::from_dispatch(p),
@@ -66,15 +82,18 @@ impl Scalars {
 /// The AdamW op on every backend that has the kernel: CubeCL's and Burn's fusion over it.
 #[backend_extension(Cube, Fusion: cfg(feature = "fusion"))]
 pub trait AdamWKernels: Backend {
-    /// The new parameter, first and second moments from the parameter, its gradient and the
-    /// moments (all of one shape) after one step with `k`'s scalars.
+    /// The new parameter, first and second moments from the parameter, its gradient (times
+    /// `scale[0]` when `has_scale`) and the moments (all of one shape) after one step with `k`'s
+    /// scalars.
     #[fusion(meta = step_specs)]
     fn adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         m1: FloatTensor<Self>,
         m2: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
         k: Scalars,
+        has_scale: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }
 
@@ -85,7 +104,9 @@ fn step_specs(
     _grad: &burn::backend::fusion::custom::TensorSpec,
     _m1: &burn::backend::fusion::custom::TensorSpec,
     _m2: &burn::backend::fusion::custom::TensorSpec,
+    _scale: &burn::backend::fusion::custom::TensorSpec,
     _k: &Scalars,
+    _has_scale: &bool,
 ) -> (
     burn::backend::fusion::custom::TensorSpec,
     burn::backend::fusion::custom::TensorSpec,
@@ -100,7 +121,9 @@ impl AdamWKernels for CubeBackend {
         grad: CubeTensor,
         m1: CubeTensor,
         m2: CubeTensor,
+        scale: CubeTensor,
         k: Scalars,
+        has_scale: bool,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
         let [param, grad, m1, m2] = [param, grad, m1, m2].map(into_contiguous);
         let new = || super::empty(&param, param.shape());
@@ -116,6 +139,7 @@ impl AdamWKernels for CubeBackend {
             grad.into_tensor_arg(),
             m1.into_tensor_arg(),
             m2.into_tensor_arg(),
+            scale.into_tensor_arg(),
             p_out.clone().into_tensor_arg(),
             m1_out.clone().into_tensor_arg(),
             m2_out.clone().into_tensor_arg(),
@@ -128,6 +152,7 @@ impl AdamWKernels for CubeBackend {
             eps,
             lr,
             keep,
+            has_scale,
         );
         (p_out, m1_out, m2_out)
     }
@@ -146,6 +171,7 @@ mod kernel {
         grad: &Tensor<F>,
         m1: &Tensor<F>,
         m2: &Tensor<F>,
+        scale: &Tensor<F>,
         param_out: &mut Tensor<F>,
         m1_out: &mut Tensor<F>,
         m2_out: &mut Tensor<F>,
@@ -158,12 +184,16 @@ mod kernel {
         epsilon: f32,
         lr: f32,
         keep: f32,
+        #[comptime] has_scale: bool,
     ) {
         let i = ABSOLUTE_POS;
         if i >= param.len() {
             terminate!();
         }
-        let g = grad[i];
+        let mut g = grad[i];
+        if has_scale {
+            g *= scale[0];
+        }
         let a = m1[i] * F::cast_from(beta_1) + g * F::cast_from(factor_1);
         let b = m2[i] * F::cast_from(beta_2) + (g * g) * F::cast_from(factor_2);
         let delta = (a / F::cast_from(correction_1))
@@ -195,7 +225,8 @@ mod tests {
     }
 
     /// Five steps from one start, with and without weight decay, on a contiguous and a
-    /// transposed parameter (a length no cube divides): the kernel's parameters and moments
+    /// transposed parameter (a length no cube divides), with a gradient scale on steps 2 and 4
+    /// (Burn's `AdamW` given the scaled gradient): the kernel's parameters and moments
     /// against the reference's and Burn's `AdamW`'s, on wgpu. The GPU's division and square
     /// root round within a few units in the last place, so the three agree to ~1e-6, not to
     /// the bit (flex's loop does: ember-train's tests).
@@ -221,11 +252,15 @@ mod tests {
                     let grad = if transposed { grad.transpose() } else { grad };
                     let lr = 1e-2 * step as f64;
                     let k = AdamWStep::new(0.9, 0.99, 1e-8, weight_decay, lr, step);
+                    // Every other step a clipping factor (on the device) scales the gradient.
+                    let scale = (step % 2 == 0).then(|| Tensor::<1>::from_floats([0.37], &device));
+                    let scale = scale.as_ref();
                     let before = ours.clone();
-                    let (p, m1, m2) = adamw_step(ours, grad.clone(), our_moments, &k)
+                    let (p, m1, m2) = adamw_step(ours, grad.clone(), our_moments, &k, scale)
                         .unwrap_or_else(|_| panic!("the kernel takes wgpu f32 tensors"));
                     let (rp, r1, r2) =
-                        adamw_step_reference(reference, grad.clone(), reference_moments, &k);
+                        adamw_step_reference(reference, grad.clone(), reference_moments, &k, scale);
+                    let grad = crate::ops::adamw::scaled(grad, scale);
                     (theirs, their_state) = burn.step(lr, theirs, grad, their_state);
                     let what =
                         format!("decay {weight_decay}, transposed {transposed}, step {step}");
@@ -260,6 +295,6 @@ mod tests {
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         let p = Tensor::<2>::ones([3, 4], &device);
         let k = AdamWStep::new(0.9, 0.99, 1e-8, 0.0, 1e-3, 1);
-        assert!(adamw_step(p.clone(), p, None, &k).is_err());
+        assert!(adamw_step(p.clone(), p, None, &k, None).is_err());
     }
 }
