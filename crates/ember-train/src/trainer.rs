@@ -246,14 +246,13 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             Some(profiler) => profiler.begin(step + 1)?,
             None => None,
         };
-        let (loss, tokens, grads) =
-            kernel_profile::part(&mut profiled, Part::Gradients, || {
-                if options.devices.len() > 1 {
-                    crate::parallel::accumulate(task, &model, step, config, &options.devices)
-                } else {
-                    accumulate(task, &model, step, config.grad_accum, config.precision)
-                }
-            })?;
+        let (loss, tokens, grads) = kernel_profile::part(&mut profiled, Part::Gradients, || {
+            if options.devices.len() > 1 {
+                crate::parallel::accumulate(task, &model, step, config, &options.devices)
+            } else {
+                accumulate(task, &model, step, config.grad_accum, config.precision)
+            }
+        })?;
         let norm = kernel_profile::part(&mut profiled, Part::Clip, || {
             let (norm, factor) = clip_factor(&model, &grads, config.grad_clip).unzip();
             grad_scale.set(factor.flatten());

@@ -131,11 +131,7 @@ mod tests {
             for transposed in [false, true] {
                 let run = |ours: bool| {
                     let x = base.clone().require_grad();
-                    let input = if transposed {
-                        x.clone().swap_dims(1, 2)
-                    } else {
-                        x.clone().reshape([3, 7, 24])
-                    };
+                    let input = input_of(&x, transposed);
                     assert!(kernels_take(&input));
                     let y = if ours {
                         linear(&layer, input)
@@ -176,11 +172,7 @@ mod tests {
         for (bias, transposed) in [(true, false), (false, true), (true, true)] {
             let run = |ours: bool| {
                 let x = base.clone().require_grad();
-                let input = if transposed {
-                    x.clone().swap_dims(1, 2)
-                } else {
-                    x.clone().reshape([3, 7, 24])
-                };
+                let input = input_of(&x, transposed);
                 let (ws, bs) = (w.clone().slice([0..24, 8..48]), b.clone().narrow(0, 8, 40));
                 let bs = bias.then_some(bs);
                 let y = if ours {
@@ -199,6 +191,16 @@ mod tests {
             };
             let what = format!("wgpu, bias {bias}, transposed {transposed}");
             assert_close(run(true), run(false), &what);
+        }
+    }
+
+    /// The `[3, 7, 24]` input of the tests from `x` `[3, 24, 7]`: a transposed view of it (not
+    /// contiguous), or its values reshaped.
+    fn input_of(x: &Tensor<3>, transposed: bool) -> Tensor<3> {
+        if transposed {
+            x.clone().swap_dims(1, 2)
+        } else {
+            x.clone().reshape([3, 7, 24])
         }
     }
 
