@@ -16,12 +16,11 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
-use burn::backend::ops::IntTensorOps;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Int, IntDType, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
@@ -45,14 +44,10 @@ pub(crate) fn cross_entropy(
     pad: Option<u32>,
     smoothing: f64,
 ) -> Result<Tensor<1>, (Tensor<2>, Tensor<1, Int>)> {
-    let pad = match pad.map(i32::try_from) {
-        None => Some(NO_PAD),
-        Some(Ok(pad)) => Some(pad),
-        Some(Err(_)) => None,
-    };
     let [n, v] = logits.dims();
+    let pad = pad.map_or(Ok(NO_PAD), i32::try_from);
     let take = super::kernels_take(GpuKernel::CrossEntropy, &logits) && n > 0 && v > 0;
-    let Some(pad) = pad.filter(|_| take) else {
+    let (true, Ok(pad)) = (take, pad) else {
         return Err((logits, targets));
     };
     let loss = <Dispatch as CrossEntropyKernels>::cross_entropy(
@@ -121,16 +116,6 @@ fn forward_specs(
     )
 }
 
-/// `targets` as a contiguous `i32` tensor, which the kernels read.
-fn targets_i32(targets: CubeTensor) -> CubeTensor {
-    let targets = if targets.dtype() == DType::I32 {
-        targets
-    } else {
-        CubeBackend::int_cast(targets, IntDType::I32)
-    };
-    into_contiguous(targets)
-}
-
 impl CrossEntropyKernels for CubeBackend {
     fn cross_entropy_forward(
         logits: CubeTensor,
@@ -139,7 +124,7 @@ impl CrossEntropyKernels for CubeBackend {
         smoothing: f32,
     ) -> (CubeTensor, CubeTensor) {
         let logits = into_contiguous(logits);
-        let targets = targets_i32(targets);
+        let targets = super::ids_i32(targets);
         assert_eq!(logits.dtype(), DType::F32, "cross-entropy kernel: f32 only");
         let [n, _] = logits.shape().dims::<2>();
         let (rows, stats, loss) = (
@@ -183,7 +168,7 @@ impl CrossEntropyKernels for CubeBackend {
         smoothing: f32,
     ) -> CubeTensor {
         let [logits, stats, grad] = [logits, stats, grad].map(into_contiguous);
-        let targets = targets_i32(targets);
+        let targets = super::ids_i32(targets);
         let dx = super::empty(&logits, logits.shape());
         let (count, dim) = super::launch_size(&logits, logits.shape().num_elements());
         kernels::cross_entropy_backward::launch::<f32>(

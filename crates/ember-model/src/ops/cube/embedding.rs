@@ -17,12 +17,12 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
-use burn::backend::ops::{FloatTensorOps, IntTensorOps};
+use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Int, IntDType, Shape, Tensor};
+use burn::tensor::{DType, Int, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
@@ -109,11 +109,7 @@ impl EmbeddingKernels for CubeBackend {
     }
 
     fn embedding_rows_backward(ids: CubeTensor, grad: CubeTensor, vocab: usize) -> CubeTensor {
-        let ids = match ids.dtype() == DType::I32 {
-            true => ids,
-            false => CubeBackend::int_cast(ids, IntDType::I32),
-        };
-        let [ids, grad] = [ids, grad].map(into_contiguous);
+        let (ids, grad) = (super::ids_i32(ids), into_contiguous(grad));
         assert_eq!(grad.dtype(), DType::F32, "embedding kernel: f32 only");
         let [n, d] = grad.shape().dims::<2>();
         let chunks = n.div_ceil(CHUNK);

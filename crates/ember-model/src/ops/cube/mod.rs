@@ -62,6 +62,17 @@ pub(crate) fn empty(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
     )
 }
 
+/// Ids (token ids, targets) as a contiguous `i32` tensor, the type ember's kernels read them in
+/// (backends may hold ints as `i64`).
+pub(crate) fn ids_i32(ids: CubeTensor) -> CubeTensor {
+    use burn::backend::ops::IntTensorOps;
+    let ids = match ids.dtype() == DType::I32 {
+        true => ids,
+        false => burn_cubecl::CubeBackend::int_cast(ids, burn::tensor::IntDType::I32),
+    };
+    burn_cubecl::kernel::into_contiguous(ids)
+}
+
 /// Cubes and units for one unit per each of `units` rows or elements.
 pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(&like.client, units);
