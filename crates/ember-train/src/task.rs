@@ -54,19 +54,25 @@ pub trait Task: Sync {
 /// Salt that separates dropout seeds from batch seeds.
 pub(crate) const DROPOUT_SALT: u64 = 0x0D20_0F00;
 
-/// Forward and backward over `n` micro-batches at `precision`; the loss is their mean.
+/// Forward and backward over `n` micro-batches at `precision`; the loss is their mean. With
+/// `live`, raises it to the bytes of live tensors on the device (where its allocator reports
+/// them) after each forward pass, just before its backward pass: the weights, the optimizer's
+/// moments and the pass's saved activations, the most a step keeps alive besides the backward
+/// pass's own buffers.
 pub(crate) fn accumulate<T: Task>(
     task: &T,
     model: &T::Model,
     step: u64,
     n: usize,
     precision: Precision,
+    mut live: Option<&mut u64>,
 ) -> (Tensor<1>, usize, GradientsParams) {
     let device = param_device(model);
     // Each forward pass runs a fresh `compute` model (a backward pass consumes the casts of a
     // bf16 view); the gradients are read off `model`'s own parameters.
     if n == 1 {
         let (loss, tokens) = task.train_loss(&precision.compute(model), step, 0, &device);
+        note_live(&device, live);
         let grads = GradientsParams::from_grads(loss.backward(), model);
         return (loss.detach(), tokens, grads);
     }
@@ -75,11 +81,23 @@ pub(crate) fn accumulate<T: Task>(
         (0..n as u64).map(|micro| {
             let compute = precision.compute(model);
             let (loss, tokens) = task.train_loss(&compute, step, micro, &device);
+            note_live(&device, live.as_deref_mut());
             let loss = loss.div_scalar(n as f64);
             let grads = GradientsParams::from_grads(loss.backward(), model);
             (loss.detach(), tokens, grads)
         }),
     )
+}
+
+/// `live` raised to the bytes of live tensors on `device` now, where both are there. The
+/// allocator answers in the order of the ops queued before (which allocate as they are queued),
+/// without waiting for the device to run them.
+fn note_live(device: &Device, live: Option<&mut u64>) {
+    if let Some(live) = live
+        && let Some(usage) = device.memory_pool_usage()
+    {
+        *live = (*live).max(usage.bytes_in_use);
+    }
 }
 
 /// Sums micro-batches' (loss, tokens, gradients), in the order given: the step's loss (each

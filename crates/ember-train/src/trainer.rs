@@ -165,12 +165,17 @@ pub struct DeviceMemory {
     pub reserved: u64,
     /// Bytes of live tensors when the run ended (the weights, the optimizer's moments).
     pub in_use: u64,
+    /// The most bytes of live tensors just before a backward pass, over the run's first two
+    /// steps (the second is the first with the optimizer's moments): the weights, the moments
+    /// and one forward pass's saved activations. Against `peak_reserved`, what the pools hold
+    /// beyond what the step keeps alive. `None` where not measured (runs over several devices).
+    pub live_before_backward: Option<u64>,
 }
 
 impl DeviceMemory {
-    /// What `device`'s allocator holds now, and its pools' peaks; `None` where the backend does
-    /// not report them.
-    pub fn of(device: &Device) -> Option<Self> {
+    /// What `device`'s allocator holds now, and its pools' peaks, with the live bytes measured
+    /// before a backward pass; `None` where the backend does not report them.
+    pub fn of(device: &Device, live_before_backward: Option<u64>) -> Option<Self> {
         let usage = device.memory_pool_usage()?;
         let pools = device.memory_pool_report()?;
         let peak = pools
@@ -181,6 +186,7 @@ impl DeviceMemory {
             peak_reserved: peak.max(usage.bytes_reserved),
             reserved: usage.bytes_reserved,
             in_use: usage.bytes_in_use,
+            live_before_backward,
         })
     }
 }
@@ -194,8 +200,12 @@ impl std::fmt::Display for DeviceMemory {
              in use at the end",
             mib(self.peak_reserved),
             mib(self.reserved),
-            mib(self.in_use)
-        )
+            mib(self.in_use),
+        )?;
+        match self.live_before_backward {
+            Some(live) => write!(f, "; {:.1} MiB live before a backward pass", mib(live)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -238,6 +248,8 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         None => None,
     };
 
+    // The live bytes before a backward pass, measured in this process's first two steps.
+    let (first, mut live) = (state.step, 0u64);
     while state.step < stop {
         let step = state.step;
         device.seed(ember_data::batch_seed(config.seed, step, DROPOUT_SALT));
@@ -250,7 +262,15 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             if options.devices.len() > 1 {
                 crate::parallel::accumulate(task, &model, step, config, &options.devices)
             } else {
-                accumulate(task, &model, step, config.grad_accum, config.precision)
+                let probe = (step < first + 2).then_some(&mut live);
+                accumulate(
+                    task,
+                    &model,
+                    step,
+                    config.grad_accum,
+                    config.precision,
+                    probe,
+                )
             }
         })?;
         let norm = kernel_profile::part(&mut profiled, Part::Clip, || {
@@ -326,7 +346,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     summary.best = checkpoint::resolve_best(out).ok().zip(best.loss());
     summary.stopped_early = stopped_early;
     summary.kernel_profile = profiler.and_then(KernelProfiler::finish);
-    summary.device_memory = DeviceMemory::of(&device);
+    summary.device_memory = DeviceMemory::of(&device, (live > 0).then_some(live));
     Ok(summary)
 }
 
