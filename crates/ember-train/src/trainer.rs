@@ -159,7 +159,7 @@ pub struct RunSummary {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceMemory {
     /// Each pool's most pages held at once, times its page size, summed over the pools (the
-    /// pools may have peaked at different moments, so this is at most the true peak).
+    /// pools may have peaked at different moments, so this may exceed what was held at once).
     pub peak_reserved: u64,
     /// Bytes reserved when the run ended.
     pub reserved: u64,
