@@ -248,7 +248,8 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         None => None,
     };
 
-    // The live bytes before a backward pass, measured in this process's first two steps.
+    // The most bytes live before a backward pass in this process's first two steps (0 where
+    // not measured: a measured step holds at least the weights).
     let (first, mut live) = (state.step, 0u64);
     while state.step < stop {
         let step = state.step;

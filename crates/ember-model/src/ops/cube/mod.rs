@@ -21,11 +21,14 @@ pub(crate) mod linear;
 pub(crate) mod sum_of_squares;
 
 use crate::ops::gpu_kernels::{self, GpuKernel};
+use burn::backend::ops::IntTensorOps;
 use burn::backend::{BackendTensor, DispatchTensorKind, TensorMetadata};
-use burn::tensor::{DType, Shape, Tensor};
+use burn::tensor::{DType, IntDType, Shape, Tensor};
+use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 
@@ -65,12 +68,11 @@ pub(crate) fn empty(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
 /// Ids (token ids, targets) as a contiguous `i32` tensor, the type ember's kernels read them in
 /// (backends may hold ints as `i64`).
 pub(crate) fn ids_i32(ids: CubeTensor) -> CubeTensor {
-    use burn::backend::ops::IntTensorOps;
     let ids = match ids.dtype() == DType::I32 {
         true => ids,
-        false => burn_cubecl::CubeBackend::int_cast(ids, burn::tensor::IntDType::I32),
+        false => CubeBackend::int_cast(ids, IntDType::I32),
     };
-    burn_cubecl::kernel::into_contiguous(ids)
+    into_contiguous(ids)
 }
 
 /// Cubes and units for one unit per each of `units` rows or elements.
