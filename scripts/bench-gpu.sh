@@ -7,6 +7,7 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh speed   # ms/step of ember and PyTorch, generation
 #   DEVICE=vulkan bash scripts/bench-gpu.sh full    # nanoGPT's 5000 iterations: time, val loss
 #   DEVICE=vulkan bash scripts/bench-gpu.sh profile # where a step's time goes, kernel by kernel
+#   DEVICE=vulkan bash scripts/bench-gpu.sh memory  # what a step holds: in use, pools, process
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #
 # For CUDA: EMBER=./target/cuda/release/ember DEVICE=cuda (the binary `bash scripts/setup-cuda.sh
@@ -200,6 +201,40 @@ profile() {
     done
 }
 
+# What STEPS_MEMORY steps (default 10) hold on the device, three ways: the most bytes ember's
+# tensors held at once and the most its pools reserved (cubecl's memory log, read by
+# scripts/memory-log.py: PyTorch's max_memory_allocated and max_memory_reserved), ember's own
+# `GPU memory` line (live bytes before a backward pass), and the process by nvidia-smi; then
+# PyTorch's run with its two figures. The run starts in its own folder, where a cubecl.toml
+# turns the memory log on (the log slows the run: its times are not speeds).
+memory() {
+    local root dir
+    root=$(pwd)
+    absolute() { case $1 in /*) echo "$1" ;; *) echo "$root/$1" ;; esac }
+    dir="$RUNS/memory"
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    # The config's data paths are relative to the repository.
+    ln -s "$root/data" "$dir/data"
+    printf '[memory.logger]\nlevel = "full"\nfile = "cubecl-memory.log"\n' >"$dir/cubecl.toml"
+    (
+        cd "$dir"
+        logged train.log "$(absolute "$EMBER")" train --config "$(absolute "$CONFIG")" \
+            --device "$DEVICE" --out run --stop-after "${STEPS_MEMORY:-10}" \
+            --set "training.precision=\"${PRECISION:-f32}\""
+        grep -E "^(peak|GPU memory)" train.log
+        "$PYTHON" "$root/scripts/memory-log.py" cubecl-memory.log
+    )
+    precision=fp32
+    [ "${DEVICE%%:*}" = cuda ] && precision=tf32
+    [ "${PRECISION:-f32}" = bf16 ] && precision=bf16
+    torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
+        --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "${STEPS_MEMORY:-10}"
+        --precision "$precision")
+    echo "\$ ${torch[*]}"
+    with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch $precision"
+}
+
 # The PyTorch reference of `full`: the GPU config's 5000 iterations (fp32 eager, as `speed`
 # times), its time and val loss on the same GPU.
 reference() {
@@ -212,4 +247,4 @@ reference() {
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|reference}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|reference}"
