@@ -30,6 +30,16 @@ impl Activation {
             Activation::Relu => relu(x),
         }
     }
+
+    /// `self.forward(linear(layer, x))`; a GELU goes with the product into one kernel where
+    /// a GPU decodes a few rows ([`crate::ops::linear_gelu`]).
+    pub fn after_linear<const N: usize>(&self, layer: &Linear, x: Tensor<N>) -> Tensor<N> {
+        match self {
+            Activation::Gelu => crate::ops::linear_gelu(layer, x, false),
+            Activation::GeluTanh => crate::ops::linear_gelu(layer, x, true),
+            Activation::Relu => relu(linear(layer, x)),
+        }
+    }
 }
 
 impl std::fmt::Display for Activation {
@@ -89,7 +99,7 @@ impl Mlp {
     /// - x: `[B, T, D]`
     /// - output: `[B, T, D]`
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let h = self.activation.forward(linear(&self.c_fc, x)); // [B, T, F]
+        let h = self.activation.after_linear(&self.c_fc, x); // act(fc(x)), [B, T, F]
         crate::ops::dropout(&self.dropout, linear(&self.c_proj, h))
     }
 }

@@ -22,6 +22,47 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
     affine(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
 }
 
+/// GELU of `layer.forward(x)` (the tanh approximation when `tanh`): an MLP's expansion and its
+/// non-linearity. On the GPU backends a plain input of at most eight rows (a decoding step)
+/// takes one kernel for the product, the bias and the GELU (`ops/cube/linear`); otherwise
+/// [`linear`], then [`super::gelu`] or [`super::gelu_tanh`].
+///
+/// # Shapes
+/// - x: `[..., d_input]`
+/// - output: `[..., d_output]`
+pub fn linear_gelu<const D: usize>(layer: &Linear, x: Tensor<D>, tanh: bool) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    let x = {
+        use super::cube::linear::{Epilogue, affine_then};
+        let bias = layer.bias.as_ref().map(|b| b.val());
+        match affine_then(x, layer.weight.val(), bias, Epilogue::Gelu { tanh }) {
+            Ok(y) => return y,
+            Err((x, _, _)) => x,
+        }
+    };
+    let y = linear(layer, x);
+    if tanh {
+        super::gelu_tanh(y)
+    } else {
+        super::gelu(y)
+    }
+}
+
+/// [`linear_gelu`] in Burn's tensor ops, on every backend.
+pub fn linear_gelu_reference<const D: usize>(
+    layer: &Linear,
+    x: Tensor<D>,
+    tanh: bool,
+) -> Tensor<D> {
+    let weight = layer.weight.val();
+    let y = affine_reference(x, weight, layer.bias.as_ref().map(|b| b.val()));
+    if tanh {
+        super::gelu_tanh_reference(y)
+    } else {
+        super::gelu_reference(y)
+    }
+}
+
 /// `x @ weight (+ bias)` over the last axis, as `burn::tensor::module::linear`.
 ///
 /// # Shapes
@@ -211,6 +252,29 @@ mod tests {
             let scale = b.clone().abs().max().into_scalar::<f32>().max(1.0);
             let d = (a - b).abs().max().into_scalar::<f32>();
             assert!(d < 1e-5 * scale, "{what}, output {i}: differs by {d}");
+        }
+    }
+
+    /// `linear_gelu` (both GELUs, with and without a bias) against Burn's linear then GELU on
+    /// flex: output and the gradients of the input and the weight.
+    #[test]
+    fn linear_gelu_equals_burns() {
+        let device = Device::flex().autodiff();
+        for (bias, tanh) in [(true, false), (false, true)] {
+            let layer = LinearConfig::new(24, 40).with_bias(bias).init(&device);
+            let x = Tensor::<3>::random([3, 7, 24], Distribution::Normal(0.0, 1.0), &device)
+                .require_grad();
+            let run = |ours: bool| {
+                let y = if ours {
+                    linear_gelu(&layer, x.clone(), tanh)
+                } else {
+                    linear_gelu_reference(&layer, x.clone(), tanh)
+                };
+                let grads = (y.clone() * y.clone()).sum().backward();
+                let w = layer.weight.val().grad(&grads).unwrap();
+                vec![y.inner(), x.grad(&grads).unwrap(), w.unsqueeze()]
+            };
+            assert_close(run(true), run(false), &format!("bias {bias}, tanh {tanh}"));
         }
     }
 

@@ -130,7 +130,7 @@ impl<B: GeluKernels> Backward<B, 1> for Gelu {
     }
 }
 
-mod kernels {
+pub(crate) mod kernels {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -146,13 +146,19 @@ mod kernels {
         if i >= x.len() {
             terminate!();
         }
-        let v = x[i];
+        y[i] = gelu_of::<F>(x[i], tanh);
+    }
+
+    /// GELU of one value (the tanh approximation when `tanh`); also the few-row linear
+    /// kernel's epilogue (`ops/cube/linear`).
+    #[cube]
+    pub(crate) fn gelu_of<F: Float>(v: F, #[comptime] tanh: bool) -> F {
         let half = F::new(0.5);
         if tanh {
             let u = F::new(SQRT_2_OVER_PI) * (v + F::new(CUBIC) * v * v * v);
-            y[i] = half * v * (F::new(1.0) + F::tanh(u));
+            half * v * (F::new(1.0) + F::tanh(u))
         } else {
-            y[i] = half * v * (F::new(1.0) + F::erf(v * F::new(FRAC_1_SQRT_2)));
+            half * v * (F::new(1.0) + F::erf(v * F::new(FRAC_1_SQRT_2)))
         }
     }
 

@@ -49,6 +49,35 @@ pub(crate) fn affine<const D: usize>(
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
 ) -> Result<Tensor<D>, (Tensor<D>, Tensor<2>, Option<Tensor<1>>)> {
+    affine_then(x, weight, bias, Epilogue::None)
+}
+
+/// What the kernel applies to each output value after the bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// Nothing: `x @ weight (+ bias)`.
+    None,
+    /// GELU (the tanh approximation when `tanh`): an MLP's expansion and its non-linearity in
+    /// one launch.
+    Gelu { tanh: bool },
+}
+
+/// [`affine`] followed by `epilogue`, under the same conditions (and for a GELU, the GELU
+/// kernel not turned off); the inputs back otherwise.
+#[allow(clippy::type_complexity)]
+pub(crate) fn affine_then<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    epilogue: Epilogue,
+) -> Result<Tensor<D>, (Tensor<D>, Tensor<2>, Option<Tensor<1>>)> {
+    let (gelu, tanh) = match epilogue {
+        Epilogue::None => (false, false),
+        Epilogue::Gelu { tanh } => (true, tanh),
+    };
+    if gelu && !crate::ops::gpu_kernels::uses(GpuKernel::Gelu) {
+        return Err((x, weight, bias));
+    }
     let dims = x.dims();
     let [k, n] = weight.dims();
     let rows: usize = dims[..D.saturating_sub(1)].iter().product();
@@ -76,6 +105,8 @@ pub(crate) fn affine<const D: usize>(
         weight.into_dispatch(),
         bias,
         has_bias,
+        gelu,
+        tanh,
     );
     let mut out = dims;
     out[D - 1] = n;
@@ -86,14 +117,17 @@ pub(crate) fn affine<const D: usize>(
 /// and autodiff over either (which hands it the inner tensors: it is never differentiated).
 #[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
 pub trait LinearKernels: Backend {
-    /// `x @ weight`, plus `bias` when `has_bias`, for `x` `[M, K]` (`M <= MAX_ROWS`), `weight`
-    /// `[K, N]`, `bias` `[N]`: `[M, N]`.
+    /// `x @ weight`, plus `bias` when `has_bias`, then GELU when `gelu` (the tanh approximation
+    /// when `tanh`), for `x` `[M, K]` (`M <= MAX_ROWS`), `weight` `[K, N]`, `bias` `[N]`:
+    /// `[M, N]`.
     #[fusion(meta = output_spec)]
     fn affine_rows(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         has_bias: bool,
+        gelu: bool,
+        tanh: bool,
     ) -> FloatTensor<Self>;
 }
 
@@ -104,6 +138,8 @@ fn output_spec(
     weight: &burn::backend::fusion::custom::TensorSpec,
     _bias: &burn::backend::fusion::custom::TensorSpec,
     _has_bias: &bool,
+    _gelu: &bool,
+    _tanh: &bool,
 ) -> burn::backend::fusion::custom::TensorSpec {
     let [m, _] = x.shape.dims::<2>();
     let [_, n] = weight.shape.dims::<2>();
@@ -116,6 +152,8 @@ impl LinearKernels for CubeBackend {
         weight: CubeTensor,
         bias: CubeTensor,
         has_bias: bool,
+        gelu: bool,
+        tanh: bool,
     ) -> CubeTensor {
         let [m, _] = x.shape().dims::<2>();
         let [_, n] = weight.shape().dims::<2>();
@@ -132,6 +170,8 @@ impl LinearKernels for CubeBackend {
             out.clone().into_tensor_arg(),
             m,
             has_bias,
+            gelu,
+            tanh,
         );
         out
     }
@@ -144,9 +184,11 @@ impl<B: LinearKernels, C: CheckpointStrategy> LinearKernels for Autodiff<B, C> {
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         has_bias: bool,
+        gelu: bool,
+        tanh: bool,
     ) -> FloatTensor<Self> {
         let [x, weight, bias] = [x, weight, bias].map(Self::inner);
-        Self::from_inner(B::affine_rows(x, weight, bias, has_bias))
+        Self::from_inner(B::affine_rows(x, weight, bias, has_bias, gelu, tanh))
     }
 }
 
@@ -155,10 +197,13 @@ mod kernels {
     use burn_cubecl::cubecl::prelude::*;
 
     use super::{COLUMNS, MAX_ROWS, SLICES};
+    use crate::ops::cube::gelu::kernels::gelu_of;
 
     /// Column `c = CUBE_POS_X * COLUMNS + UNIT_POS_X` of `out` `[rows, N]`: unit `(c, s)` sums
     /// `x[r, i] * weight[i, c]` over `i = s, s + SLICES, ...` for every row `r`, then the units
-    /// of slice 0 add the other slices' sums (and `bias[c]`) and write the column.
+    /// of slice 0 add the other slices' sums (and `bias[c]`), take the GELU when `gelu`, and
+    /// write the column.
+    #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     pub(super) fn affine_rows<F: Float>(
         x: &Tensor<F>,
@@ -167,6 +212,8 @@ mod kernels {
         out: &mut Tensor<F>,
         #[comptime] rows: usize,
         #[comptime] has_bias: bool,
+        #[comptime] gelu: bool,
+        #[comptime] tanh: bool,
     ) {
         let (u, s) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
         let c = CUBE_POS_X as usize * COLUMNS + u;
@@ -225,6 +272,9 @@ mod kernels {
                 if has_bias {
                     total += bias[c * bias.stride(0)];
                 }
+                if gelu {
+                    total = gelu_of::<F>(total, tanh);
+                }
                 out[r * n + c] = total;
             }
         }
@@ -273,6 +323,40 @@ mod tests {
                     assert!(diff < 2e-6 * scale * (k as f32).sqrt(), "{what}: {diff}");
                 }
             }
+        }
+    }
+
+    /// The product, the bias and either GELU in one kernel against Burn's linear and GELU: one
+    /// row and the most rows, with and without a bias; more rows than the kernel takes give
+    /// the same values through the general path.
+    #[test]
+    fn few_row_linear_gelu_equals_burns_on_wgpu() {
+        use crate::ops::{linear_gelu, linear_gelu_reference};
+        use burn::nn::LinearConfig;
+        let device = burn::tensor::Device::wgpu(DeviceKind::DefaultDevice);
+        let normal = Distribution::Normal(0.0, 1.0);
+        for (rows, bias, tanh) in [
+            (1, true, false),
+            (8, false, true),
+            (8, true, false),
+            (9, true, true),
+        ] {
+            let layer = LinearConfig::new(70, 100).with_bias(bias).init(&device);
+            let x = Tensor::<3>::random([1, rows, 70], normal, &device);
+            let what = format!("{rows} rows, bias {bias}, tanh {tanh}");
+            if rows <= MAX_ROWS {
+                let epilogue = Epilogue::Gelu { tanh };
+                let b = layer.bias.as_ref().map(|b| b.val());
+                assert!(
+                    affine_then(x.clone(), layer.weight.val(), b, epilogue).is_ok(),
+                    "{what}"
+                );
+            }
+            let got = linear_gelu(&layer, x.clone(), tanh);
+            let want = linear_gelu_reference(&layer, x, tanh);
+            assert_eq!(got.dims(), [1, rows, 100], "{what}");
+            let diff = (got - want).abs().max().into_scalar::<f32>();
+            assert!(diff < 1e-5, "{what}: {diff}");
         }
     }
 
