@@ -7,6 +7,8 @@ right after it; bytes in use only grow at a reservation, so the largest figure r
 one is the run's peak in use (what PyTorch calls `max_memory_allocated`), and the largest
 reserved figure the pools' peak (`max_memory_reserved`). Staging and uniform buffers, kept
 by the runtime beside the pools, are left out, as PyTorch's figures leave out its context.
+cubecl keeps one memory per stream (per thread that issues work) and the log does not say
+which: where several streams allocate, this reads the largest single report, not their sum.
 
     python3 scripts/memory-log.py RUN/cubecl-memory.log
 """
