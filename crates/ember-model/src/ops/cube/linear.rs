@@ -1,4 +1,5 @@
-//! [`crate::ops::affine`] of a few rows on the GPU: the product and the bias in one kernel.
+//! [`crate::ops::affine`] of a few rows on the GPU: the product and the bias in one kernel (and
+//! for [`crate::ops::linear_gelu`], the GELU of each output value before it is written).
 //!
 //! A decoding step multiplies one row per sequence by each weight matrix. Through Burn's ops
 //! that is a matrix product (cubek's kernels, built for tiles of many rows) and then the bias
