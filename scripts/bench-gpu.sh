@@ -80,6 +80,12 @@ logged() {
     fi
 }
 
+# PyTorch's precision for ember's f32 on DEVICE: f32 with TF32 tensor-core products on CUDA
+# (sm80 and newer, as cubek's), plain f32 elsewhere (Vulkan has no TF32).
+torch_f32() {
+    if [ "${DEVICE%%:*}" = cuda ]; then echo tf32; else echo fp32; fi
+}
+
 # Prints the median ms/step over the logged intervals of run folder $1 after the first (warm-up).
 ms_per_step() {
     "$PYTHON" - "$1/metrics.jsonl" "$DEVICE" <<'EOF'
@@ -139,8 +145,7 @@ speed() {
             ms_per_step "$RUNS/speed"
         done
     done
-    precision=fp32
-    [ "${DEVICE%%:*}" = cuda ] && precision=tf32
+    precision=$(torch_f32)
     for extra in "--precision $precision" "--precision $precision --compile" "--precision bf16"; do
         # shellcheck disable=SC2206 # $extra is a few words
         torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
@@ -190,8 +195,7 @@ profile() {
         sed -n '/^kernel profile/,/^checkpoint:/p' "$RUNS/profile.log" | grep -v '^checkpoint:'
         grep -E "^peak" "$RUNS/profile.log"
     done
-    precision=fp32
-    [ "${DEVICE%%:*}" = cuda ] && precision=tf32
+    precision=$(torch_f32)
     for p in "$precision" bf16; do
         torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
             --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps 20 --warmup 10
@@ -225,8 +229,7 @@ memory() {
         grep -E "^(peak|GPU memory)" train.log
         "$PYTHON" "$root/scripts/memory-log.py" cubecl-memory.log
     )
-    precision=fp32
-    [ "${DEVICE%%:*}" = cuda ] && precision=tf32
+    precision=$(torch_f32)
     [ "${PRECISION:-f32}" = bf16 ] && precision=bf16
     torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
         --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "${STEPS_MEMORY:-10}"
