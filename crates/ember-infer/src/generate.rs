@@ -122,27 +122,15 @@ impl Choice {
     }
 
     /// The token `[1, 1]` chosen from `logits` `[1, V]`; a temperature draw takes the next
-    /// uniform number of `rng` (one per token, as the host path does).
-    ///
-    /// The host walks the normalised probabilities, subtracting each from `u` until `u` falls
-    /// below one; here the same index is the number of cumulative sums at or below `u` times
-    /// their total (the argmax where rounding leaves `u` above them all, as on the host). The
-    /// sums round differently from the host's walk, so a `u` within rounding of a boundary
-    /// could pick the neighbour: about one token in millions.
+    /// uniform number of `rng` (one per token, as the host path does) and draws with
+    /// [`ember_model::ops::draw`] (one kernel on GPUs), which picks the host walk's token up to
+    /// rounding: a `u` within rounding of a boundary could pick the neighbour, about one token
+    /// in millions.
     fn pick(self, logits: Tensor<2>, rng: &mut StdRng) -> Tensor<2, Int> {
-        let t = match self {
-            Choice::Greedy => return logits.argmax(1),
-            Choice::Temperature(t) => t.max(1e-6),
-        };
-        let u: f32 = rng.random();
-        let [_, v] = logits.dims();
-        let max = logits.clone().max_dim(1);
-        let cumulative = (logits.clone() - max).div_scalar(t).exp().cumsum(1);
-        let total = cumulative.clone().slice([0..1, v - 1..v]);
-        let below = cumulative.lower_equal(total.mul_scalar(u).expand([1, v]));
-        let index = below.int().sum_dim(1);
-        let past_all = index.clone().greater_equal_elem(v as i64);
-        index.mask_where(past_all, logits.argmax(1))
+        match self {
+            Choice::Greedy => logits.argmax(1),
+            Choice::Temperature(t) => ember_model::ops::draw(logits, rng.random(), t),
+        }
     }
 }
 

@@ -44,11 +44,13 @@ pub enum GpuKernel {
     CrossEntropy,
     /// The gradient of an embedding table (small vocabularies).
     Embedding,
+    /// A token drawn from a decoding step's logits at a temperature.
+    Draw,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 11] = [
+    pub const ALL: [GpuKernel; 12] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -60,6 +62,7 @@ impl GpuKernel {
         GpuKernel::CacheWrite,
         GpuKernel::CrossEntropy,
         GpuKernel::Embedding,
+        GpuKernel::Draw,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -76,6 +79,7 @@ impl GpuKernel {
             GpuKernel::CacheWrite => "cache-write",
             GpuKernel::CrossEntropy => "cross-entropy",
             GpuKernel::Embedding => "embedding",
+            GpuKernel::Draw => "draw",
         }
     }
 }
@@ -187,7 +191,8 @@ mod tests {
                 "linear",
                 "cache-write",
                 "cross-entropy",
-                "embedding"
+                "embedding",
+                "draw"
             ]
         );
         assert_eq!(

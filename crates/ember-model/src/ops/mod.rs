@@ -24,6 +24,7 @@
 //! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one cube per small tensor, up to 512 and a second launch for a large one, reducing in shared memory (`cube::sum_of_squares`) |
 //! | [`cross_entropy`] (a training step's loss) | `log_softmax`, `gather`, the padding mask, the mean | none on flex; on GPUs a cube per row for its log-sum-exp and loss, one cube for the mean, one launch backward from the kept log-sum-exps (`cube::cross_entropy`) |
 //! | [`embed`] | Burn's `Embedding::forward` | none on flex; on GPUs, for a tracked `f32` table of a small vocabulary, the table's gradient with one unit per table element (`cube::embedding`) |
+//! | [`draw`] (a token drawn from `softmax(logits / temperature)` by a uniform number, when decoding) | max, `exp`, `cumsum`, the count at or below `u`, the argmax past them all | none on flex (it samples on the host); on GPUs one kernel, a cube per row: chunk sums, then one unit walks to the token (`cube::draw`) |
 //! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter, the clipping factor applied as the gradient is read (`cube::adamw`) |
 //!
 //! Mixed precision ([`crate::precision`]): [`affine`] and [`matmul`] compute in their weight's
@@ -43,6 +44,7 @@ pub mod adamw;
 mod attention;
 mod cache_write;
 mod cross_entropy;
+mod draw;
 mod dropout;
 mod embedding;
 mod gelu;
@@ -68,6 +70,7 @@ pub use attention::{
 };
 pub use cache_write::{write_cache_rows, write_cache_rows_reference};
 pub use cross_entropy::{cross_entropy, cross_entropy_reference};
+pub use draw::{MIN_TEMPERATURE, draw, draw_reference};
 pub use dropout::{dropout, dropout_reference};
 pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};

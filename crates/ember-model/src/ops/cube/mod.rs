@@ -12,6 +12,7 @@ pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod cache_write;
 pub(crate) mod cross_entropy;
+pub(crate) mod draw;
 pub(crate) mod dropout;
 pub(crate) mod embedding;
 pub(crate) mod gelu;
