@@ -23,7 +23,7 @@
 //! | [`dropout`] | Burn's `Dropout::forward` | none on flex; on GPUs one kernel each way, a hashed mask recomputed from a seed, nothing stored (`cube::dropout`) |
 //! | [`add_sum_of_squares`] (a gradient norm, tensor by tensor) | `total + sum(x^2)` | none on flex; on GPUs one cube per small tensor, up to 512 and a second launch for a large one, reducing in shared memory (`cube::sum_of_squares`) |
 //! | [`cross_entropy`] (a training step's loss) | `log_softmax`, `gather`, the padding mask, the mean | none on flex; on GPUs a cube per row for its log-sum-exp and loss, one cube for the mean, one launch backward from the kept log-sum-exps (`cube::cross_entropy`) |
-//! | [`embed`] | Burn's `Embedding::forward` | none on flex; on GPUs, for a tracked `f32` table of a small vocabulary, the table's gradient with one unit per table element (`cube::embedding`) |
+//! | [`embed`] | Burn's `Embedding::forward` | none on flex; on GPUs, for a tracked table of a small vocabulary (a bf16 one widened to `f32` first), the table's gradient with one unit per table element (`cube::embedding`) |
 //! | [`draw`] (a token drawn from `softmax(logits / temperature)` by a uniform number, when decoding) | max, `exp`, `cumsum`, the count at or below `u`, the argmax past them all | none on flex (it samples on the host); on GPUs one kernel, a cube per row: chunk sums, then one unit walks to the token (`cube::draw`) |
 //! | [`adamw_step`] (one optimizer step of one parameter) | [`adamw_step_reference`]: Burn's `AdamW` expressions | one loop in place ([`kernels::adamw`]); on GPUs one kernel per parameter, the clipping factor applied as the gradient is read (`cube::adamw`) |
 //!
