@@ -23,7 +23,7 @@
 # (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS (default `f32:on
 # f32:-attention f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one kernel's
 # part); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -linear`,
-# the first also without the cache); PRECISION the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
+# the first also without the cache; each sampled twice, the second run the figure); PRECISION the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
 # the steps `profile` times (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and
 # PyTorch run on an NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi,
 # polled every 0.2 s: the same yardstick for both, CUDA context included). Backends draw
@@ -159,12 +159,16 @@ speed() {
         # decoding's few-row linear kernel); without it, the first setting only.
         for kernels in $gen_kernels; do
             [ -n "$mode" ] && [ "$kernels" != "${gen_kernels%% *}" ] && continue
-            echo "EMBER_GPU_KERNELS=$kernels"
-            # shellcheck disable=SC2086 # $mode is empty or one flag
-            EMBER_GPU_KERNELS=$kernels logged "$RUNS/generate.log" "$EMBER_GEN" generate \
-                --checkpoint "$RUNS/speed" --device "$DEVICE" --prompt ROMEO: --max-tokens 500 \
-                --seed 1 $mode
-            grep "tokens/s" "$RUNS/generate.log"
+            # Twice: the first run of a setting tunes and compiles its decoding shapes (on a
+            # fresh machine 25-30 tokens/s where the second gave 217), the second is the figure.
+            for run in first warm; do
+                echo "EMBER_GPU_KERNELS=$kernels ($run run)"
+                # shellcheck disable=SC2086 # $mode is empty or one flag
+                EMBER_GPU_KERNELS=$kernels logged "$RUNS/generate.log" "$EMBER_GEN" generate \
+                    --checkpoint "$RUNS/speed" --device "$DEVICE" --prompt ROMEO: \
+                    --max-tokens 500 --seed 1 $mode
+                grep "tokens/s" "$RUNS/generate.log"
+            done
         done
         # shellcheck disable=SC2086 # $mode is empty or one flag
         "$PYTHON" scripts/torch_reference.py generate --device "$TORCH_DEVICE" --d-model 384 \
