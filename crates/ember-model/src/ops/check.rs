@@ -52,19 +52,24 @@ pub(crate) fn agrees_on(
     }
 }
 
-/// The index of the host's walk over `softmax(logits / t)` in f64 for `u`, and how far
-/// `u` is from the nearest boundary between two tokens.
-pub(crate) fn walked(logits: &[f32], u: f32, t: f32) -> (usize, f64) {
+/// `softmax(logits / t)` in f64.
+fn probabilities(logits: &[f32], t: f32) -> Vec<f64> {
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
     let e: Vec<f64> = logits
         .iter()
         .map(|&l| ((l as f64 - max) / t as f64).exp())
         .collect();
     let total: f64 = e.iter().sum();
+    e.iter().map(|x| x / total).collect()
+}
+
+/// The index of the host's walk over `softmax(logits / t)` in f64 for `u`, and how far
+/// `u` is from the nearest boundary between two tokens.
+pub(crate) fn walked(logits: &[f32], u: f32, t: f32) -> (usize, f64) {
     let mut c = 0.0;
     let mut margin = f64::INFINITY;
     let mut index = None;
-    for (j, p) in e.iter().map(|x| x / total).enumerate() {
+    for (j, p) in probabilities(logits, t).into_iter().enumerate() {
         c += p;
         margin = margin.min((c - u as f64).abs());
         if index.is_none() && c > u as f64 {
@@ -77,13 +82,8 @@ pub(crate) fn walked(logits: &[f32], u: f32, t: f32) -> (usize, f64) {
 /// Whether token `index` of `softmax(logits / t)` (in f64) spans `u` give or take `tolerance`:
 /// a draw rounded to a neighbour of the exact token, which near a boundary is as right.
 pub(crate) fn spans(logits: &[f32], u: f32, t: f32, index: usize, tolerance: f64) -> bool {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let e: Vec<f64> = logits
-        .iter()
-        .map(|&l| ((l as f64 - max) / t as f64).exp())
-        .collect();
-    let total: f64 = e.iter().sum();
-    let before: f64 = e[..index].iter().sum::<f64>() / total;
-    let after = before + e[index] / total;
+    let p = probabilities(logits, t);
+    let before: f64 = p[..index].iter().sum();
+    let after = before + p[index];
     before - tolerance <= u as f64 && u as f64 <= after + tolerance
 }
