@@ -9,6 +9,8 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh profile # where a step's time goes, kernel by kernel
 #   DEVICE=vulkan bash scripts/bench-gpu.sh memory  # what a step holds: in use, pools, process
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
+#   DEVICE=cuda BUDGET=550 bash scripts/bench-gpu.sh all  # speed, check, profile, memory, full
+#                                                   # in BUDGET seconds (for a GPU lent briefly)
 #
 # For CUDA: EMBER=./target/cuda/release/ember DEVICE=cuda (the binary `bash scripts/setup-cuda.sh
 # --build` makes; it travels as target/cuda/release/ember-cuda.xz, `xz -d` it there).
@@ -133,16 +135,21 @@ speed() {
     # alternating; then PyTorch at the precision ember's f32 computes in (CUDA: f32 with TF32
     # tensor-core matmuls on sm80+; Vulkan: plain f32), eager and compiled, and in bf16 autocast
     # (ember's bf16 counterpart). A device without bf16 refuses that run in one line.
+    rm -rf "$RUNS/speed"
     for round in $(seq "${ROUNDS:-1}"); do
         for run in ${SPEED_RUNS:-f32:on f32:-attention f32:off bf16:on}; do
             precision=${run%%:*} kernels=${run##*:}
-            rm -rf "$RUNS/speed"
+            # The first run's checkpoint stays for sampling below (a later run may be refused:
+            # bf16 on a device without it); the others share one folder.
+            out="$RUNS/speed-other"
+            [ -d "$RUNS/speed" ] || out="$RUNS/speed"
+            rm -rf "$RUNS/speed-other"
             echo "round $round, precision $precision, EMBER_GPU_KERNELS=$kernels"
             EMBER_GPU_KERNELS=$kernels logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
-                --device "$DEVICE" --out "$RUNS/speed" --stop-after "$STEPS" \
+                --device "$DEVICE" --out "$out" --stop-after "$STEPS" \
                 --set "training.precision=\"$precision\"" || continue
             grep -E "^(peak|GPU memory|checkpoint:)" "$RUNS/speed.log"
-            ms_per_step "$RUNS/speed"
+            ms_per_step "$out"
         done
     done
     precision=$(torch_f32)
@@ -252,6 +259,36 @@ reference() {
     with_gpu_peak "${torch[@]}"
 }
 
+# Every stage within BUDGET seconds (default 550): speed, check, profile and memory, each
+# stopped at its own cap (300, 90, 110, 70 s) if it runs long, then `full` until the budget is
+# spent (its validation losses so far are printed when it is stopped). Each stage's output also
+# goes to LOGS/<stage>.log (default RUNS/stages). A stopped stage's processes are ended before the next.
+all() {
+    local t0 deadline left stage cap logs=${LOGS:-$RUNS/stages}
+    t0=$(date +%s)
+    deadline=$((t0 + ${BUDGET:-550}))
+    mkdir -p "$logs"
+    for stage in speed:300 check:90 profile:110 memory:70 full:100000; do
+        cap=${stage##*:} stage=${stage%%:*}
+        left=$((deadline - $(date +%s)))
+        if [ "$left" -lt 20 ]; then
+            echo "== $stage skipped: ${left} s left"
+            continue
+        fi
+        [ "$cap" -gt "$left" ] && cap=$left
+        echo "== $stage (at $(($(date +%s) - t0)) s, at most $cap s)"
+        timeout -k 5 "$cap" bash scripts/bench-gpu.sh "$stage" 2>&1 | tee "$logs/$stage.log" || true
+        # `timeout` stops the stage's shell; its ember or PyTorch child may still run.
+        pkill -9 -x "$(basename "$EMBER")" 2>/dev/null || true
+        pkill -9 -f "scripts/torch_reference.py" 2>/dev/null || true
+    done
+    if [ -f "$RUNS/full.log" ] && ! grep -q "^done" "$RUNS/full.log"; then
+        echo "full stopped by the budget; its evaluations so far:"
+        grep -E "^step .*val" "$RUNS/full.log" || true
+    fi
+    echo "all: $(($(date +%s) - t0)) s"
+}
+
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|reference}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|reference|all}"
