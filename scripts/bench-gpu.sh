@@ -25,10 +25,11 @@
 # (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS (default `f32:on
 # f32:-attention f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one kernel's
 # part); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -linear`,
-# the first also without the cache; each sampled twice, the second run the figure); PRECISION the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS
-# the steps `profile` times (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and
-# PyTorch run on an NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi,
-# polled every 0.2 s: the same yardstick for both, CUDA context included). Backends draw
+# the first also without the cache; each sampled twice, the second run the figure); PRECISION
+# the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS the steps `profile` times
+# (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and PyTorch run on an
+# NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi, polled every 0.2 s:
+# the same yardstick for both, CUDA context included). Backends draw
 # initial weights from their own random generators, so the two tiny runs of `check` end near
 # each other, not equal; the greedy text of one checkpoint must agree.
 set -euo pipefail
@@ -262,12 +263,15 @@ reference() {
 # Every stage within BUDGET seconds (default 550): speed, check, profile and memory, each
 # stopped at its own cap (300, 90, 110, 70 s) if it runs long, then `full` until the budget is
 # spent (its validation losses so far are printed when it is stopped). Each stage's output also
-# goes to LOGS/<stage>.log (default RUNS/stages). A stopped stage's processes are ended before the next.
+# goes to LOGS/<stage>.log (default RUNS/stages). A stopped stage's processes are ended before
+# the next.
 all() {
     local t0 deadline left stage cap logs=${LOGS:-$RUNS/stages}
     t0=$(date +%s)
     deadline=$((t0 + ${BUDGET:-550}))
     mkdir -p "$logs"
+    # An earlier run's log would read as this one's when `full` is skipped.
+    rm -f "$RUNS/full.log"
     for stage in speed:300 check:90 profile:110 memory:70 full:100000; do
         cap=${stage##*:} stage=${stage%%:*}
         left=$((deadline - $(date +%s)))
