@@ -150,7 +150,12 @@ fn start(name: &str, index: usize) -> Result<Device> {
         other => return Err(missing(other)),
     };
     if name == "cuda" {
+        // The LLVM route links libdevice into kernels; the NVRTC route compiles C++ against
+        // the toolkit's headers.
+        #[cfg(not(feature = "cuda-nvrtc"))]
         cuda::check_libdevice()?;
+        #[cfg(feature = "cuda-nvrtc")]
+        cuda::check_headers()?;
     }
     #[cfg(feature = "autotune")]
     cache_compiled_kernels();
@@ -170,6 +175,17 @@ fn cache_compiled_kernels() {
     use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
     config.compilation.cache = true;
+    // An NVRTC build tunes cubek's products to kernels the LLVM build cannot launch (on an H200:
+    // Hopper's TMA products), under the same autotune keys: a machine's shared results made the
+    // LLVM build fail its first product ("TMA is not available"). Each build keeps its own
+    // environment unless one is named (`CUBECL_ENVIRONMENT`, a cubecl.toml).
+    #[cfg(feature = "cuda-nvrtc")]
+    {
+        use cubecl_runtime::config::environment::EnvironmentConfig;
+        if config.environment.name == EnvironmentConfig::default().name {
+            config.environment.name = "ember-cuda-nvrtc".into();
+        }
+    }
     let _ = CubeClRuntimeConfig::try_set(config);
 }
 
@@ -212,6 +228,29 @@ mod cuda {
         Err(TrainError::Device(format!(
             "device `cuda` needs the CUDA toolkit's libdevice (not found: {looked}); install the \
              toolkit or set CUDA_PATH to it"
+        )))
+    }
+
+    /// With `cuda-nvrtc`, kernels are CUDA C++ that NVRTC compiles against the toolkit's headers,
+    /// found as cubecl-cuda finds them (`CUDA_PATH`, /usr/local/cuda, /opt/cuda, /usr): checked
+    /// here because cubecl-cuda panics with a message whose first line is empty.
+    #[cfg(feature = "cuda-nvrtc")]
+    pub fn check_headers() -> Result<(), TrainError> {
+        let looked = match cubecl_cuda::install::cuda_path() {
+            Some(root) => {
+                let header = root.join("include/cuda_fp16.h");
+                if header.is_file() {
+                    return Ok(());
+                }
+                header.display().to_string()
+            }
+            None => {
+                "include/cuda_fp16.h under CUDA_PATH, /usr/local/cuda, /opt/cuda or /usr".into()
+            }
+        };
+        Err(TrainError::Device(format!(
+            "device `cuda` (an NVRTC build) needs the CUDA toolkit's headers (not found: \
+             {looked}); install the toolkit or set CUDA_PATH to it"
         )))
     }
 
