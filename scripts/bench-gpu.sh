@@ -9,6 +9,7 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh profile # where a step's time goes, kernel by kernel
 #   DEVICE=vulkan bash scripts/bench-gpu.sh memory  # what a step holds: in use, pools, process
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
+#   DEVICE=vulkan bash scripts/bench-gpu.sh host    # where a sampled token's host time goes (perf)
 #   DEVICE=cuda BUDGET=550 bash scripts/bench-gpu.sh all  # speed, check, profile, memory, full
 #                                                   # in BUDGET seconds (for a GPU lent briefly)
 #
@@ -29,7 +30,13 @@
 # the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS the steps `profile` times
 # (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and PyTorch run on an
 # NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi, polled every 0.2 s:
-# the same yardstick for both, CUDA context included). Backends draw
+# the same yardstick for both, CUDA context included). STAGES the stages of `all`, each
+# `stage[@device]:seconds` (default `speed:300 check:90 profile:110 memory:70 full:100000`; e.g.
+# `speed@cuda:200 speed@vulkan:150 check@vulkan:60 ...` for two devices of one binary in one
+# run). ENV_ARCHIVE a `tar.xz` of cubecl's environment (target/environment/: autotune results
+# and compiled kernels) to start from, written by an earlier `all` as $OUT/environment.tar.xz
+# where OUT is set (the GPU machine's folder that comes back): a fresh machine otherwise spends
+# 40-80 s compiling and tuning before its first steps. Backends draw
 # initial weights from their own random generators, so the two tiny runs of `check` end near
 # each other, not equal; the greedy text of one checkpoint must agree.
 set -euo pipefail
@@ -46,6 +53,15 @@ PYTHON=${PYTHON:-python3}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 CONFIG=${CONFIG:-configs/shakespeare-char-gpu.toml}
 mkdir -p "$RUNS"
+if [ -n "${ENV_ARCHIVE:-}" ]; then
+    if [ -f "$ENV_ARCHIVE" ]; then
+        tar -xJf "$ENV_ARCHIVE" && echo "cubecl environment from $ENV_ARCHIVE"
+    else
+        echo "ENV_ARCHIVE=$ENV_ARCHIVE is not a file; starting from a cold cache"
+    fi
+    # Once: the stages `all` runs are children of this script.
+    unset ENV_ARCHIVE
+fi
 
 # Runs a command; where nvidia-smi answers, polls the GPU memory its process holds and prints
 # the peak when it ends. Returns the command's status.
@@ -260,6 +276,38 @@ reference() {
     with_gpu_peak "${torch[@]}"
 }
 
+# Where the host's time goes while ember samples 500 tokens with its KV cache on DEVICE, from
+# the `speed` stage's checkpoint (else a 10-step run): batch-1 sampling on a GPU is bound by the
+# host's cost per kernel launch (docs/benchmarks.md). `perf record` samples every thread (the
+# caller, cubecl's device thread, the driver's); the report gives each thread's share, then the
+# hottest symbols. Needs `perf` (linux-perf); without it, one line says so.
+host() {
+    if ! command -v perf >/dev/null; then
+        echo "host: no perf on this machine (linux-perf)"
+        return 0
+    fi
+    local run="$RUNS/speed"
+    if [ ! -d "$run" ]; then
+        run="$RUNS/host-run"
+        rm -rf "$run"
+        logged "$RUNS/host-train.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
+            --out "$run" --stop-after 10 || return 1
+    fi
+    for pass in warm-up recorded; do
+        local record=()
+        [ "$pass" = recorded ] && record=(perf record -F 2999 -o "$RUNS/host.perf" --)
+        "${record[@]}" "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
+            --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" || {
+            echo "FAILED: generate ($pass)"
+            tail -5 "$RUNS/host.log"
+            return 1
+        }
+        echo "$pass: $(grep -o '[0-9]* tokens/s' "$RUNS/host.log")"
+    done
+    perf report -i "$RUNS/host.perf" --sort comm,dso --stdio 2>/dev/null | grep -v '^#' | grep . | head -15
+    perf report -i "$RUNS/host.perf" --sort comm,sym --stdio 2>/dev/null | grep -v '^#' | grep . | head -45
+}
+
 # Every stage within BUDGET seconds (default 550): speed, check, profile and memory, each
 # stopped at its own cap (300, 90, 110, 70 s) if it runs long, then `full` until the budget is
 # spent (its validation losses so far are printed when it is stopped). Each stage's output also
@@ -272,16 +320,25 @@ all() {
     mkdir -p "$logs"
     # An earlier run's log would read as this one's when `full` is skipped.
     rm -f "$RUNS/full.log"
-    for stage in speed:300 check:90 profile:110 memory:70 full:100000; do
-        cap=${stage##*:} stage=${stage%%:*}
+    local device name
+    for stage in ${STAGES:-speed:300 check:90 profile:110 memory:70 full:100000}; do
+        cap=${stage##*:} stage=${stage%:*}
+        device=$DEVICE
+        case $stage in *@*) device=${stage#*@} stage=${stage%%@*} ;; esac
+        name=$stage
+        [ "$device" = "$DEVICE" ] || name="$stage-$device"
         left=$((deadline - $(date +%s)))
         if [ "$left" -lt 20 ]; then
-            echo "== $stage skipped: ${left} s left"
+            echo "== $name skipped: ${left} s left"
             continue
         fi
         [ "$cap" -gt "$left" ] && cap=$left
-        echo "== $stage (at $(($(date +%s) - t0)) s, at most $cap s)"
-        timeout -k 5 "$cap" bash scripts/bench-gpu.sh "$stage" 2>&1 | tee "$logs/$stage.log" || true
+        echo "== $stage on $device (at $(($(date +%s) - t0)) s, at most $cap s)"
+        # Each device keeps its own runs, so `speed` on one does not remove another's checkpoint.
+        local runs=$RUNS
+        [ "$device" = "$DEVICE" ] || runs="$RUNS/$device"
+        DEVICE=$device RUNS=$runs timeout -k 5 "$cap" bash scripts/bench-gpu.sh "$stage" 2>&1 |
+            tee "$logs/$name.log" || true
         # `timeout` stops the stage's shell; its ember or PyTorch child may still run.
         pkill -9 -x "$(basename "$EMBER")" 2>/dev/null || true
         pkill -9 -f "scripts/torch_reference.py" 2>/dev/null || true
@@ -290,9 +347,13 @@ all() {
         echo "full stopped by the budget; its evaluations so far:"
         grep -E "^step .*val" "$RUNS/full.log" || true
     fi
+    if [ -n "${OUT:-}" ] && [ -d target/environment ]; then
+        tar -cJf "$OUT/environment.tar.xz" target/environment &&
+            echo "cubecl environment for the next call: $OUT/environment.tar.xz (ENV_ARCHIVE)"
+    fi
     echo "all: $(($(date +%s) - t0)) s"
 }
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|reference|all}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|reference|all}"
