@@ -278,14 +278,12 @@ reference() {
 
 # Where the host's time goes while ember samples 500 tokens with its KV cache on DEVICE, from
 # the `speed` stage's checkpoint (else a 10-step run): batch-1 sampling on a GPU is bound by the
-# host's cost per kernel launch (docs/benchmarks.md). `perf record` samples every thread (the
-# caller, cubecl's device thread, the driver's); the report gives each thread's share, then the
-# hottest symbols. Needs `perf` (linux-perf); without it, one line says so.
+# host's cost per kernel launch (docs/benchmarks.md). Prints the CPU time of each of the
+# process's threads against the wall time (from /proc, polled every 0.2 s): the caller building
+# Burn's ops, cubecl's device thread (`DSD-...`) launching them, the driver's threads. A thread
+# near 100% of the wall time is the bound. Where `perf` works (not on gVisor), also each thread's
+# hottest symbols.
 host() {
-    if ! command -v perf >/dev/null; then
-        echo "host: no perf on this machine (linux-perf)"
-        return 0
-    fi
     local run="$RUNS/speed"
     if [ ! -d "$run" ]; then
         run="$RUNS/host-run"
@@ -293,19 +291,65 @@ host() {
         logged "$RUNS/host-train.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
             --out "$run" --stop-after 10 || return 1
     fi
+    local perf=()
+    if command -v perf >/dev/null && perf record -o /dev/null -- true >/dev/null 2>&1; then
+        perf=(perf record -F 2999 -o "$RUNS/host.perf" --)
+    else
+        echo "host: no working perf here; thread times only"
+    fi
+    local pass pid start snapshot last tick
+    tick=$(getconf CLK_TCK)
     for pass in warm-up recorded; do
-        local record=()
-        [ "$pass" = recorded ] && record=(perf record -F 2999 -o "$RUNS/host.perf" --)
-        "${record[@]}" "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
-            --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" || {
+        start=$(date +%s.%N)
+        if [ "$pass" = recorded ]; then
+            "${perf[@]}" "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
+                --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" &
+        else
+            "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
+                --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" &
+        fi
+        pid=$!
+        last=""
+        while kill -0 "$pid" 2>/dev/null; do
+            # Under perf, the sampled process is perf's child (and perf outlives it).
+            local target=$pid
+            if [ "$pass" = recorded ] && [ ${#perf[@]} -gt 0 ]; then
+                target=$(pgrep -P "$pid" -x "$(basename "$EMBER_GEN")") || target=""
+            fi
+            snapshot=""
+            [ -n "$target" ] && snapshot=$(thread_times "$target" "$tick")
+            [ -n "$snapshot" ] && last=$snapshot
+            sleep 0.2
+        done
+        wait "$pid" || {
             echo "FAILED: generate ($pass)"
             tail -5 "$RUNS/host.log"
             return 1
         }
-        echo "$pass: $(grep -o '[0-9]* tokens/s' "$RUNS/host.log")"
+        local wall
+        wall=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+        echo "$pass: $(grep -o '[0-9]* tokens/s' "$RUNS/host.log"), $wall s wall with start-up;" \
+            "CPU seconds by thread (the last reading, up to 0.2 s before the end):"
+        echo "$last" | sort -k2 -nr | head -8 | sed 's/^/    /'
     done
-    perf report -i "$RUNS/host.perf" --sort comm,dso --stdio 2>/dev/null | grep -v '^#' | grep . | head -15
-    perf report -i "$RUNS/host.perf" --sort comm,sym --stdio 2>/dev/null | grep -v '^#' | grep . | head -45
+    if [ ${#perf[@]} -gt 0 ]; then
+        perf report -i "$RUNS/host.perf" --sort comm,dso --stdio 2>/dev/null | grep -v '^#' | grep . | head -12
+        perf report -i "$RUNS/host.perf" --sort comm,sym --stdio 2>/dev/null | grep -v '^#' | grep . | head -40
+    fi
+}
+
+# Prints "name cpu-seconds" for each thread of process $1 (user + system, from /proc), $2 the
+# clock ticks per second.
+thread_times() {
+    local pid=$1 tick=$2 task stat name
+    for task in /proc/"$pid"/task/*; do
+        stat=$(cat "$task/stat" 2>/dev/null) || continue
+        name=${stat#*(}
+        name=${name%)*}
+        # After the name: state, ppid, ... utime (the 12th), stime (the 13th).
+        echo "${stat##*) }" | awk -v name="${name// /_}" -v tick="$tick" \
+            '{ printf "%s %.2f\n", name, ($12 + $13) / tick }'
+    done
 }
 
 # Every stage within BUDGET seconds (default 550): speed, check, profile and memory, each
