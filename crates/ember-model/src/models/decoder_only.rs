@@ -183,12 +183,9 @@ impl DecoderOnly {
     fn head(&self, x: Tensor<3>) -> Tensor<3> {
         match &self.lm_head {
             Some(head) => crate::ops::linear(head, x),
-            None => {
-                let [b, t, d] = x.dims();
-                let w = self.wte.weight.val(); // [V, D]
-                let v = w.dims()[0];
-                crate::ops::matmul(x.reshape([b * t, d]), w.transpose()).reshape([b, t, v])
-            }
+            // The embedding's transpose as the head's weight, read in place: a decoding step's
+            // row takes the few-row kernel on a GPU (one launch without cubek's product).
+            None => crate::ops::affine(x, self.wte.weight.val().transpose(), None),
         }
     }
 }
