@@ -88,13 +88,9 @@ done
 echo "\${words[*]}"
 EOF
 chmod +x "$bundle/bin/llvm-config.new"
-# Replaced only when it changes: the bundler's build script watches these files, and a new
-# timestamp would rebuild cubecl-llvm and everything above it (about 9 minutes on 2 cores).
-if cmp -s "$bundle/bin/llvm-config.new" "$bundle/bin/llvm-config"; then
-    rm "$bundle/bin/llvm-config.new"
-else
-    mv "$bundle/bin/llvm-config.new" "$bundle/bin/llvm-config"
-fi
+mv "$bundle/bin/llvm-config.new" "$bundle/bin/llvm-config"
+# Touched only when missing: the bundler's build script watches the marker, and a new timestamp
+# would rebuild cubecl-llvm and everything above it (about 9 minutes on 2 cores).
 [ -e "$bundle/.tracel-llvm-installed" ] || touch "$bundle/.tracel-llvm-installed"
 
 export XDG_DATA_HOME="$data_home"
