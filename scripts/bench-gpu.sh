@@ -9,9 +9,9 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh profile # where a step's time goes, kernel by kernel
 #   DEVICE=vulkan bash scripts/bench-gpu.sh memory  # what a step holds: in use, pools, process
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
-#   DEVICE=vulkan bash scripts/bench-gpu.sh host    # where a sampled token's host time goes (perf)
+#   DEVICE=vulkan bash scripts/bench-gpu.sh host    # where a sampled token's host time goes
 #   DEVICE=cuda BUDGET=550 bash scripts/bench-gpu.sh all  # speed, check, profile, memory, full
-#                                                   # in BUDGET seconds (for a GPU lent briefly)
+#                                                   # in BUDGET seconds (for a GPU available briefly)
 #
 # For CUDA: EMBER=./target/cuda/release/ember DEVICE=cuda (the binary `bash scripts/setup-cuda.sh
 # --build` makes; it travels as target/cuda/release/ember-cuda.xz, `xz -d` it there).
@@ -297,23 +297,20 @@ host() {
     else
         echo "host: no working perf here; thread times only"
     fi
-    local pass pid start snapshot last tick
+    local pass pid start snapshot last tick target wall prefix
     tick=$(getconf CLK_TCK)
     for pass in warm-up recorded; do
+        prefix=()
+        [ "$pass" = recorded ] && prefix=("${perf[@]}")
         start=$(date +%s.%N)
-        if [ "$pass" = recorded ]; then
-            "${perf[@]}" "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
-                --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" &
-        else
-            "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
-                --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" &
-        fi
+        "${prefix[@]}" "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
+            --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" &
         pid=$!
         last=""
         while kill -0 "$pid" 2>/dev/null; do
             # Under perf, the sampled process is perf's child (and perf outlives it).
-            local target=$pid
-            if [ "$pass" = recorded ] && [ ${#perf[@]} -gt 0 ]; then
+            target=$pid
+            if [ ${#prefix[@]} -gt 0 ]; then
                 target=$(pgrep -P "$pid" -x "$(basename "$EMBER_GEN")") || target=""
             fi
             snapshot=""
@@ -326,7 +323,6 @@ host() {
             tail -5 "$RUNS/host.log"
             return 1
         }
-        local wall
         wall=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
         echo "$pass: $(grep -o '[0-9]* tokens/s' "$RUNS/host.log"), $wall s wall with start-up;" \
             "CPU seconds by thread (the last reading, up to 0.2 s before the end):"
@@ -393,7 +389,7 @@ all() {
     fi
     if [ -n "${OUT:-}" ] && [ -d target/environment ]; then
         tar -cJf "$OUT/environment.tar.xz" target/environment &&
-            echo "cubecl environment for the next call: $OUT/environment.tar.xz (ENV_ARCHIVE)"
+            echo "cubecl environment for the next run: $OUT/environment.tar.xz (ENV_ARCHIVE)"
     fi
     echo "all: $(($(date +%s) - t0)) s"
 }
