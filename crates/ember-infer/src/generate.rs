@@ -46,6 +46,20 @@ pub fn generate(
         && compiles_per_shape(&device)
     {
         let rng = StdRng::seed_from_u64(options.seed);
+        let on_token = match crate::replayed::applies(model, &device) {
+            true => match crate::replayed::decode_replayed(
+                model,
+                prompt,
+                options.max_new_tokens,
+                ctx,
+                (choice, rng.clone()),
+                on_token,
+            ) {
+                Ok(replays) => return replays.produced,
+                Err(on_token) => on_token,
+            },
+            false => on_token,
+        };
         return decode_on_device(
             model,
             prompt,
@@ -59,7 +73,7 @@ pub fn generate(
 }
 
 /// [`generate`] choosing each token on the host from its logits, read back one token at a time.
-fn generate_on_host(
+pub(crate) fn generate_on_host(
     model: &DecoderOnly,
     prompt: &[u32],
     options: &GenerateOptions,
@@ -99,7 +113,7 @@ fn compiles_per_shape(device: &Device) -> bool {
 
 /// How [`decode_on_device`] picks a token from its logits, on the device.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Choice {
+pub(crate) enum Choice {
     /// The argmax (the first maximum on ties, as [`crate::sampling::argmax`]).
     Greedy,
     /// A draw from `softmax(logits / temperature)`, by the host's uniform number, as
@@ -126,7 +140,7 @@ impl Choice {
     /// [`ember_model::ops::draw`] (one kernel on GPUs), which picks the host walk's token up to
     /// rounding: a `u` within rounding of a boundary could pick the neighbour, about one token
     /// in millions.
-    fn pick(self, logits: Tensor<2>, rng: &mut StdRng) -> Tensor<2, Int> {
+    pub(crate) fn pick(self, logits: Tensor<2>, rng: &mut StdRng) -> Tensor<2, Int> {
         match self {
             Choice::Greedy => logits.argmax(1),
             Choice::Temperature(t) => ember_model::ops::draw(logits, rng.random(), t),
@@ -135,7 +149,7 @@ impl Choice {
 }
 
 /// Tokens read back to the host at once by [`decode_on_device`].
-const READ_EVERY: usize = 16;
+pub(crate) const READ_EVERY: usize = 16;
 
 /// [`generate`] with the KV cache on a GPU backend, without a round trip to the host per
 /// token: each token is chosen from its logits on the device ([`Choice`]) and fed to the next
@@ -144,7 +158,7 @@ const READ_EVERY: usize = 16;
 /// while the device runs, instead of waiting for every token; with Burn's fusion, no thread
 /// spins on a read per token. `on_token` sees the ids in bursts; tokens computed after it
 /// returned `false` are dropped. The same ids as the host path.
-fn decode_on_device(
+pub(crate) fn decode_on_device(
     model: &DecoderOnly,
     prompt: &[u32],
     max_new_tokens: usize,
@@ -298,7 +312,7 @@ fn last_logits(
 }
 
 #[cfg(all(test, feature = "wgpu"))]
-mod wgpu_tests {
+pub(crate) mod wgpu_tests {
     use burn::module::{Module, Param};
     use burn::tensor::DeviceKind;
     use burn::tensor::Distribution;
@@ -309,7 +323,15 @@ mod wgpu_tests {
     /// A random model on wgpu with every matrix scaled up (unit-scale embeddings, sharp
     /// attention, an untied head), so its logits are far apart and its greedy text depends on
     /// position and context (at init scale it repeats one token).
-    fn model(positional: PositionalKind) -> DecoderOnly {
+    pub(crate) fn model(positional: PositionalKind) -> DecoderOnly {
+        model_with_context(positional, 16)
+    }
+
+    /// [`model`] with room for `context_len` positions.
+    pub(crate) fn model_with_context(
+        positional: PositionalKind,
+        context_len: usize,
+    ) -> DecoderOnly {
         // The tests run in parallel on one device, whose random numbers are one stream: the
         // seeding and the draws under a lock, or another test's draws land between them and the
         // weights change from run to run (once, a model that repeated one token).
@@ -323,7 +345,7 @@ mod wgpu_tests {
             d_model: 32,
             n_heads: 4,
             n_layers: 2,
-            context_len: 16,
+            context_len,
             positional,
             tie_weights: false,
             ..Default::default()
@@ -348,7 +370,7 @@ mod wgpu_tests {
         }
     }
 
-    fn greedy(use_cache: bool, max_new_tokens: usize) -> GenerateOptions {
+    pub(crate) fn greedy(use_cache: bool, max_new_tokens: usize) -> GenerateOptions {
         GenerateOptions {
             max_new_tokens,
             sampling: Sampling {

@@ -5,6 +5,7 @@
 
 pub mod batch;
 pub mod generate;
+mod replayed;
 pub mod sampling;
 
 pub use batch::generate_batch;

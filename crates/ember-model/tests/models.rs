@@ -249,6 +249,56 @@ fn a_whole_buffer_cache_gives_the_logits_of_the_valid_rows_cache() {
     }
 }
 
+/// One-token steps that read their position from a device tensor
+/// (`DecoderCache::read_position_from`, what a replayed step does) give the logits of the
+/// valid-rows cache, across a doubling of the buffers; only learned positions and none read it
+/// there.
+#[test]
+fn steps_reading_their_position_from_the_device_give_the_cached_logits() {
+    let device = Device::flex();
+    for positional in ALL_POSITIONS {
+        let model = DecoderOnlyConfig {
+            context_len: 80,
+            ..lm_config(positional, true)
+        }
+        .init(&device)
+        .unwrap();
+        let learned_or_none = matches!(positional, PositionalKind::Learned | PositionalKind::None);
+        assert_eq!(
+            model.reads_step_position_from_device(),
+            learned_or_none,
+            "{positional:?}"
+        );
+        if !learned_or_none {
+            continue;
+        }
+        let ids: Vec<i32> = (0..140).map(|i| (i * 5 + i / 4) % 11).collect();
+        let rows: [&[i32]; 2] = [&ids[..70], &ids[70..]];
+        let seq = tokens(&rows, &device);
+        let (mut valid, mut at) = (model.new_cache(), model.new_whole_buffer_cache());
+        let prompt = seq.clone().slice([0..2, 0..5]);
+        let _ = model.forward_with(prompt.clone(), None, Some(&mut valid), false);
+        let _ = model.forward_with(prompt, None, Some(&mut at), false);
+        for t in 5..70 {
+            let step = seq.clone().slice([0..2, t..t + 1]);
+            let want = model
+                .forward_with(step.clone(), None, Some(&mut valid), false)
+                .logits;
+            // A position the host did not pass: the kernels (here the references) read it.
+            let position = Tensor::<1, Int>::from_ints([t], &device);
+            at.read_position_from(Some(position));
+            let got = model.forward_with(step, None, Some(&mut at), false).logits;
+            let diff = max_diff(want, got);
+            assert!(diff < 1e-5, "{positional:?}, step {t}: {diff}");
+        }
+        assert_eq!(at.len(), 70);
+        assert!(at.capacity() >= 70);
+        // Back to the host's count.
+        at.read_position_from(None);
+        assert!(at.position().is_none());
+    }
+}
+
 /// Prompts of different lengths left-padded into one batch, decoded with a
 /// `DecoderCache::left_padded` cache: each row's logits, at the prompt's last position and at
 /// every step after, equal those of the prompt decoded alone (for every kind of position).

@@ -1,7 +1,7 @@
 //! Key/value cache for incremental decoding: the keys and values of tokens already seen, so
 //! that each new token costs one row of attention instead of a full recomputation.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor};
 
 /// Cached keys and values of one attention layer.
 ///
@@ -29,6 +29,9 @@ pub struct KvCache {
     /// Per batch row, how many positions of padding come before its sequence (a batch of
     /// prompts of different lengths, left-padded to one length); empty when none.
     left_padding: Vec<usize>,
+    /// The position of the step's first new token on the device (`[1]`), which the kernels
+    /// read in place of `len` when set (see [`DecoderCache::read_position_from`]).
+    position: Option<Tensor<1, Int>>,
 }
 
 /// Smallest buffer a self-attention cache allocates, in positions.
@@ -124,17 +127,24 @@ impl KvCache {
             self.k = Some(grow(self.k.take()));
             self.v = Some(grow(self.v.take()));
         }
-        let (keys, values) = crate::ops::write_cache_rows(
+        let (k_buffer, v_buffer) = (
             self.k.take().expect("allocated"),
             self.v.take().expect("allocated"),
-            k,
-            v,
-            self.len,
         );
+        let (keys, values) = match &self.position {
+            Some(position) => crate::ops::write_cache_rows_at(k_buffer, v_buffer, k, v, position),
+            None => crate::ops::write_cache_rows(k_buffer, v_buffer, k, v, self.len),
+        };
         self.len = end;
         self.k = Some(keys.clone());
         self.v = Some(values.clone());
         (keys, values)
+    }
+
+    /// The device tensor holding the position of the step's first new token, when the cache
+    /// reads it from there (see [`DecoderCache::read_position_from`]).
+    pub fn position(&self) -> Option<&Tensor<1, Int>> {
+        self.position.as_ref()
     }
 
     /// Replaces the contents (cross-attention: the projected encoder output).
@@ -216,6 +226,53 @@ impl DecoderCache {
     /// True when no token was processed yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Makes every layer write and attend at the position `position` `[1]` holds on the device
+    /// instead of passing [`DecoderCache::len`] to its kernels (`None`: back to `len`).
+    ///
+    /// A decoding step recorded once as a graph and replayed for each token (CUDA graphs)
+    /// replays its kernels with the arguments they were recorded with; reading the position
+    /// from a buffer the host writes between replays is what lets one recording serve every
+    /// position. The host still counts `len` (the buffers grow by it, and [`DecoderCache::
+    /// set_len`] keeps it in step with replays that did not go through the model); the two
+    /// must agree whenever the model runs. One token per step, with learned positions or
+    /// none besides (the embedding of the position is looked up by the same buffer); rotary
+    /// and sinusoidal positions take their angles from `len`.
+    pub fn read_position_from(&mut self, position: Option<Tensor<1, Int>>) {
+        for cache in &mut self.self_attn {
+            cache.position = position.clone();
+        }
+    }
+
+    /// The device tensor the self-attention caches read their position from, if any.
+    pub fn position(&self) -> Option<&Tensor<1, Int>> {
+        self.self_attn.first().and_then(KvCache::position)
+    }
+
+    /// Sets the number of positions processed, without touching the buffers: for steps run by
+    /// replaying a captured graph, which wrote their keys and values in place of the model.
+    ///
+    /// # Panics
+    /// If `len` exceeds a buffer's capacity.
+    pub fn set_len(&mut self, len: usize) {
+        for cache in &mut self.self_attn {
+            let capacity = cache.k.as_ref().map_or(0, |k| k.dims()[2]);
+            assert!(
+                len <= capacity,
+                "{len} positions exceed the cache's capacity {capacity}"
+            );
+            cache.len = len;
+        }
+    }
+
+    /// Positions the self-attention buffers hold before they must grow (0 before the first
+    /// step).
+    pub fn capacity(&self) -> usize {
+        self.self_attn
+            .first()
+            .and_then(|c| c.k.as_ref())
+            .map_or(0, |k| k.dims()[2])
     }
 
     /// Keeps only the batch rows `indices` in every layer (beam search).

@@ -62,7 +62,12 @@ impl MultiHeadAttention {
                 // start + i, which also hides every position not written yet.
                 let (k, v) = cache.append_whole(k, v);
                 if !return_weights {
-                    let context = ops::cached_causal_attention(q, k, v, start, &self.attn_dropout);
+                    let context = match cache.position() {
+                        Some(position) => {
+                            ops::cached_causal_attention_at(q, k, v, position, &self.attn_dropout)
+                        }
+                        None => ops::cached_causal_attention(q, k, v, start, &self.attn_dropout),
+                    };
                     return self.project(AttentionOutput {
                         context,
                         weights: None,

@@ -129,9 +129,15 @@ impl DecoderOnly {
         };
         let mut x = crate::ops::embed(&self.wte, tokens); // [B, T, D]
         if let Some(wpe) = &self.wpe {
-            x = x + match &row_starts {
-                Some(starts) => wpe.forward_rows(starts, t, &device),
-                None => wpe.forward(start, t, &device),
+            // A step that reads its position from the device looks its encoding up there.
+            let at_position = match cache.as_ref().and_then(|c| c.position()) {
+                Some(position) if t == 1 => wpe.forward_at(position),
+                _ => None,
+            };
+            x = x + match (&row_starts, at_position) {
+                (_, Some(encoding)) => encoding,
+                (Some(starts), None) => wpe.forward_rows(starts, t, &device),
+                (None, None) => wpe.forward(start, t, &device),
             };
         }
         let mut x = crate::ops::dropout(&self.drop, x);
@@ -152,6 +158,16 @@ impl DecoderOnly {
             logits: self.head(x),
             weights,
         }
+    }
+
+    /// Whether a one-token decoding step of this model can read its position from the device
+    /// ([`DecoderCache::read_position_from`]), so that one captured step replays at every
+    /// position: learned positions or none. Sinusoidal and rotary positions compute their
+    /// encodings from the position on the host.
+    pub fn reads_step_position_from_device(&self) -> bool {
+        let additive = self.wpe.as_ref().is_none_or(|p| p.wpe.is_some());
+        let rotary = self.blocks.iter().any(|b| b.attn.rotary_base > 0.0);
+        additive && !rotary
     }
 
     /// A fresh cache sized for this model.

@@ -9,7 +9,7 @@
 
 use burn::nn::Dropout;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor};
 
 use super::causal_softmax_reference;
 use crate::attention::masks::MASKED_SCORE;
@@ -85,6 +85,34 @@ pub fn cached_causal_attention(
         },
         false => (q, k, v),
     };
+    cached_causal_attention_reference(q, k, v, start, Some(dropout))
+}
+
+/// [`cached_causal_attention`] for queries at the position held by `position` `[1]` on the device
+/// (written there between replays of a captured decoding step); the position is not read back
+/// to the host on GPU backends.
+///
+/// # Shapes
+/// - q: `[B, H, T, K]`
+/// - k, v: `[B, H, C, K]` (`C >= position + T`)
+/// - position: `[1]`
+/// - output: `[B, H, T, K]`
+pub fn cached_causal_attention_at(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    position: &Tensor<1, Int>,
+    dropout: &Dropout,
+) -> Tensor<4> {
+    #[cfg(feature = "cube")]
+    let (q, k, v) = match applied(dropout, &q.device()) == 0.0 {
+        true => match super::cube::attention::cached_causal_attention_at(q, k, v, position) {
+            Ok(context) => return context,
+            Err(qkv) => qkv,
+        },
+        false => (q, k, v),
+    };
+    let start = super::read_position(position);
     cached_causal_attention_reference(q, k, v, start, Some(dropout))
 }
 

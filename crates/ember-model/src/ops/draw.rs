@@ -32,6 +32,24 @@ pub fn draw(logits: Tensor<2>, u: f32, temperature: f32) -> Tensor<2, Int> {
     draw_reference(logits, u, temperature)
 }
 
+/// [`draw`] by the uniform number `u` `[1]` holds on the device (written there between replays
+/// of a captured decoding step); `u` is not read back to the host on GPU backends.
+///
+/// # Shapes
+/// - logits: `[B, V]`
+/// - u: `[1]`
+/// - output: `[B, 1]`
+pub fn draw_at(logits: Tensor<2>, u: &Tensor<1>, temperature: f32) -> Tensor<2, Int> {
+    let temperature = temperature.max(MIN_TEMPERATURE);
+    #[cfg(feature = "cube")]
+    let logits = match super::cube::draw::draw_at(logits, u, temperature) {
+        Ok(index) => return index,
+        Err(logits) => logits,
+    };
+    let u = u.clone().into_scalar::<f32>();
+    draw_reference(logits, u, temperature)
+}
+
 /// [`draw`] in Burn's tensor ops, on every backend: the shifted exponentials' cumulative sums,
 /// how many are at or below `u` times their total, and the argmax where that is every one.
 pub fn draw_reference(logits: Tensor<2>, u: f32, temperature: f32) -> Tensor<2, Int> {

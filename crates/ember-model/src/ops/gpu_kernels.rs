@@ -46,11 +46,15 @@ pub enum GpuKernel {
     Embedding,
     /// A token drawn from a decoding step's logits at a temperature.
     Draw,
+    /// Not a kernel: a one-token decoding step captured once as a graph (CUDA graphs; recorded
+    /// dispatches on wgpu) and replayed for each token, instead of launching its kernels one by
+    /// one.
+    StepGraph,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 12] = [
+    pub const ALL: [GpuKernel; 13] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -63,6 +67,7 @@ impl GpuKernel {
         GpuKernel::CrossEntropy,
         GpuKernel::Embedding,
         GpuKernel::Draw,
+        GpuKernel::StepGraph,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -80,6 +85,7 @@ impl GpuKernel {
             GpuKernel::CrossEntropy => "cross-entropy",
             GpuKernel::Embedding => "embedding",
             GpuKernel::Draw => "draw",
+            GpuKernel::StepGraph => "step-graph",
         }
     }
 }

@@ -53,6 +53,7 @@ mod layer_norm;
 mod linear;
 mod rotary;
 mod softmax;
+mod step_inputs;
 mod sum_of_squares;
 
 #[cfg(test)]
@@ -65,12 +66,13 @@ pub mod kernels;
 
 pub use adamw::{AdamWStep, adamw_step, adamw_step_reference};
 pub use attention::{
-    cached_causal_attention, cached_causal_attention_reference, causal_self_attention,
-    causal_self_attention_reference, single_query_attention, single_query_attention_reference,
+    cached_causal_attention, cached_causal_attention_at, cached_causal_attention_reference,
+    causal_self_attention, causal_self_attention_reference, single_query_attention,
+    single_query_attention_reference,
 };
-pub use cache_write::{write_cache_rows, write_cache_rows_reference};
+pub use cache_write::{write_cache_rows, write_cache_rows_at, write_cache_rows_reference};
 pub use cross_entropy::{cross_entropy, cross_entropy_reference};
-pub use draw::{MIN_TEMPERATURE, draw, draw_reference};
+pub use draw::{MIN_TEMPERATURE, draw, draw_at, draw_reference};
 pub use dropout::{dropout, dropout_reference};
 pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
@@ -81,6 +83,7 @@ pub use linear::{
 };
 pub use rotary::{rotate_qk, rotate_qk_reference, rotate_qk_rows};
 pub use softmax::{causal_softmax, causal_softmax_reference};
+pub use step_inputs::{write_in_place, write_token, write_token_reference};
 pub use sum_of_squares::{add_sum_of_squares, add_sum_of_squares_reference};
 
 use burn::tensor::Tensor;
@@ -90,6 +93,14 @@ use burn::tensor::Tensor;
 pub fn on_cubecl(device: &burn::tensor::Device) -> bool {
     use burn::backend::{Backend, Dispatch};
     Dispatch::name(device.as_dispatch()).contains("cubecl<")
+}
+
+/// The position a decoding step reads from the device (`[1]`), on the host: what the reference
+/// implementations of the `*_at` ops take. A read waits for the device, so GPU kernels read the
+/// position where it is instead.
+pub(crate) fn read_position(position: &Tensor<1, burn::tensor::Int>) -> usize {
+    let value = position.clone().into_scalar::<i64>();
+    usize::try_from(value).expect("a decoding position is not negative")
 }
 
 /// Whether ember's kernels take `x` (a flex `f32` tensor, tracked by autodiff or not) rather

@@ -86,6 +86,18 @@ impl AdditivePositions {
         }
     }
 
+    /// The encoding of the one position `position` `[1]` holds on the device, looked up there
+    /// (a captured decoding step, replayed at every position: see
+    /// [`crate::DecoderCache::read_position_from`]); `None` for sinusoidal encodings, which are
+    /// computed from a position the host knows.
+    ///
+    /// # Shapes
+    /// - output: `[1, 1, D]`
+    pub fn forward_at(&self, position: &Tensor<1, Int>) -> Option<Tensor<3>> {
+        let wpe = self.wpe.as_ref()?;
+        Some(crate::ops::embed(wpe, position.clone().reshape([1, 1])))
+    }
+
     /// The encodings of positions `starts[b]..starts[b] + T` for each row `b` of a batch whose
     /// rows start at different positions (left-padded prompts). Positions before 0 are padding,
     /// which attention masks out; they get position 0's encoding (learned) or their own

@@ -35,11 +35,11 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
@@ -90,6 +90,29 @@ pub(crate) fn cached_causal_attention(
         k.into_dispatch(),
         v.into_dispatch(),
         start,
+    );
+    Ok(Tensor::from_dispatch(context))
+}
+
+/// [`cached_causal_attention`] for queries at the position `position` `[1]` holds on the
+/// device.
+pub(crate) fn cached_causal_attention_at(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    position: &Tensor<1, Int>,
+) -> Result<Tensor<4>, (Tensor<4>, Tensor<4>, Tensor<4>)> {
+    let [_, _, t, _] = q.dims();
+    let capacity = k.dims()[2];
+    let plain = |t: &Tensor<4>| super::kernels_take_plain(GpuKernel::CachedAttention, t);
+    if t == 0 || t > capacity || !(plain(&q) && plain(&k) && plain(&v)) {
+        return Err((q, k, v));
+    }
+    let context = <Dispatch as AttentionKernels>::cached_causal_attention_at(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        position.clone().into_dispatch(),
     );
     Ok(Tensor::from_dispatch(context))
 }
@@ -177,6 +200,15 @@ pub trait AttentionKernels: Backend {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         start: usize,
+    ) -> FloatTensor<Self>;
+
+    /// [`AttentionKernels::cached_causal_attention`] at the position `position` `[1]` holds.
+    #[fusion(dtype = q, shape = q)]
+    fn cached_causal_attention_at(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        position: IntTensor<Self>,
     ) -> FloatTensor<Self>;
 }
 
@@ -300,29 +332,79 @@ impl AttentionKernels for CubeBackend {
         v: CubeTensor,
         start: usize,
     ) -> CubeTensor {
-        let [b, heads, t, head] = q.shape().dims::<4>();
-        assert_eq!(q.dtype(), DType::F32, "cached attention kernel: f32 only");
-        let capacity = k.shape().dims::<4>()[2];
-        let out = super::empty(&q, [b, heads, t, head]);
-        // One cube per query row: a token's step has one query row per head, too few rows to
-        // keep a GPU busy with one unit each (measured on an H100: 350 us per layer and token).
-        // A batch of prompts has many rows: in a grid, not one line.
-        kernels::cached_attention::launch::<f32>(
-            &q.client.clone(),
-            super::row_grid(b * heads * t),
-            CubeDim::new_1d(CACHED_UNITS as u32),
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            start as u32,
-            1.0 / (head as f32).sqrt(),
+        cached_attention(q, k, v, CachedStart::Host(start as u32))
+    }
+
+    fn cached_causal_attention_at(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        position: CubeTensor,
+    ) -> CubeTensor {
+        cached_attention(q, k, v, CachedStart::Device(super::ids_i32(position)))
+    }
+}
+
+/// Where the cached attention's queries start: a number known when the kernel is launched, or
+/// the `[1]` `i32` tensor holding it on the device (a captured step, replayed at each position).
+#[allow(clippy::large_enum_variant)] // built once per launch, never stored
+enum CachedStart {
+    Host(u32),
+    Device(CubeTensor),
+}
+
+/// The cached attention's launch: one cube per query row.
+fn cached_attention(q: CubeTensor, k: CubeTensor, v: CubeTensor, start: CachedStart) -> CubeTensor {
+    let [b, heads, t, head] = q.shape().dims::<4>();
+    assert_eq!(q.dtype(), DType::F32, "cached attention kernel: f32 only");
+    let capacity = k.shape().dims::<4>()[2];
+    let out = super::empty(&q, [b, heads, t, head]);
+    // One cube per query row: a token's step has one query row per head, too few rows to
+    // keep a GPU busy with one unit each (measured on an H100: 350 us per layer and token).
+    // A batch of prompts has many rows: in a grid, not one line.
+    let client = q.client.clone();
+    let (count, dim) = (
+        super::row_grid(b * heads * t),
+        CubeDim::new_1d(CACHED_UNITS as u32),
+    );
+    let scale = 1.0 / (head as f32).sqrt();
+    let (q, k, v, o) = (
+        q.into_tensor_arg(),
+        k.into_tensor_arg(),
+        v.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+    );
+    match start {
+        CachedStart::Host(start) => kernels::cached_attention::launch::<f32>(
+            &client,
+            count,
+            dim,
+            q,
+            k,
+            v,
+            o,
+            start,
+            scale,
             head,
             capacity,
             CACHED_UNITS,
-        );
-        out
+        ),
+        CachedStart::Device(position) => kernels::cached_attention_at::launch::<f32>(
+            &client,
+            count,
+            dim,
+            q,
+            k,
+            v,
+            o,
+            position.into_tensor_arg(),
+            scale,
+            head,
+            capacity,
+            CACHED_UNITS,
+        ),
     }
+    out
 }
 
 impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B, C> {
@@ -392,6 +474,16 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
     ) -> FloatTensor<Self> {
         let [q, k, v] = [q, k, v].map(Self::inner);
         Self::from_inner(B::cached_causal_attention(q, k, v, start))
+    }
+
+    fn cached_causal_attention_at(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        position: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let [q, k, v] = [q, k, v].map(Self::inner);
+        Self::from_inner(B::cached_causal_attention_at(q, k, v, position))
     }
 }
 
@@ -784,6 +876,42 @@ mod kernels {
         #[comptime] capacity: usize,
         #[comptime] units: usize,
     ) {
+        cached_rows::<F>(q, k, v, out, start, scale, head, capacity, units);
+    }
+
+    /// [`cached_attention`] for queries starting at `position[0]`, read on the device (a
+    /// captured step attends wherever the position buffer says when it is replayed).
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn cached_attention_at<F: Float>(
+        q: &Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        out: &mut Tensor<F>,
+        position: &Tensor<i32>,
+        scale: f32,
+        #[comptime] head: usize,
+        #[comptime] capacity: usize,
+        #[comptime] units: usize,
+    ) {
+        let start = position[0] as u32;
+        cached_rows::<F>(q, k, v, out, start, scale, head, capacity, units);
+    }
+
+    /// The body of [`cached_attention`], for either source of `start`.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn cached_rows<F: Float>(
+        q: &Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        out: &mut Tensor<F>,
+        start: u32,
+        scale: f32,
+        #[comptime] head: usize,
+        #[comptime] capacity: usize,
+        #[comptime] units: usize,
+    ) {
         let row = cube_row();
         let t = q.shape(2);
         let heads = q.shape(1);
@@ -1073,12 +1201,18 @@ mod tests {
             let v = Tensor::<4>::random([b, heads, capacity, head], normal, &device);
             let fast = cached_causal_attention(q.clone(), k.clone(), v.clone(), start)
                 .expect("plain wgpu f32 tensors");
+            // The same with the position read from a device tensor (a replayed step).
+            let position = Tensor::<1, Int>::from_ints([start as i32], &device);
+            let at = cached_causal_attention_at(q.clone(), k.clone(), v.clone(), &position)
+                .expect("plain wgpu f32 tensors");
             let reference = crate::ops::cached_causal_attention_reference(q, k, v, start, None);
-            let diff = (fast - reference).abs().max().into_scalar::<f32>();
+            let diff = (fast - reference.clone()).abs().max().into_scalar::<f32>();
             assert!(
                 diff < 1e-5,
                 "{b}x{heads}x{head}, start {start}, {t} rows: {diff}"
             );
+            let diff = (at - reference).abs().max().into_scalar::<f32>();
+            assert!(diff < 1e-5, "at {start}, {t} rows: {diff}");
         }
         // Tracked tensors go back to the caller (decoding is never differentiated).
         let tracked = device.clone().autodiff();

@@ -5,11 +5,11 @@
 
 use crate::ops::GpuKernel;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 
@@ -49,6 +49,37 @@ pub(crate) fn write_cache_rows(
     Ok((Tensor::from_dispatch(keys), Tensor::from_dispatch(values)))
 }
 
+/// [`write_cache_rows`] at the position held by `position` `[1]` on the device.
+#[allow(clippy::type_complexity)]
+pub(crate) fn write_cache_rows_at(
+    k_buffer: Tensor<4>,
+    v_buffer: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    position: &Tensor<1, Int>,
+) -> Result<(Tensor<4>, Tensor<4>), (Tensor<4>, Tensor<4>, Tensor<4>, Tensor<4>)> {
+    let [b, h, c, d] = k_buffer.dims();
+    let [_, _, t, _] = k.dims();
+    let take = |x: &Tensor<4>| super::kernels_take_plain(GpuKernel::CacheWrite, x);
+    let fits = v_buffer.dims() == [b, h, c, d]
+        && k.dims() == [b, h, t, d]
+        && v.dims() == [b, h, t, d]
+        && t <= c
+        && t > 0
+        && d > 0;
+    if !(fits && take(&k_buffer) && take(&v_buffer) && take(&k) && take(&v)) {
+        return Err((k_buffer, v_buffer, k, v));
+    }
+    let (keys, values) = <Dispatch as CacheWriteKernels>::write_cache_rows_at(
+        k_buffer.into_dispatch(),
+        v_buffer.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        position.clone().into_dispatch(),
+    );
+    Ok((Tensor::from_dispatch(keys), Tensor::from_dispatch(values)))
+}
+
 /// The cache write on every backend that has the kernel: CubeCL's, Burn's fusion over it, and
 /// autodiff over either (which hands it the inner tensors: it is never differentiated).
 #[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
@@ -63,6 +94,16 @@ pub trait CacheWriteKernels: Backend {
         v: FloatTensor<Self>,
         start: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`CacheWriteKernels::write_cache_rows`] at the position `position` `[1]` holds.
+    #[fusion(meta = |k_buffer, v_buffer, _k, _v, _position| (k_buffer.clone(), v_buffer.clone()))]
+    fn write_cache_rows_at(
+        k_buffer: FloatTensor<Self>,
+        v_buffer: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        position: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
 impl CacheWriteKernels for CubeBackend {
@@ -74,11 +115,6 @@ impl CacheWriteKernels for CubeBackend {
         start: usize,
     ) -> (CubeTensor, CubeTensor) {
         assert_eq!(k.dtype(), DType::F32, "cache-write kernel: f32 only");
-        // In place where nothing else holds the buffer's memory, as Burn's `slice_assign`.
-        let owned = |x: CubeTensor| match x.can_mut() && x.is_nonoverlapping() {
-            true => x,
-            false => x.copy(),
-        };
         let (k_buffer, v_buffer) = (owned(k_buffer), owned(v_buffer));
         let n = k.shape().num_elements();
         let (count, dim) = super::launch_size(&k, 2 * n);
@@ -93,6 +129,40 @@ impl CacheWriteKernels for CubeBackend {
             start,
         );
         (k_buffer, v_buffer)
+    }
+
+    fn write_cache_rows_at(
+        k_buffer: CubeTensor,
+        v_buffer: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        position: CubeTensor,
+    ) -> (CubeTensor, CubeTensor) {
+        assert_eq!(k.dtype(), DType::F32, "cache-write kernel: f32 only");
+        let (k_buffer, v_buffer) = (owned(k_buffer), owned(v_buffer));
+        let position = super::ids_i32(position);
+        let n = k.shape().num_elements();
+        let (count, dim) = super::launch_size(&k, 2 * n);
+        kernels::write_cache_rows_at::launch::<f32>(
+            &k.client.clone(),
+            count,
+            dim,
+            k_buffer.clone().into_tensor_arg(),
+            v_buffer.clone().into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            position.into_tensor_arg(),
+        );
+        (k_buffer, v_buffer)
+    }
+}
+
+/// `x` itself where nothing else holds its memory (the write is then in place, as Burn's
+/// `slice_assign`), else a copy.
+fn owned(x: CubeTensor) -> CubeTensor {
+    match x.can_mut() && x.is_nonoverlapping() {
+        true => x,
+        false => x.copy(),
     }
 }
 
@@ -109,6 +179,18 @@ impl<B: CacheWriteKernels, C: CheckpointStrategy> CacheWriteKernels for Autodiff
         let (keys, values) = B::write_cache_rows(k_buffer, v_buffer, k, v, start);
         (Self::from_inner(keys), Self::from_inner(values))
     }
+
+    fn write_cache_rows_at(
+        k_buffer: FloatTensor<Self>,
+        v_buffer: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        position: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [k_buffer, v_buffer, k, v] = [k_buffer, v_buffer, k, v].map(Self::inner);
+        let (keys, values) = B::write_cache_rows_at(k_buffer, v_buffer, k, v, position);
+        (Self::from_inner(keys), Self::from_inner(values))
+    }
 }
 
 mod kernels {
@@ -121,10 +203,35 @@ mod kernels {
         b * t.stride(0) + h * t.stride(1) + p * t.stride(2) + c * t.stride(3)
     }
 
-    /// Unit `i < n` (`n` the elements of `k`) writes element `i` of `k`, unit `n + i` element
-    /// `i` of `v`, each at its row's position plus `start` in its buffer.
+    /// [`write_rows`] at `start`.
     #[cube(launch)]
     pub(super) fn write_cache_rows<F: Float>(
+        k_buffer: &mut Tensor<F>,
+        v_buffer: &mut Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        start: usize,
+    ) {
+        write_rows::<F>(k_buffer, v_buffer, k, v, start);
+    }
+
+    /// [`write_rows`] at the position `position[0]` (read on the device: a captured step
+    /// writes wherever the position buffer says when it is replayed).
+    #[cube(launch)]
+    pub(super) fn write_cache_rows_at<F: Float>(
+        k_buffer: &mut Tensor<F>,
+        v_buffer: &mut Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        position: &Tensor<i32>,
+    ) {
+        write_rows::<F>(k_buffer, v_buffer, k, v, position[0] as usize);
+    }
+
+    /// Unit `i < n` (`n` the elements of `k`) writes element `i` of `k`, unit `n + i` element
+    /// `i` of `v`, each at its row's position plus `start` in its buffer.
+    #[cube]
+    fn write_rows<F: Float>(
         k_buffer: &mut Tensor<F>,
         v_buffer: &mut Tensor<F>,
         k: &Tensor<F>,
@@ -182,10 +289,21 @@ mod tests {
                 start,
             );
             let kept = kb.to_data();
+            // The position read from a device tensor (a replayed step) writes the same rows.
+            let position = Tensor::<1, Int>::from_ints([start as i32], &device);
+            let (at_k, at_v) =
+                write_cache_rows_at(kb.clone(), vb.clone(), k.clone(), v.clone(), &position)
+                    .unwrap_or_else(|_| panic!("plain wgpu f32 tensors"));
             let (got_k, got_v) = write_cache_rows(kb.clone(), vb, k, v, start)
                 .unwrap_or_else(|_| panic!("plain wgpu f32 tensors"));
-            got_k.into_data().assert_eq(&want_k.into_data(), true);
-            got_v.into_data().assert_eq(&want_v.into_data(), true);
+            got_k
+                .into_data()
+                .assert_eq(&want_k.clone().into_data(), true);
+            got_v
+                .into_data()
+                .assert_eq(&want_v.clone().into_data(), true);
+            at_k.into_data().assert_eq(&want_k.into_data(), true);
+            at_v.into_data().assert_eq(&want_v.into_data(), true);
             kb.into_data().assert_eq(&kept, true);
         }
         // Tracked tensors go back to the caller (decoding is never differentiated).

@@ -49,6 +49,28 @@ pub(crate) fn draw(
     Ok(Tensor::<2>::from_dispatch(index).int())
 }
 
+/// [`draw`] by the uniform number `u` `[1]` holds on the device.
+pub(crate) fn draw_at(
+    logits: Tensor<2>,
+    u: &Tensor<1>,
+    temperature: f32,
+) -> Result<Tensor<2, Int>, Tensor<2>> {
+    let [b, v] = logits.dims();
+    let take = b > 0
+        && v > 0
+        && super::kernels_take_plain(GpuKernel::Draw, &logits)
+        && super::kernels_take_plain(GpuKernel::Draw, u);
+    if !take {
+        return Err(logits);
+    }
+    let index = <Dispatch as DrawKernels>::draw_rows_at(
+        logits.into_dispatch(),
+        u.clone().into_dispatch(),
+        temperature,
+    );
+    Ok(Tensor::<2>::from_dispatch(index).int())
+}
+
 /// The draw on every backend that has the kernel: CubeCL's, Burn's fusion over it, and autodiff
 /// over either (which hands it the inner tensor: it is never differentiated).
 #[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
@@ -57,6 +79,24 @@ pub trait DrawKernels: Backend {
     /// `[B, 1]`.
     #[fusion(meta = index_spec)]
     fn draw_rows(logits: FloatTensor<Self>, u: f32, temperature: f32) -> FloatTensor<Self>;
+
+    /// [`DrawKernels::draw_rows`] by the number `u` `[1]` holds.
+    #[fusion(meta = index_spec_at)]
+    fn draw_rows_at(
+        logits: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        temperature: f32,
+    ) -> FloatTensor<Self>;
+}
+
+/// The output's shape `[B, 1]`, for fusion.
+#[cfg(feature = "fusion")]
+fn index_spec_at(
+    logits: &burn::backend::fusion::custom::TensorSpec,
+    _u: &burn::backend::fusion::custom::TensorSpec,
+    temperature: &f32,
+) -> burn::backend::fusion::custom::TensorSpec {
+    index_spec(logits, &0.0, temperature)
 }
 
 /// The output's shape `[B, 1]`, for fusion (which defers the kernel).
@@ -72,27 +112,65 @@ fn index_spec(
 
 impl DrawKernels for CubeBackend {
     fn draw_rows(logits: CubeTensor, u: f32, temperature: f32) -> CubeTensor {
-        let logits = into_contiguous(logits);
-        assert_eq!(logits.dtype(), DType::F32, "draw kernel: f32 only");
-        let [b, _] = logits.shape().dims::<2>();
-        let out = super::empty(&logits, [b, 1]);
-        kernels::draw_rows::launch::<f32>(
-            &logits.client.clone(),
-            super::row_grid(b),
-            CubeDim::new_1d(UNITS as u32),
-            logits.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            u,
-            temperature,
-        );
-        out
+        draw_launch(logits, Uniform::Host(u), temperature)
     }
+
+    fn draw_rows_at(logits: CubeTensor, u: CubeTensor, temperature: f32) -> CubeTensor {
+        assert_eq!(u.dtype(), DType::F32, "draw kernel: an f32 number");
+        draw_launch(logits, Uniform::Device(into_contiguous(u)), temperature)
+    }
+}
+
+/// The draw's uniform number: known when the kernel is launched, or the `[1]` tensor holding it
+/// on the device (a captured step, replayed with a new number each time).
+#[allow(clippy::large_enum_variant)] // built once per launch, never stored
+enum Uniform {
+    Host(f32),
+    Device(CubeTensor),
+}
+
+/// The draw's launch: a cube per row.
+fn draw_launch(logits: CubeTensor, u: Uniform, temperature: f32) -> CubeTensor {
+    let logits = into_contiguous(logits);
+    assert_eq!(logits.dtype(), DType::F32, "draw kernel: f32 only");
+    let [b, _] = logits.shape().dims::<2>();
+    let out = super::empty(&logits, [b, 1]);
+    let client = logits.client.clone();
+    let (count, dim) = (super::row_grid(b), CubeDim::new_1d(UNITS as u32));
+    let (logits, o) = (logits.into_tensor_arg(), out.clone().into_tensor_arg());
+    match u {
+        Uniform::Host(u) => {
+            kernels::draw_rows::launch::<f32>(&client, count, dim, logits, o, u, temperature)
+        }
+        Uniform::Device(u) => kernels::draw_rows_at::launch::<f32>(
+            &client,
+            count,
+            dim,
+            logits,
+            o,
+            u.into_tensor_arg(),
+            temperature,
+        ),
+    }
+    out
 }
 
 impl<B: DrawKernels, C: CheckpointStrategy> DrawKernels for Autodiff<B, C> {
     // Never differentiated: the entry point takes plain tensors only.
     fn draw_rows(logits: FloatTensor<Self>, u: f32, temperature: f32) -> FloatTensor<Self> {
         Self::from_inner(B::draw_rows(Self::inner(logits), u, temperature))
+    }
+
+    fn draw_rows_at(
+        logits: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        temperature: f32,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::draw_rows_at(
+            Self::inner(logits),
+            Self::inner(u),
+            temperature,
+        ))
     }
 }
 
@@ -119,6 +197,24 @@ mod kernels {
         u: f32,
         temperature: f32,
     ) {
+        draw_row::<F>(logits, out, F::cast_from(u), temperature);
+    }
+
+    /// [`draw_rows`] by the number `u[0]`, read on the device (a captured step draws by
+    /// whatever the host wrote there before the replay).
+    #[cube(launch)]
+    pub(super) fn draw_rows_at<F: Float>(
+        logits: &Tensor<F>,
+        out: &mut Tensor<F>,
+        u: &Tensor<F>,
+        temperature: f32,
+    ) {
+        draw_row::<F>(logits, out, u[0], temperature);
+    }
+
+    /// The body of [`draw_rows`], for either source of `u`.
+    #[cube]
+    fn draw_row<F: Float>(logits: &Tensor<F>, out: &mut Tensor<F>, u: F, temperature: f32) {
         let row = cube_row();
         if row < out.shape(0) {
             let unit = UNIT_POS_X as usize;
@@ -157,7 +253,7 @@ mod kernels {
                 for i in 0..UNITS {
                     total += sums[i];
                 }
-                let target = F::cast_from(u) * total;
+                let target = u * total;
                 // The first chunk whose end passes the target, and the sum before it (the
                 // same additions in the same order as the total's).
                 let mut before = F::new(0.0);
@@ -252,6 +348,10 @@ mod tests {
             for k in 0..25 {
                 let u = (k as f32 + 0.37) / 25.0;
                 let got = ids(draw_op(logits.clone(), u, t));
+                // The number read from a device tensor (a replayed step): the same draw.
+                let u_at = Tensor::<1>::from_floats([u], &device);
+                let at = ids(crate::ops::draw_at(logits.clone(), &u_at, t));
+                assert_eq!(at, got, "V {v}, t {t}, u {u}: from the device");
                 let (walk, margin) = walked(&values, u, t);
                 assert!(
                     spans(&values, u, t, got[0] as usize, clear),

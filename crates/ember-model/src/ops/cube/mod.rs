@@ -19,6 +19,7 @@ pub(crate) mod gelu;
 pub(crate) mod hashed_mask;
 pub(crate) mod layer_norm;
 pub(crate) mod linear;
+pub(crate) mod step_inputs;
 pub(crate) mod sum_of_squares;
 
 use crate::ops::gpu_kernels::{self, GpuKernel};

@@ -1,0 +1,472 @@
+//! Decoding by replaying one captured step: the KV-cache path of [`crate::generate`] on a GPU
+//! backend, with each token's kernels launched by one graph replay instead of one by one.
+//!
+//! A decoding step of a small model is dozens of kernel launches whose device work is a few
+//! microseconds each, so the host's cost per launch bounds it (on an H200, nanoGPT's GPU config
+//! decoded at a third of PyTorch's speed for that reason). cubecl records a step's launches once
+//! (CUDA graphs; on wgpu, the resolved dispatches) and replays them with the arguments and
+//! buffers they were recorded with. What changes from one token to the next therefore lives in
+//! device buffers:
+//! - the position of the step's input token, written by the host before each replay; the KV
+//!   cache's write, its attention and the position embedding read it there
+//!   ([`ember_model::DecoderCache::read_position_from`]);
+//! - the sampler's uniform number, written by the host before each replay ([`ops::draw_at`]);
+//! - the tokens of the window, `history[i]` the token at cache position `i`: the step reads its
+//!   input at the position and writes the token it chose one further ([`ops::write_token`]),
+//!   where the next replay reads it. The host reads them [`READ_EVERY`] tokens at a time.
+//!
+//! A step run twice at the same position gives the same result, so the step before a capture
+//! is run for real (it also allocates what the recording reuses) and the recording, which runs
+//! nothing, is then replayed from the next position on. The cache's buffers are recorded too:
+//! when they are full the next step runs unrecorded (it grows them) and the step after it is
+//! captured again. Text fits the context, or the window is rebuilt as on the other paths.
+
+use burn::backend::{Backend, BackendGraph, Dispatch};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use ember_model::ops::{self, GpuKernel};
+use ember_model::{DecoderCache, DecoderOnly};
+use rand::Rng;
+use rand::rngs::StdRng;
+
+use crate::generate::{Choice, READ_EVERY};
+
+/// Whether decoding `model` on `device` can replay captured steps: a CubeCL backend, a model
+/// whose step reads its position from the device (learned positions or none), and the kernels
+/// that read the step's inputs there turned on (`EMBER_GPU_KERNELS`; `-step-graph` turns the
+/// replays off).
+pub(crate) fn applies(model: &DecoderOnly, device: &Device) -> bool {
+    let kernels = [
+        GpuKernel::StepGraph,
+        GpuKernel::CacheWrite,
+        GpuKernel::CachedAttention,
+        GpuKernel::Draw,
+    ];
+    kernels.into_iter().all(ops::gpu_kernels::uses)
+        && model.reads_step_position_from_device()
+        && ops::on_cubecl(device)
+}
+
+/// What [`decode_replayed`] did, for tests and benchmarks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Replays {
+    /// The new token ids.
+    pub produced: Vec<u32>,
+    /// Steps captured as graphs.
+    pub captures: usize,
+    /// Steps run by a replay.
+    pub replays: usize,
+}
+
+/// The step's inputs that the host writes between replays: `[1]` tensors whose memory is
+/// written in place.
+struct StepInputs {
+    /// The position of the step's input token in the cache.
+    position: Tensor<1, Int>,
+    /// The uniform number of a temperature draw.
+    u: Tensor<1>,
+}
+
+impl StepInputs {
+    /// The buffers on `device`, or `None` where the backend cannot write them in place (Burn's
+    /// fusion, which owns its buffers).
+    fn new(device: &Device) -> Option<Self> {
+        let inputs = StepInputs {
+            position: Tensor::from_data(TensorData::new(vec![0i32], [1]), device),
+            u: Tensor::from_data(TensorData::new(vec![0f32], [1]), device),
+        };
+        (inputs.set_position(0) && inputs.set_u(0.0)).then_some(inputs)
+    }
+
+    fn set_position(&self, position: usize) -> bool {
+        let data = TensorData::new(vec![position as i64], [1]).convert_dtype(self.position.dtype());
+        ops::write_in_place(&self.position, data)
+    }
+
+    fn set_u(&self, u: f32) -> bool {
+        let data = TensorData::new(vec![u], [1]).convert_dtype(self.u.dtype());
+        ops::write_in_place(&self.u, data)
+    }
+}
+
+/// The window of text the cache holds, with the step's token buffer and graph.
+struct Window {
+    /// The keys and values of cache positions `0..cache.len()`, reading the step's position
+    /// from the device.
+    cache: DecoderCache,
+    /// The index in the text of cache position 0.
+    start: usize,
+    /// `[context + 1]`: the token at each cache position, up to the step's next input at
+    /// `cache.len()`. Held by the window alone, so the step writes it in place.
+    history: Option<Tensor<1, Int>>,
+    /// The captured step, valid while the cache's buffers stay where they were recorded.
+    graph: Option<BackendGraph<Dispatch>>,
+}
+
+/// The tokens chosen so far: the prompt and every id read back, and `on_token`.
+struct Text<F> {
+    tokens: Vec<u32>,
+    produced: Vec<u32>,
+    on_token: F,
+    /// `on_token` asked to stop: the ids after that one are dropped.
+    stopped: bool,
+}
+
+impl<F: FnMut(u32) -> bool> Text<F> {
+    /// Reads the window's tokens not read yet (one transfer), telling `on_token` of each; false
+    /// as soon as it asks to stop.
+    fn read(&mut self, window: &Window) -> bool {
+        let from = self.tokens.len() - window.start;
+        let to = window.cache.len() + 1;
+        if from >= to {
+            return true;
+        }
+        let history = window.history.clone().expect("the window holds its tokens");
+        let ids = history
+            .narrow(0, from, to - from)
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .expect("token ids are integers");
+        for id in ids {
+            let id = id as u32;
+            self.tokens.push(id);
+            self.produced.push(id);
+            if !(self.on_token)(id) {
+                self.stopped = true;
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Tokens chosen on the device and not read yet.
+    fn unread(&self, window: &Window) -> usize {
+        (window.start + window.cache.len() + 1).saturating_sub(self.tokens.len())
+    }
+}
+
+/// Generates like [`crate::generate`]'s device path, from the same seed the same ids, replaying
+/// captured steps where the backend records graphs (see the module's documentation); `None`,
+/// with nothing generated, where the step's inputs cannot be written in place.
+pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
+    model: &DecoderOnly,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    ctx: usize,
+    (choice, mut rng): (Choice, StdRng),
+    on_token: F,
+) -> Result<Replays, F> {
+    let device = model.wte.weight.device();
+    let Some(inputs) = StepInputs::new(&device) else {
+        return Err(on_token);
+    };
+    let mut text = Text {
+        tokens: prompt.to_vec(),
+        produced: Vec::with_capacity(max_new_tokens),
+        on_token,
+        stopped: false,
+    };
+    let mut replays = Replays::default();
+    // Cleared when the backend refuses a capture: the rest is decoded step by step.
+    let mut capturing = true;
+    let mut window: Option<Window> = None;
+    let mut chosen = 0;
+    'tokens: while chosen < max_new_tokens {
+        let Some(w) = window.as_mut().filter(|w| w.cache.len() < ctx) else {
+            // First step, or the cache is full: rebuild it from the newest tokens, which the
+            // host needs for that.
+            let first = window.is_none();
+            if let Some(old) = window.take()
+                && !text.read(&old)
+            {
+                break 'tokens;
+            }
+            let keep = if first { ctx } else { (ctx / 2).max(1) };
+            window = Some(rebuild(
+                model,
+                &text.tokens,
+                keep,
+                ctx,
+                &inputs,
+                choice,
+                &mut rng,
+            ));
+            chosen += 1;
+            continue;
+        };
+        let p = w.cache.len();
+        let capacity = w.cache.capacity();
+        let written = inputs.set_position(p)
+            && match choice {
+                Choice::Temperature(_) => inputs.set_u(rng.random()),
+                Choice::Greedy => true,
+            };
+        assert!(written, "the step's inputs were written in place before");
+        match &w.graph {
+            Some(graph) if p < capacity => {
+                // SAFETY: every buffer the recording touched is alive: the model's weights,
+                // the window's cache buffers and history (which replace themselves only when
+                // the cache grows, and the graph is dropped before that), the step inputs; the
+                // recording's own intermediates were allocated from pools whose pages it guards,
+                // and nothing allocated since outlives a replay. One thread issues everything.
+                unsafe { Dispatch::graph_replay(device.as_dispatch(), graph) }
+                    .expect("replaying a captured decoding step");
+                w.cache.set_len(p + 1);
+                replays.replays += 1;
+            }
+            _ => {
+                // No graph yet, or the buffers it recorded are full: this step runs for real
+                // (growing them if they are full); with room for the next step after it, that
+                // next step is recorded.
+                w.graph = None;
+                let capture = capturing && p + 2 <= capacity;
+                let prepared = capture && Dispatch::graph_prepare(device.as_dispatch()).is_ok();
+                step(model, w, &inputs, choice);
+                if prepared {
+                    // The tokens so far on the host first: a capture that fails leaves what it
+                    // recorded unreadable, and the window is then rebuilt from them.
+                    if !text.read(w) {
+                        // Closing a prepared capture is what releases the stream.
+                        let _ = Dispatch::graph_stop_capture(device.as_dispatch());
+                        break 'tokens;
+                    }
+                    match capture_step(model, w, &inputs, choice, &device) {
+                        Capture::Graph(graph) => {
+                            w.graph = Some(graph);
+                            replays.captures += 1;
+                        }
+                        Capture::Unsupported => capturing = false,
+                        Capture::Failed => {
+                            // The same tokens in a new window, and its first choice.
+                            capturing = false;
+                            let keep = (text.tokens.len() - w.start).min(ctx);
+                            window = Some(rebuild(
+                                model,
+                                &text.tokens,
+                                keep,
+                                ctx,
+                                &inputs,
+                                choice,
+                                &mut rng,
+                            ));
+                            chosen += 1;
+                        }
+                    }
+                }
+            }
+        }
+        chosen += 1;
+        let w = window.as_ref().expect("a window");
+        if text.unread(w) >= READ_EVERY && !text.read(w) {
+            break;
+        }
+    }
+    if let Some(w) = &window
+        && !text.stopped
+    {
+        text.read(w);
+    }
+    replays.produced = text.produced;
+    Ok(replays)
+}
+
+/// A new window holding the newest `keep` of `tokens`, run through the model, and the token it
+/// chose after them (with the host's uniform number, as the first step of the other paths) at
+/// the cache's next position.
+fn rebuild(
+    model: &DecoderOnly,
+    tokens: &[u32],
+    keep: usize,
+    ctx: usize,
+    inputs: &StepInputs,
+    choice: Choice,
+    rng: &mut StdRng,
+) -> Window {
+    let device = model.wte.weight.device();
+    let start = tokens.len().saturating_sub(keep);
+    let ids: Vec<i32> = tokens[start..].iter().map(|&i| i as i32).collect();
+    let input = Tensor::<1, Int>::from_ints(ids.as_slice(), &device).reshape([1, ids.len()]);
+    let mut cache = model.new_whole_buffer_cache();
+    let logits = model
+        .forward_with(input, None, Some(&mut cache), false)
+        .logits;
+    let [_, t, v] = logits.dims();
+    let last: Tensor<2> = logits.slice([0..1, t - 1..t, 0..v]).reshape([1, v]);
+    let token = choice.pick(last, rng);
+    assert!(inputs.set_position(cache.len()), "written in place before");
+    let history = Tensor::<1, Int>::zeros([ctx + 1], &device);
+    let history = ops::write_token(history, &inputs.position, 0, token);
+    cache.read_position_from(Some(inputs.position.clone()));
+    Window {
+        cache,
+        start,
+        history: Some(history),
+        graph: None,
+    }
+}
+
+/// One step at the position `inputs` holds: the token there in the window's history through the
+/// model, the next one chosen and written after it.
+fn step(model: &DecoderOnly, w: &mut Window, inputs: &StepInputs, choice: Choice) {
+    let history = w.history.take().expect("the window holds its tokens");
+    let input = history
+        .clone()
+        .select(0, inputs.position.clone())
+        .reshape([1, 1]);
+    let logits = model
+        .forward_with(input, None, Some(&mut w.cache), false)
+        .logits; // [1, 1, V]
+    let v = logits.dims()[2];
+    let last: Tensor<2> = logits.reshape([1, v]);
+    let token = match choice {
+        Choice::Greedy => last.argmax(1),
+        Choice::Temperature(t) => ops::draw_at(last, &inputs.u, t),
+    };
+    w.history = Some(ops::write_token(history, &inputs.position, 1, token));
+}
+
+/// What [`capture_step`] gave.
+enum Capture {
+    /// The recorded step.
+    Graph(BackendGraph<Dispatch>),
+    /// The backend records no graphs: nothing was recorded, the window is as it was.
+    Unsupported,
+    /// The backend refused the recording: what it would have written (the cache, the tokens)
+    /// can no longer be read.
+    Failed,
+}
+
+/// Records the step at the position `inputs` holds (run for real just before, so the recording
+/// reuses what it allocated), leaving the cache's count where it was: the recording runs
+/// nothing.
+fn capture_step(
+    model: &DecoderOnly,
+    w: &mut Window,
+    inputs: &StepInputs,
+    choice: Choice,
+    device: &Device,
+) -> Capture {
+    let device = device.as_dispatch();
+    let len = w.cache.len();
+    if Dispatch::graph_start_capture(device).is_err() {
+        // Closing the prepared capture releases the stream.
+        let _ = Dispatch::graph_stop_capture(device);
+        return Capture::Unsupported;
+    }
+    step(model, w, inputs, choice);
+    let graph = Dispatch::graph_stop_capture(device);
+    w.cache.set_len(len);
+    match graph {
+        Ok(graph) => Capture::Graph(graph),
+        Err(_) => Capture::Failed,
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod wgpu_tests {
+    use super::*;
+    use crate::generate::wgpu_tests::{greedy, model, model_with_context};
+    use crate::generate::{GenerateOptions, decode_on_device, generate_on_host};
+    use ember_model::PositionalKind;
+    use rand::SeedableRng;
+
+    fn replayed(
+        m: &DecoderOnly,
+        prompt: &[u32],
+        tokens: usize,
+        ctx: usize,
+        choice: Choice,
+        seed: u64,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Replays {
+        let rng = StdRng::seed_from_u64(seed);
+        decode_replayed(m, prompt, tokens, ctx, (choice, rng), on_token)
+            .unwrap_or_else(|_| panic!("wgpu writes the step's inputs in place"))
+    }
+
+    /// Greedy text from replayed steps against the host's: 45 tokens in a context of 16, so the
+    /// window is rebuilt twice and a step is captured in each window; the ids reach `on_token`
+    /// in order, and most steps were replays (lavapipe records wgpu's graphs).
+    #[test]
+    fn replayed_greedy_steps_give_the_host_paths_text() {
+        let m = model(PositionalKind::Learned);
+        assert!(applies(&m, &m.wte.weight.device()));
+        let prompt = [1, 2, 3];
+        let host = generate_on_host(&m, &prompt, &greedy(true, 45), 16, |_| true);
+        let distinct: std::collections::HashSet<_> = host.iter().collect();
+        assert!(distinct.len() > 4, "too uniform to compare: {host:?}");
+        let mut seen = Vec::new();
+        let run = replayed(&m, &prompt, 45, 16, Choice::Greedy, 1, |id| {
+            seen.push(id);
+            true
+        });
+        assert_eq!(run.produced, host);
+        assert_eq!(seen, host);
+        assert!(run.captures >= 3, "{run:?}");
+        assert!(run.replays >= 30, "{run:?}");
+    }
+
+    /// Temperature draws from replayed steps, by the uniform numbers the host writes before each
+    /// replay, against the step-by-step device path of the same seed: the same ids.
+    #[test]
+    fn replayed_draws_equal_the_device_paths_of_the_same_seed() {
+        let m = model(PositionalKind::Learned);
+        for (temperature, seed) in [(1.0, 3), (3.0, 4)] {
+            let choice = Choice::Temperature(temperature);
+            let rng = StdRng::seed_from_u64(seed);
+            let stepwise = decode_on_device(&m, &[1, 2], 45, 16, (choice, rng), |_| true);
+            let run = replayed(&m, &[1, 2], 45, 16, choice, seed, |_| true);
+            assert_eq!(run.produced, stepwise, "temperature {temperature}");
+            assert!(run.replays >= 30, "{run:?}");
+            let argmax = replayed(&m, &[1, 2], 45, 16, Choice::Greedy, seed, |_| true);
+            assert_ne!(run.produced, argmax.produced, "temperature {temperature}");
+        }
+    }
+
+    /// A context longer than the cache's first buffer: the buffers grow from 64 to 128 to 256
+    /// positions on the way, each growth ends the graph recorded over the old buffers, and the
+    /// step after it is captured again. The text equals the host's.
+    #[test]
+    fn replays_follow_the_cache_as_it_grows() {
+        let m = model_with_context(PositionalKind::Learned, 160);
+        let options = GenerateOptions {
+            context_len: 160,
+            ..greedy(true, 170)
+        };
+        let host = generate_on_host(&m, &[5], &options, 160, |_| true);
+        let run = replayed(&m, &[5], 170, 160, Choice::Greedy, 1, |_| true);
+        assert_eq!(run.produced, host);
+        // 64, 128, 256 in the first window, then the rebuilt one.
+        assert!(run.captures >= 4, "{run:?}");
+        assert!(run.replays >= 150, "{run:?}");
+    }
+
+    /// A stop asked for inside a burst of unread ids: the ids up to it, as the host path gives.
+    #[test]
+    fn a_stop_ends_the_replayed_path_where_it_ends_the_host_path() {
+        let m = model(PositionalKind::Learned);
+        for stop in [1, 7, 20] {
+            let stop_at = || {
+                let mut count = 0;
+                move |_| {
+                    count += 1;
+                    count < stop
+                }
+            };
+            let run = replayed(&m, &[4], 45, 16, Choice::Greedy, 1, stop_at());
+            let host = generate_on_host(&m, &[4], &greedy(true, 45), 16, stop_at());
+            assert_eq!(run.produced.len(), stop);
+            assert_eq!(run.produced, host);
+        }
+    }
+
+    /// Models whose positions are computed on the host (rotary, sinusoidal) decode step by
+    /// step.
+    #[test]
+    fn host_computed_positions_are_not_replayed() {
+        for positional in [PositionalKind::Rotary, PositionalKind::Sinusoidal] {
+            let m = model(positional);
+            assert!(!applies(&m, &m.wte.weight.device()), "{positional:?}");
+        }
+    }
+}
