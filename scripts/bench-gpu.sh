@@ -25,7 +25,7 @@
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
 # (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS (default `f32:on
 # f32:-attention f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one kernel's
-# part); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -linear`,
+# part); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
 # the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS the steps `profile` times
 # (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and PyTorch run on an
@@ -144,6 +144,21 @@ check() {
             diff "$RUNS/greedy-flex.txt" "$RUNS/greedy-$other.txt" || true
         fi
     done
+    # Temperature draws on DEVICE from replayed decoding steps (the default) and with every
+    # step's kernels launched one by one: the same seed, the same text.
+    for graph in on -step-graph; do
+        EMBER_GPU_KERNELS=$graph "$EMBER_GEN" generate --checkpoint "$RUNS/tiny-flex" \
+            --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 3 \
+            >"$RUNS/drawn$graph.txt" 2>"$RUNS/drawn$graph.log" ||
+            echo "FAILED: generate on $DEVICE with EMBER_GPU_KERNELS=$graph"
+        tail -1 "$RUNS/drawn$graph.log"
+    done
+    if cmp -s "$RUNS/drawnon.txt" "$RUNS/drawn-step-graph.txt"; then
+        echo "temperature draws on $DEVICE: identical replayed and step by step (300 tokens)"
+    else
+        echo "temperature draws on $DEVICE DIFFER between replayed and step-by-step decoding:"
+        diff "$RUNS/drawnon.txt" "$RUNS/drawn-step-graph.txt" || true
+    fi
 }
 
 speed() {
@@ -177,10 +192,10 @@ speed() {
         echo "\$ ${torch[*]}"
         with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch $extra"
     done
-    local gen_kernels=${GEN_KERNELS:-on -linear}
+    local gen_kernels=${GEN_KERNELS:-on -step-graph}
     for mode in "" "--no-cache"; do
-        # With the KV cache, once per GEN_KERNELS setting (default: all kernels, then all but
-        # decoding's few-row linear kernel); without it, the first setting only.
+        # With the KV cache, once per GEN_KERNELS setting (default: replayed steps, then every
+        # step's kernels launched one by one); without it, the first setting only.
         for kernels in $gen_kernels; do
             [ -n "$mode" ] && [ "$kernels" != "${gen_kernels%% *}" ] && continue
             # Twice: the first run of a setting tunes and compiles its decoding shapes (on a

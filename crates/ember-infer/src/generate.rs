@@ -29,6 +29,12 @@ pub struct GenerateOptions {
 /// by one token per step (as nanoGPT does). With the cache, when it is full it is rebuilt from
 /// the newest `context_len / 2` tokens (learned positions cannot be shifted in place), so the
 /// two agree exactly while the text fits in the context.
+///
+/// On a GPU backend, with the cache and a choice the device makes (greedy or plain
+/// temperature), tokens are chosen on the device and read back in bursts; where the model reads
+/// its step's position from the device (learned positions or none), one captured step is
+/// replayed per token (`replayed`; `EMBER_GPU_KERNELS=-step-graph` turns that off). Both give
+/// the same ids as the host.
 pub fn generate(
     model: &DecoderOnly,
     prompt: &[u32],

@@ -198,7 +198,8 @@ mod tests {
                 "cache-write",
                 "cross-entropy",
                 "embedding",
-                "draw"
+                "draw",
+                "step-graph"
             ]
         );
         assert_eq!(
