@@ -146,8 +146,9 @@ impl<F: FnMut(u32) -> bool> Text<F> {
 }
 
 /// Generates like [`crate::generate`]'s device path, from the same seed the same ids, replaying
-/// captured steps where the backend records graphs (see the module's documentation); `None`,
-/// with nothing generated, where the step's inputs cannot be written in place.
+/// captured steps where the backend records graphs (see the module's documentation);
+/// `Err(on_token)`, with nothing generated, where the step's inputs cannot be written in place
+/// (Burn's fusion).
 pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
     model: &DecoderOnly,
     prompt: &[u32],
@@ -167,11 +168,15 @@ pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
         stopped: false,
     };
     let mut replays = Replays::default();
-    // Cleared when the backend refuses a capture: the rest is decoded step by step.
+    // Cleared when the backend refuses a recording or a replay: the rest is decoded step by
+    // step.
     let mut capturing = true;
     let mut window: Option<Window> = None;
-    let mut chosen = 0;
-    'tokens: while chosen < max_new_tokens {
+    loop {
+        let chosen = text.produced.len() + window.as_ref().map_or(0, |w| text.unread(w));
+        if chosen >= max_new_tokens || text.stopped {
+            break;
+        }
         let Some(w) = window.as_mut().filter(|w| w.cache.len() < ctx) else {
             // First step, or the cache is full: rebuild it from the newest tokens, which the
             // host needs for that.
@@ -179,19 +184,11 @@ pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
             if let Some(old) = window.take()
                 && !text.read(&old)
             {
-                break 'tokens;
+                break;
             }
             let keep = if first { ctx } else { (ctx / 2).max(1) };
-            window = Some(rebuild(
-                model,
-                &text.tokens,
-                keep,
-                ctx,
-                &inputs,
-                choice,
-                &mut rng,
-            ));
-            chosen += 1;
+            let tokens = &text.tokens;
+            window = Some(rebuild(model, tokens, keep, ctx, &inputs, choice, &mut rng));
             continue;
         };
         let p = w.cache.len();
@@ -202,17 +199,19 @@ pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
                 Choice::Greedy => true,
             };
         assert!(written, "the step's inputs were written in place before");
-        match &w.graph {
+        let refused = match &w.graph {
             Some(graph) if p < capacity => {
                 // SAFETY: every buffer the recording touched is alive: the model's weights,
                 // the window's cache buffers and history (which replace themselves only when
                 // the cache grows, and the graph is dropped before that), the step inputs; the
                 // recording's own intermediates were allocated from pools whose pages it guards,
                 // and nothing allocated since outlives a replay. One thread issues everything.
-                unsafe { Dispatch::graph_replay(device.as_dispatch(), graph) }
-                    .expect("replaying a captured decoding step");
+                let replayed = unsafe { Dispatch::graph_replay(device.as_dispatch(), graph) }
+                    .is_ok()
+                    && !tests_refuse(replays.replays);
                 w.cache.set_len(p + 1);
-                replays.replays += 1;
+                replays.replays += usize::from(replayed);
+                !replayed
             }
             _ => {
                 // No graph yet, or the buffers it recorded are full: this step runs for real
@@ -223,39 +222,41 @@ pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
                 let prepared = capture && Dispatch::graph_prepare(device.as_dispatch()).is_ok();
                 step(model, w, &inputs, choice);
                 if prepared {
-                    // The tokens so far on the host first: a capture that fails leaves what it
-                    // recorded unreadable, and the window is then rebuilt from them.
+                    // The tokens so far on the host first: a recording the backend refuses
+                    // leaves what it would have written unreadable.
                     if !text.read(w) {
                         // Closing a prepared capture is what releases the stream.
                         let _ = Dispatch::graph_stop_capture(device.as_dispatch());
-                        break 'tokens;
+                        break;
                     }
                     match capture_step(model, w, &inputs, choice, &device) {
                         Capture::Graph(graph) => {
                             w.graph = Some(graph);
                             replays.captures += 1;
+                            false
                         }
-                        Capture::Unsupported => capturing = false,
-                        Capture::Failed => {
-                            // The same tokens in a new window, and its first choice.
+                        Capture::Unsupported => {
                             capturing = false;
-                            let keep = (text.tokens.len() - w.start).min(ctx);
-                            window = Some(rebuild(
-                                model,
-                                &text.tokens,
-                                keep,
-                                ctx,
-                                &inputs,
-                                choice,
-                                &mut rng,
-                            ));
-                            chosen += 1;
+                            false
                         }
+                        Capture::Refused => true,
                     }
+                } else {
+                    false
                 }
             }
+        };
+        if refused {
+            // What the refused recording or replay would have written (the cache, the tokens
+            // not read yet) cannot be read: decoding goes on step by step from a new window of
+            // the tokens read, which chooses the next token again.
+            capturing = false;
+            let start = window.take().expect("a window").start;
+            let keep = (text.tokens.len() - start).min(ctx);
+            let tokens = &text.tokens;
+            window = Some(rebuild(model, tokens, keep, ctx, &inputs, choice, &mut rng));
+            continue;
         }
-        chosen += 1;
         let w = window.as_ref().expect("a window");
         if text.unread(w) >= READ_EVERY && !text.read(w) {
             break;
@@ -268,6 +269,26 @@ pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
     }
     replays.produced = text.produced;
     Ok(replays)
+}
+
+/// Whether a test asks for replay number `n` to count as refused by the backend (lavapipe never
+/// refuses one); always false outside tests.
+fn tests_refuse(n: usize) -> bool {
+    #[cfg(test)]
+    {
+        REFUSE_REPLAY.with(|at| at.get() == Some(n))
+    }
+    #[cfg(not(test))]
+    {
+        let _ = n;
+        false
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The replay [`tests_refuse`] refuses on this thread.
+    static REFUSE_REPLAY: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
 /// A new window holding the newest `keep` of `tokens`, run through the model, and the token it
@@ -333,7 +354,7 @@ enum Capture {
     Unsupported,
     /// The backend refused the recording: what it would have written (the cache, the tokens)
     /// can no longer be read.
-    Failed,
+    Refused,
 }
 
 /// Records the step at the position `inputs` holds (run for real just before, so the recording
@@ -358,7 +379,7 @@ fn capture_step(
     w.cache.set_len(len);
     match graph {
         Ok(graph) => Capture::Graph(graph),
-        Err(_) => Capture::Failed,
+        Err(_) => Capture::Refused,
     }
 }
 
@@ -457,6 +478,22 @@ mod wgpu_tests {
             let host = generate_on_host(&m, &[4], &greedy(true, 45), 16, stop_at());
             assert_eq!(run.produced.len(), stop);
             assert_eq!(run.produced, host);
+        }
+    }
+
+    /// A replay the backend refuses (here by the test's say): the tokens not read yet are
+    /// dropped, the window is rebuilt from the ones read and decoding goes on step by step, so
+    /// greedy text is still the host's, to the last token.
+    #[test]
+    fn a_refused_replay_goes_on_step_by_step_with_the_same_greedy_text() {
+        let m = model(PositionalKind::Learned);
+        let host = generate_on_host(&m, &[1, 2, 3], &greedy(true, 45), 16, |_| true);
+        for at in [0, 5, 11] {
+            REFUSE_REPLAY.with(|r| r.set(Some(at)));
+            let run = replayed(&m, &[1, 2, 3], 45, 16, Choice::Greedy, 1, |_| true);
+            REFUSE_REPLAY.with(|r| r.set(None));
+            assert_eq!(run.produced, host, "refused at replay {at}");
+            assert_eq!(run.replays, at, "no replay after the refusal");
         }
     }
 
