@@ -31,10 +31,9 @@ pub struct GenerateOptions {
 /// two agree exactly while the text fits in the context.
 ///
 /// On a GPU backend, with the cache and a choice the device makes (greedy or plain
-/// temperature), tokens are chosen on the device and read back in bursts; where the model reads
-/// its step's position from the device (learned positions or none), one captured step is
-/// replayed per token (`replayed`; `EMBER_GPU_KERNELS=-step-graph` turns that off). Both give
-/// the same ids as the host.
+/// temperature), tokens are chosen on the device and read back in bursts, one captured step
+/// replayed per token (`replayed`; `EMBER_GPU_KERNELS=-step-graph` launches every step's
+/// kernels instead). Both give the same ids as the host.
 pub fn generate(
     model: &DecoderOnly,
     prompt: &[u32],
@@ -52,7 +51,7 @@ pub fn generate(
         && compiles_per_shape(&device)
     {
         let rng = StdRng::seed_from_u64(options.seed);
-        let on_token = match crate::replayed::applies(model, &device) {
+        let on_token = match crate::replayed::applies(&device) {
             true => match crate::replayed::decode_replayed(
                 model,
                 prompt,

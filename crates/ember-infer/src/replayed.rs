@@ -8,7 +8,8 @@
 //! buffers they were recorded with. What changes from one token to the next therefore lives in
 //! device buffers:
 //! - the position of the step's input token, written by the host before each replay; the KV
-//!   cache's write, its attention and the position embedding read it there
+//!   cache's write, its attention and the position's encoding (a learned table's row, or rows of
+//!   tables of every position's sinusoids or rotary angles) read it there
 //!   ([`ember_model::DecoderCache::read_position_from`]);
 //! - the sampler's uniform number, written by the host before each replay ([`ops::draw_at`]);
 //! - the tokens of the window, `history[i]` the token at cache position `i`: the step reads its
@@ -24,26 +25,24 @@
 use burn::backend::{Backend, BackendGraph, Dispatch};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ember_model::ops::{self, GpuKernel};
+use ember_model::positions::StepPosition;
 use ember_model::{DecoderCache, DecoderOnly};
 use rand::Rng;
 use rand::rngs::StdRng;
 
 use crate::generate::{Choice, READ_EVERY};
 
-/// Whether decoding `model` on `device` can replay captured steps: a CubeCL backend, a model
-/// whose step reads its position from the device (learned positions or none), and the kernels
+/// Whether decoding on `device` can replay captured steps: a CubeCL backend, and the kernels
 /// that read the step's inputs there turned on (`EMBER_GPU_KERNELS`; `-step-graph` turns the
 /// replays off).
-pub(crate) fn applies(model: &DecoderOnly, device: &Device) -> bool {
+pub(crate) fn applies(device: &Device) -> bool {
     let kernels = [
         GpuKernel::StepGraph,
         GpuKernel::CacheWrite,
         GpuKernel::CachedAttention,
         GpuKernel::Draw,
     ];
-    kernels.into_iter().all(ops::gpu_kernels::uses)
-        && model.reads_step_position_from_device()
-        && ops::on_cubecl(device)
+    kernels.into_iter().all(ops::gpu_kernels::uses) && ops::on_cubecl(device)
 }
 
 /// What [`decode_replayed`] did, for tests and benchmarks.
@@ -62,16 +61,21 @@ pub(crate) struct Replays {
 struct StepInputs {
     /// The position of the step's input token in the cache.
     position: Tensor<1, Int>,
+    /// `position` with the tables the model's positions read it through.
+    step: StepPosition,
     /// The uniform number of a temperature draw.
     u: Tensor<1>,
 }
 
 impl StepInputs {
-    /// The buffers on `device`, or `None` where the backend cannot write them in place (Burn's
-    /// fusion, which owns its buffers).
-    fn new(device: &Device) -> Option<Self> {
+    /// The buffers for `model` on its device, or `None` where the backend cannot write them in
+    /// place (Burn's fusion, which owns its buffers).
+    fn new(model: &DecoderOnly) -> Option<Self> {
+        let device = &model.wte.weight.device();
+        let position = Tensor::from_data(TensorData::new(vec![0i32], [1]), device);
         let inputs = StepInputs {
-            position: Tensor::from_data(TensorData::new(vec![0i32], [1]), device),
+            step: model.step_position(position.clone()),
+            position,
             u: Tensor::from_data(TensorData::new(vec![0f32], [1]), device),
         };
         (inputs.set_position(0) && inputs.set_u(0.0)).then_some(inputs)
@@ -158,7 +162,7 @@ pub(crate) fn decode_replayed<F: FnMut(u32) -> bool>(
     on_token: F,
 ) -> Result<Replays, F> {
     let device = model.wte.weight.device();
-    let Some(inputs) = StepInputs::new(&device) else {
+    let Some(inputs) = StepInputs::new(model) else {
         return Err(on_token);
     };
     let mut text = Text {
@@ -317,7 +321,7 @@ fn rebuild(
     assert!(inputs.set_position(cache.len()), "written in place before");
     let history = Tensor::<1, Int>::zeros([ctx + 1], &device);
     let history = ops::write_token(history, &inputs.position, 0, token);
-    cache.read_position_from(Some(inputs.position.clone()));
+    cache.read_position_from(Some(inputs.step.clone()));
     Window {
         cache,
         start,
@@ -411,7 +415,7 @@ mod wgpu_tests {
     #[test]
     fn replayed_greedy_steps_give_the_host_paths_text() {
         let m = model(PositionalKind::Learned);
-        assert!(applies(&m, &m.wte.weight.device()));
+        assert!(applies(&m.wte.weight.device()));
         let prompt = [1, 2, 3];
         let host = generate_on_host(&m, &prompt, &greedy(true, 45), 16, |_| true);
         let distinct: std::collections::HashSet<_> = host.iter().collect();
@@ -497,13 +501,18 @@ mod wgpu_tests {
         }
     }
 
-    /// Models whose positions are computed on the host (rotary, sinusoidal) decode step by
-    /// step.
+    /// Sinusoidal and rotary positions, encoded from tables of every position at the position
+    /// the device holds: the host's greedy text, most steps replayed.
     #[test]
-    fn host_computed_positions_are_not_replayed() {
-        for positional in [PositionalKind::Rotary, PositionalKind::Sinusoidal] {
+    fn sinusoidal_and_rotary_steps_are_replayed_too() {
+        for positional in [PositionalKind::Sinusoidal, PositionalKind::Rotary] {
             let m = model(positional);
-            assert!(!applies(&m, &m.wte.weight.device()), "{positional:?}");
+            let host = generate_on_host(&m, &[1, 2, 3], &greedy(true, 45), 16, |_| true);
+            let distinct: std::collections::HashSet<_> = host.iter().collect();
+            assert!(distinct.len() > 4, "{positional:?}: too uniform: {host:?}");
+            let run = replayed(&m, &[1, 2, 3], 45, 16, Choice::Greedy, 1, |_| true);
+            assert_eq!(run.produced, host, "{positional:?}");
+            assert!(run.replays >= 30, "{positional:?}: {run:?}");
         }
     }
 }

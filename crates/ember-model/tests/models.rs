@@ -251,8 +251,8 @@ fn a_whole_buffer_cache_gives_the_logits_of_the_valid_rows_cache() {
 
 /// One-token steps that read their position from a device tensor
 /// (`DecoderCache::read_position_from`, what a replayed step does) give the logits of the
-/// valid-rows cache, across a doubling of the buffers; only learned positions and none read it
-/// there.
+/// valid-rows cache, across a doubling of the buffers, for every kind of position (learned: the
+/// table's row looked up; sinusoidal and rotary: rows of tables of every position).
 #[test]
 fn steps_reading_their_position_from_the_device_give_the_cached_logits() {
     let device = Device::flex();
@@ -263,15 +263,6 @@ fn steps_reading_their_position_from_the_device_give_the_cached_logits() {
         }
         .init(&device)
         .unwrap();
-        let learned_or_none = matches!(positional, PositionalKind::Learned | PositionalKind::None);
-        assert_eq!(
-            model.reads_step_position_from_device(),
-            learned_or_none,
-            "{positional:?}"
-        );
-        if !learned_or_none {
-            continue;
-        }
         let ids: Vec<i32> = (0..140).map(|i| (i * 5 + i / 4) % 11).collect();
         let rows: [&[i32]; 2] = [&ids[..70], &ids[70..]];
         let seq = tokens(&rows, &device);
@@ -284,9 +275,9 @@ fn steps_reading_their_position_from_the_device_give_the_cached_logits() {
             let want = model
                 .forward_with(step.clone(), None, Some(&mut valid), false)
                 .logits;
-            // A position the host did not pass: the kernels (here the references) read it.
+            // A position the host did not pass: the model reads it from the tensor.
             let position = Tensor::<1, Int>::from_ints([t], &device);
-            at.read_position_from(Some(position));
+            at.read_position_from(Some(model.step_position(position)));
             let got = model.forward_with(step, None, Some(&mut at), false).logits;
             let diff = max_diff(want, got);
             assert!(diff < 1e-5, "{positional:?}, step {t}: {diff}");

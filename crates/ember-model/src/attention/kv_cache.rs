@@ -1,7 +1,9 @@
 //! Key/value cache for incremental decoding: the keys and values of tokens already seen, so
 //! that each new token costs one row of attention instead of a full recomputation.
 
-use burn::tensor::{Int, Tensor};
+use burn::tensor::Tensor;
+
+use crate::positions::StepPosition;
 
 /// Cached keys and values of one attention layer.
 ///
@@ -29,9 +31,9 @@ pub struct KvCache {
     /// Per batch row, how many positions of padding come before its sequence (a batch of
     /// prompts of different lengths, left-padded to one length); empty when none.
     left_padding: Vec<usize>,
-    /// The position of the step's first new token on the device (`[1]`), which the kernels
-    /// read in place of `len` when set (see [`DecoderCache::read_position_from`]).
-    position: Option<Tensor<1, Int>>,
+    /// The position of the step's token on the device, which the kernels read in place of
+    /// `len` when set (see [`DecoderCache::read_position_from`]).
+    position: Option<StepPosition>,
 }
 
 /// Smallest buffer a self-attention cache allocates, in positions.
@@ -132,7 +134,7 @@ impl KvCache {
             self.v.take().expect("allocated"),
         );
         let (keys, values) = match &self.position {
-            Some(position) => crate::ops::write_cache_rows_at(k_buffer, v_buffer, k, v, position),
+            Some(step) => crate::ops::write_cache_rows_at(k_buffer, v_buffer, k, v, &step.position),
             None => crate::ops::write_cache_rows(k_buffer, v_buffer, k, v, self.len),
         };
         self.len = end;
@@ -141,9 +143,9 @@ impl KvCache {
         (keys, values)
     }
 
-    /// The device tensor holding the position of the step's first new token, when the cache
-    /// reads it from there (see [`DecoderCache::read_position_from`]).
-    pub fn position(&self) -> Option<&Tensor<1, Int>> {
+    /// The step's position on the device, when the cache reads it from there (see
+    /// [`DecoderCache::read_position_from`]).
+    pub fn position(&self) -> Option<&StepPosition> {
         self.position.as_ref()
     }
 
@@ -228,25 +230,26 @@ impl DecoderCache {
         self.len() == 0
     }
 
-    /// Makes every layer write and attend at the position `position` `[1]` holds on the device
-    /// instead of passing [`DecoderCache::len`] to its kernels (`None`: back to `len`).
+    /// Makes every layer write and attend at the position `step` holds on the device instead
+    /// of passing [`DecoderCache::len`] to its kernels, and the model encode that position from
+    /// there (`None`: back to `len`).
     ///
     /// A decoding step recorded once as a graph and replayed for each token (CUDA graphs)
     /// replays its kernels with the arguments they were recorded with; reading the position
     /// from a buffer the host writes between replays is what lets one recording serve every
-    /// position. The host still counts `len` (the buffers grow by it, and [`DecoderCache::
-    /// set_len`] keeps it in step with replays that did not go through the model); the two
-    /// must agree whenever the model runs. One token per step, with learned positions or
-    /// none besides (the embedding of the position is looked up by the same buffer); rotary
-    /// and sinusoidal positions take their angles from `len`.
-    pub fn read_position_from(&mut self, position: Option<Tensor<1, Int>>) {
+    /// position. The host still counts `len` (the buffers grow by it, and
+    /// [`DecoderCache::set_len`] keeps it in step with replays that did not go through the
+    /// model); the two must agree whenever the model runs. One token per step; `step` is made
+    /// for the model ([`crate::DecoderOnly::step_position`]), with the tables its positions
+    /// read.
+    pub fn read_position_from(&mut self, step: Option<StepPosition>) {
         for cache in &mut self.self_attn {
-            cache.position = position.clone();
+            cache.position = step.clone();
         }
     }
 
-    /// The device tensor the self-attention caches read their position from, if any.
-    pub fn position(&self) -> Option<&Tensor<1, Int>> {
+    /// The step's position on the device, if the caches read it from there.
+    pub fn position(&self) -> Option<&StepPosition> {
         self.self_attn.first().and_then(KvCache::position)
     }
 

@@ -35,10 +35,18 @@ impl MultiHeadAttention {
         let qkv = linear(&self.c_attn, x); // [B, T, 3D]
         let qkv = if self.rotary_base > 0.0 {
             // Rotary positions turn each head's query and key by their positions (in a
-            // left-padded batch, each row's own).
-            match cache.as_ref().and_then(|c| c.row_starts()) {
-                Some(starts) => ops::rotate_qk_rows(qkv, self.n_heads, &starts, self.rotary_base),
-                None => ops::rotate_qk(qkv, self.n_heads, start, self.rotary_base),
+            // left-padded batch, each row's own; in a step whose position is on the device, by
+            // its rows of the tables).
+            let step = cache.as_ref().and_then(|c| c.position()).filter(|_| t == 1);
+            match (
+                step.and_then(|s| s.rotary()),
+                cache.as_ref().and_then(|c| c.row_starts()),
+            ) {
+                (Some((cos, sin)), _) => ops::rotate_qk_by(qkv, self.n_heads, cos, sin),
+                (None, Some(starts)) => {
+                    ops::rotate_qk_rows(qkv, self.n_heads, &starts, self.rotary_base)
+                }
+                (None, None) => ops::rotate_qk(qkv, self.n_heads, start, self.rotary_base),
             }
         } else {
             qkv
@@ -63,9 +71,13 @@ impl MultiHeadAttention {
                 let (k, v) = cache.append_whole(k, v);
                 if !return_weights {
                     let context = match cache.position() {
-                        Some(position) => {
-                            ops::cached_causal_attention_at(q, k, v, position, &self.attn_dropout)
-                        }
+                        Some(step) => ops::cached_causal_attention_at(
+                            q,
+                            k,
+                            v,
+                            &step.position,
+                            &self.attn_dropout,
+                        ),
                         None => ops::cached_causal_attention(q, k, v, start, &self.attn_dropout),
                     };
                     return self.project(AttentionOutput {

@@ -12,7 +12,7 @@ use crate::attention::kv_cache::DecoderCache;
 use crate::blocks::decoder_block::{BlockWeights, DecoderBlock};
 use crate::models::decoder_only_config::DecoderOnlyConfig;
 use crate::ops::layer_norm;
-use crate::positions::AdditivePositions;
+use crate::positions::{AdditivePositions, StepPosition};
 
 /// A decoder-only transformer language model. Build it with [`DecoderOnlyConfig::init`].
 #[derive(Module, Debug)]
@@ -131,7 +131,7 @@ impl DecoderOnly {
         if let Some(wpe) = &self.wpe {
             // A step that reads its position from the device looks its encoding up there.
             let at_position = match cache.as_ref().and_then(|c| c.position()) {
-                Some(position) if t == 1 => wpe.forward_at(position),
+                Some(step) if t == 1 => wpe.forward_at(step),
                 _ => None,
             };
             x = x + match (&row_starts, at_position) {
@@ -160,14 +160,23 @@ impl DecoderOnly {
         }
     }
 
-    /// Whether a one-token decoding step of this model can read its position from the device
-    /// ([`DecoderCache::read_position_from`]), so that one captured step replays at every
-    /// position: learned positions or none. Sinusoidal and rotary positions compute their
-    /// encodings from the position on the host.
-    pub fn reads_step_position_from_device(&self) -> bool {
-        let additive = self.wpe.as_ref().is_none_or(|p| p.wpe.is_some());
-        let rotary = self.blocks.iter().any(|b| b.attn.rotary_base > 0.0);
-        additive && !rotary
+    /// The position `position` `[1]` holds on the device, with the tables this model's
+    /// positions read it through (sinusoidal encodings, rotary `cos`/`sin`, of every position
+    /// it takes): what [`DecoderCache::read_position_from`] takes, so that one captured decoding
+    /// step replays at every position.
+    pub fn step_position(&self, position: Tensor<1, Int>) -> StepPosition {
+        let device = position.device();
+        let mut step = StepPosition::new(position);
+        if let Some(wpe) = self.wpe.as_ref().filter(|p| p.wpe.is_none()) {
+            step = step.with_sinusoids(self.max_positions, wpe.sinusoidal_width, &device);
+        }
+        if let Some(attn) = self.blocks.first().map(|b| &b.attn)
+            && attn.rotary_base > 0.0
+        {
+            let head = attn.c_attn.weight.dims()[0] / attn.n_heads;
+            step = step.with_rotary(self.max_positions, head, attn.rotary_base, &device);
+        }
+        step
     }
 
     /// A fresh cache sized for this model.

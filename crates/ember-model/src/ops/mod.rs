@@ -16,7 +16,7 @@
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row, the bias in the same pass (`cube::layer_norm`) |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
 //! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`); on GPUs one unit per query row, keys and values tiled through shared memory, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`) |
-//! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`) |
+//! | [`rotate_qk`] | split, [`crate::positions::apply_rotary`], merge | in place on the fused projection (`flex::rotary`); [`rotate_qk_by`] (a replayed decoding step's rows of `cos`/`sin` tables) is its reference alone |
 //! | [`cached_causal_attention`] | scores, mask by position, softmax, values | none on flex; on GPUs one cube per query row over the cache's whole buffer (`cube::attention`) |
 //! | [`write_cache_rows`] (a decoding step's keys and values into the KV cache) | two `slice_assign`s | none on flex; on GPUs one kernel writes both buffers, in place where they are not shared (`cube::cache_write`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
@@ -84,7 +84,7 @@ pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, matmul, matmul_reference,
 };
-pub use rotary::{rotate_qk, rotate_qk_reference, rotate_qk_rows};
+pub use rotary::{rotate_qk, rotate_qk_by, rotate_qk_reference, rotate_qk_rows};
 pub use softmax::{causal_softmax, causal_softmax_reference};
 pub use step_inputs::{write_in_place, write_token, write_token_reference};
 pub use sum_of_squares::{add_sum_of_squares, add_sum_of_squares_reference};

@@ -9,7 +9,7 @@
 use burn::tensor::Tensor;
 
 use crate::positions::apply_rotary;
-use crate::positions::rotary::apply_rotary_from;
+use crate::positions::rotary::{apply_rotary_from, rotate_by};
 
 /// `qkv` with every head's query and key rotated as [`apply_rotary`] rotates them (row `p` at
 /// position `start + p`, RoPE base `base`).
@@ -46,6 +46,18 @@ pub fn rotate_qk_rows(qkv: Tensor<3>, heads: usize, starts: &[i64], base: f64) -
         turn_qk(one, heads, |x| apply_rotary_from(x, start, base))
     });
     Tensor::cat(rows.collect(), 0)
+}
+
+/// [`rotate_qk`] by the angles' `cos` and `sin` per row (a decoding step replayed at any
+/// position reads them from tables of every position: [`crate::positions::StepPosition`]).
+/// Burn's tensor ops only.
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]`
+/// - cos, sin: `[T, K/2]` with `K = D / heads`
+/// - output: `[B, T, 3D]`
+pub fn rotate_qk_by(qkv: Tensor<3>, heads: usize, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<3> {
+    turn_qk(qkv, heads, |x| rotate_by(x, cos.clone(), sin.clone()))
 }
 
 /// `qkv` with `turn` applied to the heads of its query and key parts, values unchanged.

@@ -5,9 +5,11 @@
 pub mod learned;
 pub mod rotary;
 pub mod sinusoidal;
+pub mod step_position;
 
 pub use rotary::apply_rotary;
 pub use sinusoidal::sinusoidal_table;
+pub use step_position::StepPosition;
 
 use burn::module::Module;
 use burn::nn::Embedding;
@@ -86,16 +88,21 @@ impl AdditivePositions {
         }
     }
 
-    /// The encoding of the one position `position` `[1]` holds on the device, looked up there
-    /// (a captured decoding step, replayed at every position: see
-    /// [`crate::DecoderCache::read_position_from`]); `None` for sinusoidal encodings, which are
-    /// computed from a position the host knows.
+    /// The encoding of the one position `step` holds on the device, looked up there (a
+    /// captured decoding step, replayed at every position: see
+    /// [`crate::DecoderCache::read_position_from`]); `None` for sinusoidal encodings when
+    /// `step` has no table of them.
     ///
     /// # Shapes
     /// - output: `[1, 1, D]`
-    pub fn forward_at(&self, position: &Tensor<1, Int>) -> Option<Tensor<3>> {
-        let wpe = self.wpe.as_ref()?;
-        Some(crate::ops::embed(wpe, position.clone().reshape([1, 1])))
+    pub fn forward_at(&self, step: &StepPosition) -> Option<Tensor<3>> {
+        match &self.wpe {
+            Some(wpe) => Some(crate::ops::embed(
+                wpe,
+                step.position.clone().reshape([1, 1]),
+            )),
+            None => step.sinusoid(),
+        }
     }
 
     /// The encodings of positions `starts[b]..starts[b] + T` for each row `b` of a batch whose

@@ -21,12 +21,26 @@ pub fn apply_rotary(x: Tensor<4>, start: usize, base: f64) -> Tensor<4> {
 /// [`apply_rotary`] from a position that may be negative (the padding before a left-padded
 /// sequence, which attention masks out).
 pub(crate) fn apply_rotary_from(x: Tensor<4>, start: i64, base: f64) -> Tensor<4> {
-    let [b, h, t, k] = x.dims();
+    let [_, _, t, k] = x.dims();
     let half = k / 2;
     let device = x.device();
     let angles = angles(start, t, half, base, k as f64, &device); // [T, K/2]
-    let cos = angles.clone().cos().reshape([1, 1, t, half]);
-    let sin = angles.sin().reshape([1, 1, t, half]);
+    rotate_by(x, angles.clone().cos(), angles.sin())
+}
+
+/// `x` turned by the angles whose `cos` and `sin` are given per position: what
+/// [`apply_rotary`] does once it has them (a decoding step replayed at any position reads them
+/// from tables of every position, [`super::StepPosition`]).
+///
+/// # Shapes
+/// - x: `[B, H, T, K]` (K even)
+/// - cos, sin: `[T, K/2]`
+/// - output: `[B, H, T, K]`
+pub fn rotate_by(x: Tensor<4>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<4> {
+    let [b, h, t, k] = x.dims();
+    let half = k / 2;
+    let cos = cos.reshape([1, 1, t, half]);
+    let sin = sin.reshape([1, 1, t, half]);
     let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..half]);
     let x2 = x.slice([0..b, 0..h, 0..t, half..k]);
     let r1 = x1.clone().mul(cos.clone()).sub(x2.clone().mul(sin.clone()));
