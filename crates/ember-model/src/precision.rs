@@ -10,7 +10,11 @@
 //! - a product runs in its weight's type: the activation is rounded to it, and the result is
 //!   widened back to the activation's type (bias added there);
 //! - activations stay `f32`: embedding rows are widened when read, and so layer norms, softmax
-//!   (attention and loss), the residual stream and the logits are all computed in `f32`.
+//!   (attention and loss), the residual stream and the logits are all computed in `f32`;
+//! - except the MLP's hidden layer ([`crate::ops::linear_gelu`]), which stays in the products'
+//!   type: its bias added there, its GELU computed in `f32` and rounded once. A training step
+//!   keeps it twice (the GELU's input, the projection's input), four times the width: in bf16
+//!   that is half the bytes, and the values are the ones the projection rounded them to anyway.
 //!
 //! This is what PyTorch's autocast does for these layers (`torch.autocast(dtype=bfloat16)`:
 //! linear layers in bf16, softmax, layer norm and cross-entropy in f32), made explicit: no global
@@ -216,5 +220,34 @@ mod tests {
             let c = cosine(Tensor::cat(a, 0), Tensor::cat(b, 0));
             assert!(c > 0.999, "tied {tied}: gradient cosine {c}");
         }
+    }
+
+    /// The MLP's hidden layer stays in the products' type: the bf16 product, its bias added in
+    /// bf16, the GELU computed in f32 and rounded once (what PyTorch's autocast keeps); the
+    /// projection back comes out in f32, near the f32 MLP's.
+    #[test]
+    fn the_mlp_hidden_layer_stays_in_the_products_type() {
+        use crate::ops::{affine_reference, gelu_reference, linear_gelu};
+        use crate::{Activation, Mlp};
+        use burn::tensor::Distribution;
+        let device = Device::flex();
+        let mlp = Mlp::new(8, 32, Activation::Gelu, 0.0, true, 0.02, &device);
+        let view = products_in(mlp.clone(), FloatDType::BF16);
+        let x = Tensor::<3>::random([2, 3, 8], Distribution::Normal(0.0, 1.0), &device);
+        let hidden = linear_gelu(&view.c_fc, x.clone(), false);
+        assert_eq!(hidden.dtype(), DType::BF16);
+        let bias = view.c_fc.bias.as_ref().expect("a bias").val();
+        let product = affine_reference(
+            x.clone().cast(FloatDType::BF16),
+            view.c_fc.weight.val(),
+            Some(bias.cast(FloatDType::BF16)),
+        );
+        let want = gelu_reference(product.cast(FloatDType::F32)).cast(FloatDType::BF16);
+        hidden.into_data().assert_eq(&want.into_data(), true);
+        let (exact, mixed) = (mlp.forward(x.clone()), view.forward(x));
+        assert_eq!(mixed.dtype(), DType::F32);
+        let scale = exact.clone().abs().max().into_scalar::<f32>();
+        let diff = (exact - mixed).abs().max().into_scalar::<f32>();
+        assert!(diff > 0.0 && diff < 0.02 * scale, "{diff} (scale {scale})");
     }
 }

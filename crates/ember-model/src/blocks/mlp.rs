@@ -4,7 +4,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::serde::{Deserialize, Serialize};
 use burn::tensor::activation::relu;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, FloatDType, Tensor};
 
 use crate::ops::linear;
 
@@ -99,7 +99,15 @@ impl Mlp {
     /// - x: `[B, T, D]`
     /// - output: `[B, T, D]`
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let h = self.activation.after_linear(&self.c_fc, x); // act(fc(x)), [B, T, F]
-        crate::ops::dropout(&self.dropout, linear(&self.c_proj, h))
+        let dtype = x.dtype();
+        // act(fc(x)), [B, T, F]: in mixed precision kept in the products' type (bf16), as
+        // PyTorch's autocast keeps it; the projection back is widened to the residual stream's.
+        let h = self.activation.after_linear(&self.c_fc, x);
+        let y = linear(&self.c_proj, h);
+        let y = match y.dtype() == dtype {
+            true => y,
+            false => y.cast(FloatDType::from(dtype)),
+        };
+        crate::ops::dropout(&self.dropout, y)
     }
 }

@@ -8,13 +8,16 @@
 //! made it a quarter of a training step and 40% of a forward pass of the baby GPT; its tanh GELU
 //! is five separate tensor ops.
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, FloatDType, Tensor};
 
 /// Exact GELU, `x * Phi(x)`, element-wise.
 ///
 /// # Shapes
 /// - x: any
 /// - output: same as x
+///
+/// A bf16 or f16 `x` (mixed precision's hidden layer) is computed in `f32` and rounded once to
+/// its type.
 pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "flex")]
     let x = match super::flex::gelu::gelu::<super::kernels::gelu::Exact, D>(x) {
@@ -26,7 +29,7 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         Ok(y) => return y,
         Err(x) => x,
     };
-    gelu_reference(x)
+    in_f32(x, gelu_reference)
 }
 
 /// GELU with the tanh approximation (GPT-2's `gelu_new`),
@@ -35,6 +38,8 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 /// # Shapes
 /// - x: any
 /// - output: same as x
+///
+/// A bf16 or f16 `x` is computed in `f32` and rounded once to its type.
 pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "flex")]
     let x = match super::flex::gelu::gelu::<super::kernels::gelu::Tanh, D>(x) {
@@ -46,7 +51,16 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         Ok(y) => return y,
         Err(x) => x,
     };
-    gelu_tanh_reference(x)
+    in_f32(x, gelu_tanh_reference)
+}
+
+/// `f(x)` computed in `f32` and given back in `x`'s float type.
+fn in_f32<const D: usize>(x: Tensor<D>, f: impl FnOnce(Tensor<D>) -> Tensor<D>) -> Tensor<D> {
+    let dtype = x.dtype();
+    match dtype {
+        DType::F32 => f(x),
+        _ => f(x.cast(FloatDType::F32)).cast(FloatDType::from(dtype)),
+    }
 }
 
 /// [`gelu`] in Burn's tensor ops, on every backend.

@@ -31,6 +31,21 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
 /// - x: `[..., d_input]`
 /// - output: `[..., d_output]`
 pub fn linear_gelu<const D: usize>(layer: &Linear, x: Tensor<D>, tanh: bool) -> Tensor<D> {
+    let weight = layer.weight.val();
+    if weight.dtype() != x.dtype() {
+        // Mixed precision (crate::precision): the hidden layer stays in the weight's type, the
+        // bias added there and the GELU computed in f32 and rounded once, as PyTorch's autocast
+        // keeps it. A training step then keeps it at half the bytes (the GELU's input for its
+        // backward pass, its output for the projection's).
+        let narrow = FloatDType::from(weight.dtype());
+        let bias = layer.bias.as_ref().map(|b| b.val());
+        let y = affine(x.cast(narrow), weight, bias);
+        return if tanh {
+            super::gelu_tanh(y)
+        } else {
+            super::gelu(y)
+        };
+    }
     #[cfg(feature = "cube")]
     let x = {
         use super::cube::linear::{Epilogue, affine_then};
@@ -72,20 +87,25 @@ pub fn linear_gelu_reference<const D: usize>(
 /// - output: `[..., d_output]`
 ///
 /// A weight held in another float type than `x` (mixed precision, see [`crate::precision`])
-/// sets the product's type: `x` is rounded to it, and the result and the bias are in `x`'s.
+/// sets the product's type: `x` is rounded to it, and the result and the bias are in `x`'s. A
+/// bias of another type than `x` is added in `x`'s.
 pub fn affine<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
 ) -> Tensor<D> {
     let dtype = x.dtype();
+    let bias = bias.map(|b| match b.dtype() == dtype {
+        true => b,
+        false => b.cast(FloatDType::from(dtype)),
+    });
     if weight.dtype() != dtype {
         // Mixed precision (crate::precision): the product in the weight's type, the result
         // and the bias in the activation's.
         let y = affine(x.cast(FloatDType::from(weight.dtype())), weight, None)
             .cast(FloatDType::from(dtype));
         return match bias {
-            Some(bias) => y + bias.cast(FloatDType::from(dtype)).unsqueeze::<D>(),
+            Some(bias) => y + bias.unsqueeze::<D>(),
             None => y,
         };
     }

@@ -18,14 +18,20 @@ use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
 };
 use burn::tensor::{DType, Tensor};
+use burn::tensor::{bf16, f16};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
 /// GELU of `x` (the tanh approximation when `tanh`) where `x` is an `f32` tensor on a CubeCL
-/// device, tracked by autodiff or not; `x` back otherwise.
+/// device, tracked by autodiff or not, or a bf16 or f16 one (mixed precision's MLP hidden layer:
+/// computed in `f32`, stored in `x`'s type); `x` back otherwise.
 pub(crate) fn gelu<const D: usize>(x: Tensor<D>, tanh: bool) -> Result<Tensor<D>, Tensor<D>> {
-    if !super::kernels_take(GpuKernel::Gelu, &x) || x.shape().num_elements() == 0 {
+    let narrow = matches!(x.dtype(), DType::BF16 | DType::F16)
+        && crate::ops::gpu_kernels::uses(GpuKernel::Gelu)
+        && crate::ops::on_cubecl(&x.device());
+    let takes = narrow || super::kernels_take(GpuKernel::Gelu, &x);
+    if !takes || x.shape().num_elements() == 0 {
         return Err(x);
     }
     let y = <Dispatch as GeluKernels>::gelu_kernel(x.into_dispatch(), tanh);
@@ -52,35 +58,49 @@ pub trait GeluKernels: Backend {
 impl GeluKernels for CubeBackend {
     fn gelu_kernel(x: CubeTensor, tanh: bool) -> CubeTensor {
         let x = into_contiguous(x);
-        assert_eq!(x.dtype(), DType::F32, "GELU kernel: f32 only");
-        let y = super::empty(&x, x.shape());
+        let y = empty_like(&x);
         let n = x.shape().num_elements();
         let (count, dim) = super::launch_size(&x, n);
-        kernels::gelu_forward::launch::<f32>(
-            &x.client.clone(),
-            count,
-            dim,
-            x.into_tensor_arg(),
-            y.clone().into_tensor_arg(),
-            tanh,
-        );
+        let client = x.client.clone();
+        let (xa, ya) = (x.clone().into_tensor_arg(), y.clone().into_tensor_arg());
+        match x.dtype() {
+            DType::F32 => kernels::gelu_forward::launch::<f32>(&client, count, dim, xa, ya, tanh),
+            DType::BF16 => kernels::gelu_forward::launch::<bf16>(&client, count, dim, xa, ya, tanh),
+            DType::F16 => kernels::gelu_forward::launch::<f16>(&client, count, dim, xa, ya, tanh),
+            other => panic!("GELU kernel: f32, bf16 or f16, not {other:?}"),
+        }
         y
     }
 
     fn gelu_kernel_backward(x: CubeTensor, grad: CubeTensor, tanh: bool) -> CubeTensor {
         let [x, grad] = [x, grad].map(into_contiguous);
-        let dx = super::empty(&x, x.shape());
+        assert_eq!(
+            x.dtype(),
+            grad.dtype(),
+            "GELU kernel: x and its gradient of one type"
+        );
+        let dx = empty_like(&x);
         let n = x.shape().num_elements();
         let (count, dim) = super::launch_size(&x, n);
-        kernels::gelu_backward::launch::<f32>(
-            &x.client.clone(),
-            count,
-            dim,
-            x.into_tensor_arg(),
+        let client = x.client.clone();
+        let args = (
+            x.clone().into_tensor_arg(),
             grad.into_tensor_arg(),
             dx.clone().into_tensor_arg(),
-            tanh,
         );
+        let (xa, ga, da) = args;
+        match x.dtype() {
+            DType::F32 => {
+                kernels::gelu_backward::launch::<f32>(&client, count, dim, xa, ga, da, tanh)
+            }
+            DType::BF16 => {
+                kernels::gelu_backward::launch::<bf16>(&client, count, dim, xa, ga, da, tanh)
+            }
+            DType::F16 => {
+                kernels::gelu_backward::launch::<f16>(&client, count, dim, xa, ga, da, tanh)
+            }
+            other => panic!("GELU kernel: f32, bf16 or f16, not {other:?}"),
+        }
         dx
     }
 }
@@ -114,6 +134,16 @@ impl<B: GeluKernels, C: CheckpointStrategy> GeluKernels for Autodiff<B, C> {
     }
 }
 
+/// A new contiguous tensor of `x`'s shape and float type.
+fn empty_like(x: &CubeTensor) -> CubeTensor {
+    burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        x.shape(),
+        x.dtype(),
+    )
+}
+
 /// The autodiff node of the GELU kernels (the tanh approximation when `.0`).
 #[derive(Debug)]
 struct Gelu(bool);
@@ -140,13 +170,15 @@ pub(crate) mod kernels {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const CUBIC: f32 = 0.044_715;
 
+    /// `y = GELU(x)`, computed in `f32` whatever `F` stores (a bf16 hidden layer's GELU is
+    /// rounded once, as PyTorch computes it).
     #[cube(launch)]
     pub(super) fn gelu_forward<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[comptime] tanh: bool) {
         let i = ABSOLUTE_POS;
         if i >= x.len() {
             terminate!();
         }
-        y[i] = gelu_of::<F>(x[i], tanh);
+        y[i] = F::cast_from(gelu_of::<f32>(f32::cast_from(x[i]), tanh));
     }
 
     /// GELU of one value (the tanh approximation when `tanh`); also the few-row linear
@@ -162,6 +194,7 @@ pub(crate) mod kernels {
         }
     }
 
+    /// `dx = grad * GELU'(x)`, computed in `f32` whatever `F` stores.
     #[cube(launch)]
     pub(super) fn gelu_backward<F: Float>(
         x: &Tensor<F>,
@@ -173,18 +206,25 @@ pub(crate) mod kernels {
         if i >= x.len() {
             terminate!();
         }
-        let v = x[i];
+        let v = f32::cast_from(x[i]);
+        let g = f32::cast_from(grad[i]);
+        dx[i] = F::cast_from(g * gelu_slope::<f32>(v, tanh));
+    }
+
+    /// GELU's derivative at `v`.
+    #[cube]
+    fn gelu_slope<F: Float>(v: F, #[comptime] tanh: bool) -> F {
         let half = F::new(0.5);
         let one = F::new(1.0);
         if tanh {
             let u = F::new(SQRT_2_OVER_PI) * (v + F::new(CUBIC) * v * v * v);
             let t = F::tanh(u);
             let du = F::new(SQRT_2_OVER_PI) * (one + F::new(3.0 * CUBIC) * v * v);
-            dx[i] = grad[i] * (half * (one + t) + half * v * (one - t * t) * du);
+            half * (one + t) + half * v * (one - t * t) * du
         } else {
             let cdf = half * (one + F::erf(v * F::new(FRAC_1_SQRT_2)));
             let pdf = F::new(INV_SQRT_2PI) * F::exp(-half * v * v);
-            dx[i] = grad[i] * (cdf + v * pdf);
+            cdf + v * pdf
         }
     }
 }
@@ -258,6 +298,60 @@ mod tests {
                     "derivative at {v}: {d} vs {want}"
                 );
             }
+        }
+    }
+
+    /// An f16 input (mixed precision's hidden layer; lavapipe has no bf16, whose path is the
+    /// same) takes the kernel and comes out f16: the f32 GELU rounded once, and under autodiff
+    /// the gradient `Phi(x) + x phi(x)` times the incoming one, rounded once to f16.
+    #[test]
+    fn a_narrow_input_is_computed_in_f32_and_rounded_once_on_wgpu() {
+        use burn::tensor::{DType, FloatDType};
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let normal = Distribution::Normal(-1.0, 3.0);
+        let x = Tensor::<1>::random([4001], normal, &device).cast(FloatDType::F16);
+        assert!(
+            super::gelu(x.clone(), false).is_ok(),
+            "the kernel takes f16"
+        );
+        let y = gelu(x.clone());
+        assert_eq!(y.dtype(), DType::F16);
+        let wide = |t: Tensor<1>| {
+            t.cast(FloatDType::F32)
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap()
+        };
+        let xs = wide(x.clone());
+        let (got, want) = (
+            wide(y),
+            wide(gelu(x.clone().cast(FloatDType::F32)).cast(FloatDType::F16)),
+        );
+        let ulp = |v: f32| (v.abs().max(6.1e-5)) / 1024.0; // one f16 step at v
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() <= ulp(*b),
+                "value {i} at {}: {a} vs {b}",
+                xs[i]
+            );
+        }
+        // The f16 values as an f32 leaf, cast to f16 on the way in (as mixed precision's
+        // product is): the gradient comes back through the f16 backward kernel and the cast.
+        let tracked = device.autodiff();
+        let input = Tensor::<1>::from_data(x.to_data(), &tracked).require_grad();
+        let y = gelu(input.clone().cast(FloatDType::F16));
+        assert_eq!(y.dtype(), DType::F16);
+        let grads = y.mul_scalar(0.5).sum().backward();
+        let dx = input.grad(&grads).expect("a gradient");
+        for (&d, &v) in wide(dx).iter().zip(&xs) {
+            let v = v as f64;
+            let cdf = 0.5 * (1.0 + erf(v / std::f64::consts::SQRT_2));
+            let pdf = (-0.5 * v * v).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            let want = (0.5 * (cdf + v * pdf)) as f32;
+            assert!(
+                (d - want).abs() <= ulp(want),
+                "derivative at {v}: {d} vs {want}"
+            );
         }
     }
 
