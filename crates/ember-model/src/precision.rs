@@ -11,10 +11,12 @@
 //!   widened back to the activation's type (bias added there);
 //! - activations stay `f32`: embedding rows are widened when read, and so layer norms, softmax
 //!   (attention and loss), the residual stream and the logits are all computed in `f32`;
-//! - except the MLP's hidden layer ([`crate::ops::linear_gelu`]), which stays in the products'
-//!   type: its bias added there, its GELU computed in `f32` and rounded once. A training step
-//!   keeps it twice (the GELU's input, the projection's input), four times the width: in bf16
-//!   that is half the bytes, and the values are the ones the projection rounded them to anyway.
+//! - except the MLP's hidden layer ([`crate::ops::linear_gelu`]) and the fused attention's
+//!   projection and output ([`crate::ops::linear_in_products`],
+//!   [`crate::ops::causal_self_attention`]), which stay in the products' type: biases added
+//!   there, the GELU and the attention computed in `f32` and rounded once. A training step keeps
+//!   them for its backward pass; in bf16 that is half the bytes, and the values are the ones the
+//!   next product rounded them to anyway.
 //!
 //! This is what PyTorch's autocast does for these layers (`torch.autocast(dtype=bfloat16)`:
 //! linear layers in bf16, softmax, layer norm and cross-entropy in f32), made explicit: no global

@@ -31,8 +31,15 @@ impl MultiHeadAttention {
         return_weights: bool,
     ) -> AttentionResult {
         let [b, t, d] = x.dims();
+        let dtype = x.dtype();
         let start = cache.as_ref().map_or(0, |c| c.len());
-        let qkv = linear(&self.c_attn, x); // [B, T, 3D]
+        let fused = cache.is_none() && causal && pad.is_none() && !return_weights;
+        // For the fused attention (unrotated) the projection stays in mixed precision's product
+        // type: the kernels read it widened and keep it as it is (half the bytes in bf16).
+        let qkv = match fused && self.rotary_base == 0.0 {
+            true => ops::linear_in_products(&self.c_attn, x),
+            false => linear(&self.c_attn, x),
+        }; // [B, T, 3D]
         let qkv = if self.rotary_base > 0.0 {
             // Rotary positions turn each head's query and key by their positions (in a
             // left-padded batch, each row's own; in a step whose position is on the device, by
@@ -51,12 +58,16 @@ impl MultiHeadAttention {
         } else {
             qkv
         };
-        let qkv = if cache.is_none() && causal && pad.is_none() && !return_weights {
+        let qkv = if fused {
             // The sequence on itself, nothing but the causal mask: one op from the projection
             // (dropout on the weights inside it where a kernel does that).
             match ops::causal_self_attention(qkv, self.n_heads, &self.attn_dropout) {
-                Ok(context) => return (linear(&self.c_proj, context), None), // [B, T, D]
-                Err(qkv) => qkv,
+                Ok(context) => {
+                    // In the projection's type; the residual stream's after the projection.
+                    let y = linear(&self.c_proj, context);
+                    return (cast_to(y, dtype), None); // [B, T, D]
+                }
+                Err(qkv) => cast_to(qkv, dtype),
             }
         } else {
             qkv
@@ -102,5 +113,13 @@ impl MultiHeadAttention {
         let causal = (causal && t > 1).then(|| causal_mask(t, s, &device));
         let mask = combine_masks(causal, pad.map(padding_mask));
         self.attend(q, k, v, mask, return_weights)
+    }
+}
+
+/// `x` in `dtype` (itself when it is).
+fn cast_to(x: Tensor<3>, dtype: burn::tensor::DType) -> Tensor<3> {
+    match x.dtype() == dtype {
+        true => x,
+        false => x.cast(burn::tensor::FloatDType::from(dtype)),
     }
 }

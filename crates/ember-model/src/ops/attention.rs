@@ -9,14 +9,15 @@
 
 use burn::nn::Dropout;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
 
 use super::causal_softmax_reference;
 use crate::attention::masks::MASKED_SCORE;
 
 /// `dropout(softmax(Q K^T / sqrt(K) + causal mask)) V` per head, heads merged, from the fused
 /// projection (no padding); `qkv` back when `dropout` is active (training) and no kernel here
-/// applies it, for the caller's general path.
+/// applies it, for the caller's general path (in f32). A bf16 (or f16) `qkv`, mixed precision's
+/// projection, gives its output in its own type.
 ///
 /// # Shapes
 /// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
@@ -32,6 +33,13 @@ pub fn causal_self_attention(
         Ok(context) => return Ok(context),
         Err(qkv) => qkv,
     };
+    let dtype = qkv.dtype();
+    if dtype != DType::F32 {
+        // Mixed precision's bf16 projection where no kernel keeps it narrow: computed in f32,
+        // the output given back in the projection's type.
+        let context = causal_self_attention(qkv.cast(FloatDType::F32), heads, dropout)?;
+        return Ok(context.cast(FloatDType::from(dtype)));
+    }
     if drop > 0.0 {
         return Err(qkv);
     }

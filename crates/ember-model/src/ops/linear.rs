@@ -22,6 +22,23 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
     affine(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
 }
 
+/// [`linear`], its result left in the product's type under mixed precision (a weight held in
+/// another float type than `x`, [`crate::precision`]), the bias added there: the attention's
+/// `[Q | K | V]` projection, which the fused attention keeps in that type as PyTorch's autocast
+/// does. Otherwise [`linear`] itself.
+///
+/// # Shapes
+/// - x: `[..., d_input]`
+/// - output: `[..., d_output]`
+pub fn linear_in_products<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+    let weight = layer.weight.val();
+    let bias = layer.bias.as_ref().map(|b| b.val());
+    match weight.dtype() == x.dtype() {
+        true => affine(x, weight, bias),
+        false => affine(x.cast(FloatDType::from(weight.dtype())), weight, bias),
+    }
+}
+
 /// GELU of `layer.forward(x)` (the tanh approximation when `tanh`): an MLP's expansion and its
 /// non-linearity. On the GPU backends a plain input of at most eight rows (a decoding step)
 /// takes one kernel for the product, the bias and the GELU (`ops/cube/linear`); otherwise

@@ -82,7 +82,8 @@ pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{GpuKernel, GpuKernels};
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::{
-    affine, affine_reference, linear, linear_gelu, linear_gelu_reference, matmul, matmul_reference,
+    affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
+    matmul, matmul_reference,
 };
 pub use rotary::{rotate_qk, rotate_qk_by, rotate_qk_reference, rotate_qk_rows};
 pub use softmax::{causal_softmax, causal_softmax_reference};

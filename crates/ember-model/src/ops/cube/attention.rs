@@ -127,9 +127,16 @@ fn seeded(
     seed: impl FnOnce(&Device) -> Tensor<1>,
 ) -> Result<Tensor<3>, Tensor<3>> {
     let [_, t, d3] = qkv.dims();
+    // Mixed precision's projection in bf16 (or f16) under autodiff: kept in its type, computed
+    // in f32 (the autodiff op widens it for the kernels and keeps the narrow one).
+    let narrow = matches!(qkv.dtype(), DType::BF16 | DType::F16)
+        && qkv.device().is_autodiff()
+        && !cfg!(feature = "fusion")
+        && crate::ops::gpu_kernels::uses(GpuKernel::Attention)
+        && crate::ops::on_cubecl(&qkv.device());
     if t == 0
         || d3 == 0
-        || !super::kernels_take(GpuKernel::Attention, &qkv)
+        || !(narrow || super::kernels_take(GpuKernel::Attention, &qkv))
         || !(0.0..1.0).contains(&dropout)
     {
         return Err(qkv);
@@ -138,10 +145,11 @@ fn seeded(
         d3 % 3 == 0 && (d3 / 3) % heads == 0,
         "fused attention: {d3} columns do not split into Q, K, V of {heads} heads"
     );
-    // Without dropout the kernels never read the seed: any tensor will do.
-    let seed = match dropout > 0.0 {
-        true => seed(&qkv.device()).into_dispatch(),
-        false => qkv.clone().into_dispatch(),
+    // Without dropout the kernels never read the seed: any f32 tensor will do.
+    let seed = match (dropout > 0.0, narrow) {
+        (true, _) => seed(&qkv.device()).into_dispatch(),
+        (false, false) => qkv.clone().into_dispatch(),
+        (false, true) => Tensor::<1>::zeros([1], &qkv.device()).into_dispatch(),
     };
     let out = <Dispatch as AttentionKernels>::causal_self_attention(
         qkv.into_dispatch(),
@@ -414,7 +422,11 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
         heads: usize,
         dropout: f32,
     ) -> FloatTensor<Self> {
+        // A bf16 (or f16) projection, mixed precision's: the kernels read it widened to f32
+        // (a copy that lives for the call), and the op keeps it and its output in its own type,
+        // the output rounded once, as PyTorch's autocast keeps them.
         let seed = Self::inner(seed);
+        let dtype = qkv.dtype();
         match FusedAttention
             .prepare::<C>([qkv.node()])
             .compute_bound()
@@ -422,13 +434,19 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
         {
             OpsKind::Tracked(prep) => {
                 let qkv = qkv.into_primitive();
-                let (out, lse) =
-                    B::causal_self_attention_forward(qkv.clone(), seed.clone(), heads, dropout);
+                let (out, lse) = B::causal_self_attention_forward(
+                    wide::<B>(qkv.clone()),
+                    seed.clone(),
+                    heads,
+                    dropout,
+                );
+                let out = cast_to::<B>(out, dtype);
                 prep.finish((qkv, seed, out.clone(), lse, heads, dropout), out)
             }
             OpsKind::UnTracked(prep) => {
-                let qkv = qkv.into_primitive();
-                prep.finish(B::causal_self_attention_forward(qkv, seed, heads, dropout).0)
+                let qkv = wide::<B>(qkv.into_primitive());
+                let out = B::causal_self_attention_forward(qkv, seed, heads, dropout).0;
+                prep.finish(cast_to::<B>(out, dtype))
             }
         }
     }
@@ -505,9 +523,26 @@ impl<B: AttentionKernels> Backward<B, 1> for FusedAttention {
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (qkv, seed, out, lse, heads, dropout) = ops.state;
+        // In the projection's type (f32, or mixed precision's bf16), computed in f32.
+        let dtype = qkv.dtype();
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            B::causal_self_attention_backward(qkv, seed, out, lse, grad, heads, dropout)
+            let [qkv, out, grad] = [qkv, out, grad].map(wide::<B>);
+            let dqkv = B::causal_self_attention_backward(qkv, seed, out, lse, grad, heads, dropout);
+            cast_to::<B>(dqkv, dtype)
         });
+    }
+}
+
+/// `x` in f32 (itself when it is).
+fn wide<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    cast_to::<B>(x, DType::F32)
+}
+
+/// `x` in `dtype` (itself when it is).
+fn cast_to<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
+    match x.dtype() == dtype {
+        true => x,
+        false => B::float_cast(x, burn::tensor::FloatDType::from(dtype)),
     }
 }
 
@@ -1220,7 +1255,51 @@ mod tests {
         assert!(cached_causal_attention(x.clone(), x.clone(), x, 0).is_err());
     }
 
-    /// The kernels' dropout factors `[B, H, T, T]` (0 or `1 / (1 - p)`), computed on the host.
+    /// Mixed precision's f16 projection under autodiff (lavapipe has no bf16; the path is the
+    /// same): the kernels take it, the output is f16, the f32 kernels' output on the same values
+    /// rounded once; the projection's gradient comes back through the f16 op near the f32 one.
+    #[test]
+    fn a_narrow_projection_stays_narrow_and_is_computed_in_f32_on_wgpu() {
+        use burn::tensor::FloatDType;
+        let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let (b, t, heads, k) = (2, 45, 3, 8);
+        let d = heads * k;
+        // Values f16 holds exactly, so both sides start from the same numbers.
+        let exact = |dims: [usize; 3]| {
+            Tensor::<3>::random(dims, normal, &device)
+                .cast(FloatDType::F16)
+                .cast(FloatDType::F32)
+                .into_data()
+        };
+        let (x, g) = (exact([b, t, 3 * d]), exact([b, t, d]));
+        let leaf = |data| Tensor::<3>::from_data(data, &device).require_grad();
+        let (narrow_in, wide_in) = (leaf(x.clone()), leaf(x));
+        let narrow = causal_self_attention(narrow_in.clone().cast(FloatDType::F16), heads, 0.0)
+            .unwrap_or_else(|_| panic!("the kernels take an f16 projection under autodiff"));
+        assert_eq!(narrow.dtype(), DType::F16);
+        let wide = causal_self_attention(wide_in.clone(), heads, 0.0).expect("f32");
+        narrow.clone().cast(FloatDType::F32).into_data().assert_eq(
+            &wide
+                .clone()
+                .cast(FloatDType::F16)
+                .cast(FloatDType::F32)
+                .into_data(),
+            true,
+        );
+        let weights = Tensor::<3>::from_data(g, &device);
+        let loss = |y: Tensor<3>| (y.cast(FloatDType::F32) * weights.clone()).sum();
+        let (gn, gw) = (loss(narrow).backward(), loss(wide).backward());
+        let (gn, gw) = (narrow_in.grad(&gn).unwrap(), wide_in.grad(&gw).unwrap());
+        let scale = gw.clone().abs().max().into_scalar::<f32>();
+        let diff = (gn - gw).abs().max().into_scalar::<f32>();
+        assert!(
+            diff < 5e-3 * scale,
+            "gradient off by {diff} (scale {scale})"
+        );
+    }
+
+    /// The kernels' dropout factors `[B, H, T, T]`    /// The kernels' dropout factors `[B, H, T, T]` (0 or `1 / (1 - p)`), computed on the host.
     fn dropout_factors(b: usize, heads: usize, t: usize, seed: f32, p: f32) -> Vec<f32> {
         crate::ops::cube::hashed_mask::host_factors(seed, p, b * heads * t * t)
     }

@@ -348,8 +348,10 @@ mod tests {
             let cdf = 0.5 * (1.0 + erf(v / std::f64::consts::SQRT_2));
             let pdf = (-0.5 * v * v).exp() / (2.0 * std::f64::consts::PI).sqrt();
             let want = (0.5 * (cdf + v * pdf)) as f32;
+            // One f16 step, and the f32 sum's own error where its two terms cancel (the
+            // derivative's root near -0.75, where f16 steps are tiny).
             assert!(
-                (d - want).abs() <= ulp(want),
+                (d - want).abs() <= ulp(want) + 2e-7,
                 "derivative at {v}: {d} vs {want}"
             );
         }
