@@ -29,7 +29,7 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         Ok(y) => return y,
         Err(x) => x,
     };
-    in_f32(x, gelu_reference)
+    in_f32(x, gelu, gelu_reference)
 }
 
 /// GELU with the tanh approximation (GPT-2's `gelu_new`),
@@ -51,15 +51,20 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         Ok(y) => return y,
         Err(x) => x,
     };
-    in_f32(x, gelu_tanh_reference)
+    in_f32(x, gelu_tanh, gelu_tanh_reference)
 }
 
-/// `f(x)` computed in `f32` and given back in `x`'s float type.
-fn in_f32<const D: usize>(x: Tensor<D>, f: impl FnOnce(Tensor<D>) -> Tensor<D>) -> Tensor<D> {
+/// `reference(x)` for an `f32` `x`; otherwise `op(x)` computed in `f32` (its kernels included)
+/// and given back in `x`'s float type.
+fn in_f32<const D: usize>(
+    x: Tensor<D>,
+    op: impl FnOnce(Tensor<D>) -> Tensor<D>,
+    reference: impl FnOnce(Tensor<D>) -> Tensor<D>,
+) -> Tensor<D> {
     let dtype = x.dtype();
     match dtype {
-        DType::F32 => f(x),
-        _ => f(x.cast(FloatDType::F32)).cast(FloatDType::from(dtype)),
+        DType::F32 => reference(x),
+        _ => op(x.cast(FloatDType::F32)).cast(FloatDType::from(dtype)),
     }
 }
 
