@@ -243,21 +243,37 @@ impl<F: FnMut(u32) -> bool> Chosen<F> {
         if self.pending.is_empty() {
             return true;
         }
-        let ids = Tensor::cat(std::mem::take(&mut self.pending), 1)
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .expect("token ids are integers");
-        for id in ids {
-            let id = id as u32;
-            self.tokens.push(id);
-            self.produced.push(id);
-            if !(self.on_token)(id) {
-                return false;
-            }
-        }
-        true
+        let ids = Tensor::cat(std::mem::take(&mut self.pending), 1).into_data();
+        hand_over(
+            ids,
+            &mut self.tokens,
+            &mut self.produced,
+            &mut self.on_token,
+        )
     }
+}
+
+/// Token ids read back from the device, appended to `tokens` and `produced` and told to
+/// `on_token` one by one; false as soon as it asks to stop (the ids after that one are dropped).
+pub(crate) fn hand_over(
+    ids: burn::tensor::TensorData,
+    tokens: &mut Vec<u32>,
+    produced: &mut Vec<u32>,
+    on_token: &mut impl FnMut(u32) -> bool,
+) -> bool {
+    let ids = ids
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .expect("token ids are integers");
+    for id in ids {
+        let id = id as u32;
+        tokens.push(id);
+        produced.push(id);
+        if !on_token(id) {
+            return false;
+        }
+    }
+    true
 }
 
 /// A cache of the keys and values of `tokens[start..start + cache.len()]`.

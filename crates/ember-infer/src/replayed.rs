@@ -30,7 +30,7 @@ use ember_model::{DecoderCache, DecoderOnly};
 use rand::Rng;
 use rand::rngs::StdRng;
 
-use crate::generate::{Choice, READ_EVERY};
+use crate::generate::{Choice, READ_EVERY, hand_over};
 
 /// Whether decoding on `device` can replay captured steps: a CubeCL backend, and the kernels
 /// that read the step's inputs there turned on (`EMBER_GPU_KERNELS`; `-step-graph` turns the
@@ -125,22 +125,15 @@ impl<F: FnMut(u32) -> bool> Text<F> {
             return true;
         }
         let history = window.history.clone().expect("the window holds its tokens");
-        let ids = history
-            .narrow(0, from, to - from)
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .expect("token ids are integers");
-        for id in ids {
-            let id = id as u32;
-            self.tokens.push(id);
-            self.produced.push(id);
-            if !(self.on_token)(id) {
-                self.stopped = true;
-                return false;
-            }
-        }
-        true
+        let ids = history.narrow(0, from, to - from).into_data();
+        let going = hand_over(
+            ids,
+            &mut self.tokens,
+            &mut self.produced,
+            &mut self.on_token,
+        );
+        self.stopped = !going;
+        going
     }
 
     /// Tokens chosen on the device and not read yet.

@@ -65,9 +65,9 @@ impl MultiHeadAttention {
                 Ok(context) => {
                     // In the projection's type; the residual stream's after the projection.
                     let y = linear(&self.c_proj, context);
-                    return (cast_to(y, dtype), None); // [B, T, D]
+                    return (ops::cast_to(y, dtype), None); // [B, T, D]
                 }
-                Err(qkv) => cast_to(qkv, dtype),
+                Err(qkv) => ops::cast_to(qkv, dtype),
             }
         } else {
             qkv
@@ -113,13 +113,5 @@ impl MultiHeadAttention {
         let causal = (causal && t > 1).then(|| causal_mask(t, s, &device));
         let mask = combine_masks(causal, pad.map(padding_mask));
         self.attend(q, k, v, mask, return_weights)
-    }
-}
-
-/// `x` in `dtype` (itself when it is).
-fn cast_to(x: Tensor<3>, dtype: burn::tensor::DType) -> Tensor<3> {
-    match x.dtype() == dtype {
-        true => x,
-        false => x.cast(burn::tensor::FloatDType::from(dtype)),
     }
 }

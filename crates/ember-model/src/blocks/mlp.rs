@@ -4,7 +4,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::serde::{Deserialize, Serialize};
 use burn::tensor::activation::relu;
-use burn::tensor::{Device, FloatDType, Tensor};
+use burn::tensor::{Device, Tensor};
 
 use crate::ops::linear;
 
@@ -103,11 +103,7 @@ impl Mlp {
         // act(fc(x)), [B, T, F]: in mixed precision kept in the products' type (bf16), as
         // PyTorch's autocast keeps it; the projection back is widened to the residual stream's.
         let h = self.activation.after_linear(&self.c_fc, x);
-        let y = linear(&self.c_proj, h);
-        let y = match y.dtype() == dtype {
-            true => y,
-            false => y.cast(FloatDType::from(dtype)),
-        };
+        let y = crate::ops::cast_to(linear(&self.c_proj, h), dtype);
         crate::ops::dropout(&self.dropout, y)
     }
 }

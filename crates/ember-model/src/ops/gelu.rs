@@ -61,10 +61,9 @@ fn in_f32<const D: usize>(
     op: impl FnOnce(Tensor<D>) -> Tensor<D>,
     reference: impl FnOnce(Tensor<D>) -> Tensor<D>,
 ) -> Tensor<D> {
-    let dtype = x.dtype();
-    match dtype {
+    match x.dtype() {
         DType::F32 => reference(x),
-        _ => op(x.cast(FloatDType::F32)).cast(FloatDType::from(dtype)),
+        dtype => super::cast_to(op(x.cast(FloatDType::F32)), dtype),
     }
 }
 

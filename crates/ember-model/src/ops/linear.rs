@@ -112,10 +112,7 @@ pub fn affine<const D: usize>(
     bias: Option<Tensor<1>>,
 ) -> Tensor<D> {
     let dtype = x.dtype();
-    let bias = bias.map(|b| match b.dtype() == dtype {
-        true => b,
-        false => b.cast(FloatDType::from(dtype)),
-    });
+    let bias = bias.map(|b| super::cast_to(b, dtype));
     if weight.dtype() != dtype {
         // Mixed precision (crate::precision): the product in the weight's type, the result
         // and the bias in the activation's.

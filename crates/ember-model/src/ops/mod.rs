@@ -99,6 +99,15 @@ pub fn on_cubecl(device: &burn::tensor::Device) -> bool {
     Dispatch::name(device.as_dispatch()).contains("cubecl<")
 }
 
+/// `x` in the float type `dtype`: itself when it is already (mixed precision moves tensors
+/// between f32 and the products' type at the edges of the ops that keep them narrow).
+pub fn cast_to<const D: usize>(x: Tensor<D>, dtype: burn::tensor::DType) -> Tensor<D> {
+    match x.dtype() == dtype {
+        true => x,
+        false => x.cast(burn::tensor::FloatDType::from(dtype)),
+    }
+}
+
 /// The position a decoding step reads from the device (`[1]`), on the host: what the reference
 /// implementations of the `*_at` ops take. A read waits for the device, so GPU kernels read the
 /// position where it is instead.

@@ -27,16 +27,7 @@ pub(crate) fn write_cache_rows(
     v: Tensor<4>,
     start: usize,
 ) -> Result<(Tensor<4>, Tensor<4>), (Tensor<4>, Tensor<4>, Tensor<4>, Tensor<4>)> {
-    let [b, h, c, d] = k_buffer.dims();
-    let [_, _, t, _] = k.dims();
-    let take = |x: &Tensor<4>| super::kernels_take_plain(GpuKernel::CacheWrite, x);
-    let fits = v_buffer.dims() == [b, h, c, d]
-        && k.dims() == [b, h, t, d]
-        && v.dims() == [b, h, t, d]
-        && start + t <= c
-        && t > 0
-        && d > 0;
-    if !(fits && take(&k_buffer) && take(&v_buffer) && take(&k) && take(&v)) {
+    if !takes([&k_buffer, &v_buffer, &k, &v], start) {
         return Err((k_buffer, v_buffer, k, v));
     }
     let (keys, values) = <Dispatch as CacheWriteKernels>::write_cache_rows(
@@ -49,6 +40,22 @@ pub(crate) fn write_cache_rows(
     Ok((Tensor::from_dispatch(keys), Tensor::from_dispatch(values)))
 }
 
+/// Whether the kernel takes buffers `[B, H, C, K]` and rows `[B, H, T, K]` written from `start`:
+/// plain `f32` tensors on a CubeCL device, of matching shapes, `start + T <= C`.
+fn takes([k_buffer, v_buffer, k, v]: [&Tensor<4>; 4], start: usize) -> bool {
+    let [b, h, c, d] = k_buffer.dims();
+    let [_, _, t, _] = k.dims();
+    let fits = v_buffer.dims() == [b, h, c, d]
+        && k.dims() == [b, h, t, d]
+        && v.dims() == [b, h, t, d]
+        && start + t <= c
+        && t > 0
+        && d > 0;
+    fits && [k_buffer, v_buffer, k, v]
+        .into_iter()
+        .all(|x| super::kernels_take_plain(GpuKernel::CacheWrite, x))
+}
+
 /// [`write_cache_rows`] at the position held by `position` `[1]` on the device.
 #[allow(clippy::type_complexity)]
 pub(crate) fn write_cache_rows_at(
@@ -58,16 +65,8 @@ pub(crate) fn write_cache_rows_at(
     v: Tensor<4>,
     position: &Tensor<1, Int>,
 ) -> Result<(Tensor<4>, Tensor<4>), (Tensor<4>, Tensor<4>, Tensor<4>, Tensor<4>)> {
-    let [b, h, c, d] = k_buffer.dims();
-    let [_, _, t, _] = k.dims();
-    let take = |x: &Tensor<4>| super::kernels_take_plain(GpuKernel::CacheWrite, x);
-    let fits = v_buffer.dims() == [b, h, c, d]
-        && k.dims() == [b, h, t, d]
-        && v.dims() == [b, h, t, d]
-        && t <= c
-        && t > 0
-        && d > 0;
-    if !(fits && take(&k_buffer) && take(&v_buffer) && take(&k) && take(&v)) {
+    // The position is on the device: only that the rows fit at all is checked here.
+    if !takes([&k_buffer, &v_buffer, &k, &v], 0) {
         return Err((k_buffer, v_buffer, k, v));
     }
     let (keys, values) = <Dispatch as CacheWriteKernels>::write_cache_rows_at(
