@@ -23,9 +23,9 @@
 # the speed stage times (default 60); PYTHON the PyTorch interpreter and
 # TORCH_DEVICE its device (default cuda); ROUNDS how many times `speed` trains ember with and
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
-# (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS (default `f32:on
-# f32:-attention f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one kernel's
-# part); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
+# (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS[:EMBER_SPLIT_K]
+# (default `f32:on f32:-split-k f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one
+# kernel's part, `f32:on:4 f32:on:16` for the weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
 # the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS the steps `profile` times
 # (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and PyTorch run on an
@@ -169,15 +169,16 @@ speed() {
     # (ember's bf16 counterpart). A device without bf16 refuses that run in one line.
     rm -rf "$RUNS/speed"
     for round in $(seq "${ROUNDS:-1}"); do
-        for run in ${SPEED_RUNS:-f32:on f32:-attention f32:off bf16:on}; do
-            precision=${run%%:*} kernels=${run##*:}
+        for run in ${SPEED_RUNS:-f32:on f32:-split-k f32:off bf16:on}; do
+            IFS=: read -r precision kernels split <<<"$run"
+            split=${split:-auto}
             # The first run's checkpoint stays for sampling below (a later run may be refused:
             # bf16 on a device without it); the others share one folder.
             out="$RUNS/speed-other"
             [ -d "$RUNS/speed" ] || out="$RUNS/speed"
             rm -rf "$RUNS/speed-other"
-            echo "round $round, precision $precision, EMBER_GPU_KERNELS=$kernels"
-            EMBER_GPU_KERNELS=$kernels logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
+            echo "round $round, precision $precision, EMBER_GPU_KERNELS=$kernels EMBER_SPLIT_K=$split"
+            EMBER_GPU_KERNELS=$kernels EMBER_SPLIT_K=$split logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
                 --device "$DEVICE" --out "$out" --stop-after "$STEPS" \
                 --set "training.precision=\"$precision\"" || continue
             grep -E "^(peak|GPU memory|checkpoint:)" "$RUNS/speed.log"

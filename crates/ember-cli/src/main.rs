@@ -86,7 +86,10 @@ fn main() -> ExitCode {
     }));
     let cli = Cli::parse();
     // Read by the model's GPU ops wherever they run; a bad value is refused here, once.
-    if let Err(e) = ember_model::ops::GpuKernels::from_env() {
+    let checked = ember_model::ops::GpuKernels::from_env()
+        .map(drop)
+        .and_then(|()| ember_model::ops::gpu_kernels::split_from_env().map(drop));
+    if let Err(e) = checked {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }

@@ -666,6 +666,16 @@ const CASES: &[Case] = &[
         "EMBER_GPU_KERNELS",
         "-attention,-softmax",
     ),
+    with_env(
+        case(
+            "device",
+            "a split of a weight gradient that is not a power of two",
+            &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
+            &["EMBER_SPLIT_K", "\"3\"", "power of two"],
+        ),
+        "EMBER_SPLIT_K",
+        "3",
+    ),
     // Output and training.
     case(
         "output",

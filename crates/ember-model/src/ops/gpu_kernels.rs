@@ -50,11 +50,15 @@ pub enum GpuKernel {
     /// dispatches on wgpu) and replayed for each token, instead of launching its kernels one by
     /// one.
     StepGraph,
+    /// Not a kernel: the weight gradient `X^T dY` of a linear layer over many rows (a training
+    /// step's) as partial products over chunks of the rows, summed (split-K), so that its small
+    /// output gives the GPU enough blocks of work ([`crate::ops::matmul`]).
+    SplitK,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 13] = [
+    pub const ALL: [GpuKernel; 14] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -68,6 +72,7 @@ impl GpuKernel {
         GpuKernel::Embedding,
         GpuKernel::Draw,
         GpuKernel::StepGraph,
+        GpuKernel::SplitK,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -86,6 +91,7 @@ impl GpuKernel {
             GpuKernel::Embedding => "embedding",
             GpuKernel::Draw => "draw",
             GpuKernel::StepGraph => "step-graph",
+            GpuKernel::SplitK => "split-k",
         }
     }
 }
@@ -168,6 +174,42 @@ pub fn uses(kernel: GpuKernel) -> bool {
         .uses(kernel)
 }
 
+/// The environment variable that fixes the number of chunks of rows of [`GpuKernel::SplitK`]
+/// (for benchmarks): `auto` (or unset) for ember's rule, or a power of two from 1 to 64.
+pub const SPLIT_VARIABLE: &str = "EMBER_SPLIT_K";
+
+/// Parses a value of `EMBER_SPLIT_K`: `None` for `auto`, else the fixed number of chunks; the
+/// error names the variable, the value and what is accepted.
+pub fn parse_split(value: &str) -> Result<Option<usize>, String> {
+    let value = value.trim();
+    if value.is_empty() || value == "auto" {
+        return Ok(None);
+    }
+    match value.parse::<usize>() {
+        Ok(n) if n.is_power_of_two() && n <= 64 => Ok(Some(n)),
+        _ => Err(format!(
+            "{SPLIT_VARIABLE}={value:?}: expected auto or a power of two from 1 to 64 (chunks of \
+             rows of a linear layer's weight gradient)"
+        )),
+    }
+}
+
+/// [`parse_split`] of the environment's value (`None` where it is unset).
+pub fn split_from_env() -> Result<Option<usize>, String> {
+    match std::env::var(SPLIT_VARIABLE) {
+        Ok(value) => parse_split(&value),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{SPLIT_VARIABLE} is not UTF-8")),
+    }
+}
+
+/// [`split_from_env`] in this process, read once; a value that does not parse counts as `auto`
+/// (the `ember` binary refuses it at start-up, in one line).
+pub fn fixed_split() -> Option<usize> {
+    static SPLIT: OnceLock<Option<usize>> = OnceLock::new();
+    *SPLIT.get_or_init(|| split_from_env().unwrap_or_default())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,7 +241,8 @@ mod tests {
                 "cross-entropy",
                 "embedding",
                 "draw",
-                "step-graph"
+                "step-graph",
+                "split-k"
             ]
         );
         assert_eq!(
@@ -221,5 +264,20 @@ mod tests {
         assert!(mixed.contains("mixes"), "{mixed}");
         assert!(!unknown.contains('\n') && !mixed.contains('\n'));
         assert!(GpuKernels::parse("-").is_err());
+    }
+
+    #[test]
+    fn parses_split_factors() {
+        assert_eq!(parse_split("auto"), Ok(None));
+        assert_eq!(parse_split(""), Ok(None));
+        assert_eq!(parse_split("1"), Ok(Some(1)));
+        assert_eq!(parse_split(" 16 "), Ok(Some(16)));
+        for bad in ["0", "3", "128", "-4", "eight"] {
+            let e = parse_split(bad).unwrap_err();
+            assert!(
+                e.starts_with("EMBER_SPLIT_K=") && e.contains("power of two"),
+                "{e}"
+            );
+        }
     }
 }

@@ -172,8 +172,108 @@ pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
         Ok(y) => return y,
         Err(ab) => ab,
     };
-    matmul_reference(a, b)
+    let splits = match splits_on_gpu(&a) {
+        true => {
+            let [rows, k] = a.dims();
+            weight_gradient_splits(rows, k, b.dims()[1], multiprocessors(&a.device()))
+        }
+        false => 1,
+    };
+    match splits {
+        1 => matmul_reference(a, b),
+        _ => matmul_split_rows(a, b, splits),
+    }
 }
+
+/// The multiprocessors of `device`'s GPU where its runtime reports them (CUDA).
+fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
+    #[cfg(feature = "cube")]
+    return super::cube::multiprocessors(device);
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        None
+    }
+}
+
+/// `a @ b` with `a`'s rows in `splits` equal chunks: one batched product over `b` broadcast.
+/// The result is [`matmul_reference`]'s; what changes is `b`'s gradient under autodiff,
+/// `a^T dY`, which becomes `splits` partial products over the chunks of rows, summed (Burn
+/// sums a broadcast operand's gradient over the batch). This is split-K: a training step's
+/// weight gradient has a small output (`[384, 1152]` for nanoGPT's GPU config) and a long
+/// reduction (16384 rows), and cubek's products give each block of the output one cube that
+/// walks the whole reduction (blocks of 64 x 64 in its tensor-core routines for `f32`, by its
+/// selector's source: 108 cubes for an H100's 132 multiprocessors). In chunks it has `splits` times the cubes, for one `[splits, K, N]` sum
+/// more. (Burn keeps the forward product batched, or folds it back into one: the same
+/// blocks.)
+///
+/// # Shapes
+/// - a: `[M, K]`, `M` a multiple of `splits`
+/// - b: `[K, N]`
+/// - output: `[M, N]`
+pub fn matmul_split_rows(a: Tensor<2>, b: Tensor<2>, splits: usize) -> Tensor<2> {
+    let [rows, k] = a.dims();
+    let n = b.dims()[1];
+    assert!(
+        splits > 0 && rows.is_multiple_of(splits),
+        "split product: {rows} rows do not split into {splits} chunks"
+    );
+    a.reshape([splits, rows / splits, k])
+        .matmul(b.unsqueeze::<3>())
+        .reshape([rows, n])
+}
+
+/// Whether [`matmul`] on `a`'s device may split its rows for the weight's gradient: a GPU
+/// backend under autodiff (the split changes only gradients), with `EMBER_GPU_KERNELS`'
+/// `split-k` on ([`weight_gradient_splits`] says into how many chunks).
+fn splits_on_gpu(a: &Tensor<2>) -> bool {
+    use super::gpu_kernels::{GpuKernel, uses};
+    let device = a.device();
+    uses(GpuKernel::SplitK) && device.is_autodiff() && super::on_cubecl(&device)
+}
+
+/// The number of chunks of `rows` for the weight gradient of an `[rows, k] @ [k, n]` product
+/// on a GPU of `multiprocessors`: `EMBER_SPLIT_K` where it is set (the most up to it that
+/// divide `rows`); else, where the GPU's multiprocessors are known (CUDA), the fewest (a power
+/// of two) that give the `[k, n]` gradient 8 blocks of 64 x 64 per multiprocessor in all,
+/// each chunk keeping at least 512 rows, 32 chunks at most; else 1 (wgpu reports no
+/// multiprocessors: a one-product gradient as before).
+/// nanoGPT's GPU config on a GPU of 132 (16384 rows, width 384): 16 chunks for `[Q | K | V]`,
+/// 32 for the attention's output and the tied head, 8 for the MLP's two layers.
+pub fn weight_gradient_splits(
+    rows: usize,
+    k: usize,
+    n: usize,
+    multiprocessors: Option<u32>,
+) -> usize {
+    let halves = |s: usize| rows.is_multiple_of(2 * s);
+    if let Some(fixed) = super::gpu_kernels::fixed_split() {
+        let mut s = 1;
+        while s < fixed && halves(s) {
+            s *= 2;
+        }
+        return s;
+    }
+    let Some(multiprocessors) = multiprocessors else {
+        return 1;
+    };
+    let target = SPLIT_BLOCKS_PER_MULTIPROCESSOR * multiprocessors as usize;
+    let blocks = k.div_ceil(64) * n.div_ceil(64);
+    let mut s = 1;
+    while s * blocks < target && s < 32 && halves(s) && rows / (2 * s) >= SPLIT_MIN_ROWS {
+        s *= 2;
+    }
+    s
+}
+
+/// Blocks of the weight gradient's output per multiprocessor, over all chunks, that
+/// [`weight_gradient_splits`] aims for: several each, so that a multiprocessor has more than
+/// one to hide its memory's latency and the last wave is short.
+const SPLIT_BLOCKS_PER_MULTIPROCESSOR: usize = 8;
+
+/// The fewest rows a chunk of [`weight_gradient_splits`] keeps: each chunk's product stays
+/// long enough along its reduction to run at a product's speed.
+const SPLIT_MIN_ROWS: usize = 512;
 
 /// [`affine`] in Burn's tensor ops, on every backend.
 pub fn affine_reference<const D: usize>(
@@ -310,6 +410,64 @@ mod tests {
             };
             assert_close(run(true), run(false), &format!("bias {bias}, tanh {tanh}"));
         }
+    }
+
+    /// The split product against Burn's `matmul`: output and the gradients of both operands,
+    /// for a weight read in place as a transposed view too, on flex and (feature `wgpu`) on
+    /// lavapipe.
+    #[test]
+    fn split_rows_product_equals_burns() {
+        #[allow(unused_mut)] // one device without the wgpu feature
+        let mut devices = vec![Device::flex().autodiff()];
+        #[cfg(feature = "wgpu")]
+        devices.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff());
+        let normal = Distribution::Normal(0.0, 1.0);
+        for device in devices {
+            let a = Tensor::<2>::random([96, 24], normal, &device).require_grad();
+            let w = Tensor::<2>::random([40, 24], normal, &device).require_grad();
+            for (splits, transposed) in [(4, false), (8, true), (1, false)] {
+                let run = |split: bool| {
+                    let b = match transposed {
+                        true => w.clone().transpose(),
+                        false => w.clone().reshape([24, 40]),
+                    };
+                    let y = match split {
+                        true => matmul_split_rows(a.clone(), b, splits),
+                        false => matmul_reference(a.clone(), b),
+                    };
+                    assert_eq!(y.dims(), [96, 40]);
+                    let grads = (y.clone() * y.clone().sin()).sum().backward();
+                    let (ga, gw) = (a.grad(&grads).unwrap(), w.grad(&grads).unwrap());
+                    [y.inner(), ga, gw.reshape([24, 40])]
+                        .map(|t| t.unsqueeze::<3>())
+                        .to_vec()
+                };
+                let what = format!("{device:?}, {splits} chunks, transposed {transposed}");
+                assert_close(run(true), run(false), &what);
+            }
+        }
+    }
+
+    /// The rule's chunks for nanoGPT's GPU config's products (16384 rows) on a GPU of 132
+    /// multiprocessors (an H100's), for a small model's (no split), where the rows do not
+    /// halve, and on a GPU that does not report its multiprocessors (wgpu: none).
+    #[test]
+    fn weight_gradient_splits_fill_the_gpu() {
+        if crate::ops::gpu_kernels::fixed_split().is_some() {
+            return; // EMBER_SPLIT_K fixes the answer
+        }
+        let h100 = Some(132);
+        assert_eq!(weight_gradient_splits(16384, 384, 1152, h100), 16);
+        assert_eq!(weight_gradient_splits(16384, 384, 384, h100), 32);
+        assert_eq!(weight_gradient_splits(16384, 384, 1536, h100), 8);
+        assert_eq!(weight_gradient_splits(16384, 1536, 384, h100), 8);
+        assert_eq!(weight_gradient_splits(16384, 384, 65, h100), 32);
+        assert_eq!(weight_gradient_splits(512, 64, 192, h100), 1);
+        assert_eq!(weight_gradient_splits(3 * 4096, 384, 384, h100), 16);
+        assert_eq!(weight_gradient_splits(16383, 384, 384, h100), 1);
+        assert_eq!(weight_gradient_splits(4096 * 4096, 8192, 8192, h100), 1);
+        assert_eq!(weight_gradient_splits(16384, 384, 1152, Some(20)), 2);
+        assert_eq!(weight_gradient_splits(16384, 384, 1152, None), 1);
     }
 
     /// `affine` with a column slice of a larger weight and a narrowed bias (as cross-attention

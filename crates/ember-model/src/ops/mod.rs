@@ -10,7 +10,7 @@
 //!
 //! | op | reference | kernel (flex) |
 //! |---|---|---|
-//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`); on GPUs all rows as one product in Burn's `matmul`, and a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
+//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`); on GPUs all rows as one product in Burn's `matmul` (in training, chunks of rows as one batched product, so that the weight's gradient is a sum of partial products: [`matmul_split_rows`]), and a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
 //! | [`linear_gelu`] | Burn's `module::linear`, then `gelu` | [`linear`] then [`gelu`]; on GPUs a plain input of up to eight rows takes one kernel for the product, the bias and the GELU (`cube::linear`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row, the bias in the same pass (`cube::layer_norm`) |
@@ -83,7 +83,7 @@ pub use gpu_kernels::{GpuKernel, GpuKernels};
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
-    matmul, matmul_reference,
+    matmul, matmul_reference, matmul_split_rows, weight_gradient_splits,
 };
 pub use rotary::{rotate_qk, rotate_qk_by, rotate_qk_reference, rotate_qk_rows};
 pub use softmax::{causal_softmax, causal_softmax_reference};

@@ -34,6 +34,26 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 
+/// The number of multiprocessors of `device`'s GPU, where its runtime reports it (CUDA and
+/// ROCm do, wgpu does not); `None` on other backends.
+pub(crate) fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
+    use burn::backend::DispatchDevice;
+    fn of(device: &DispatchDevice) -> Option<u32> {
+        match device {
+            DispatchDevice::Cube(gpu) => {
+                gpu.client()
+                    .properties()
+                    .hardware
+                    .num_streaming_multiprocessors
+            }
+            DispatchDevice::Autodiff(inner) => of(inner),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+    of(device.as_dispatch())
+}
+
 /// Whether `kernel` is on ([`crate::ops::gpu_kernels`]) and takes `x`: an `f32` tensor on a
 /// CubeCL device, tracked by autodiff or not.
 pub(crate) fn kernels_take<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
