@@ -27,6 +27,9 @@
 //! row and read tiles of queries, output gradients, log-sum-exps and `delta`s the same way (in
 //! two launches, keys then values, so that one row of accumulators fits in registers). Every
 //! unit of a cube reads the same tile row at the same time (a broadcast, no bank conflicts).
+//! Rows are read as vectors of 4 values where a head's width allows (`Dims::lanes`): each
+//! load from a shared tile then feeds 4 products, where one value per load held the kernels to
+//! the shared memory's rate of loads rather than the arithmetic's.
 //! Decoding has too few query rows for one unit each, so its kernel gives each query row a
 //! cube.
 
@@ -252,10 +255,12 @@ impl AttentionKernels for CubeBackend {
         let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
         let (count, dim) = dims.launch_size();
         let tile = dims.tile(&qkv);
+        let w = dims.lanes(&qkv);
         kernels::attention_forward::launch::<f32>(
             &qkv.client.clone(),
             count,
             dim,
+            w,
             qkv.into_tensor_arg(),
             seed.into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -263,7 +268,8 @@ impl AttentionKernels for CubeBackend {
             dims.scale(),
             super::hashed_mask::threshold(dropout),
             1.0 / (1.0 - dropout),
-            dims.k(),
+            dims.k() / w,
+            w,
             heads,
             dropout > 0.0,
             tile,
@@ -287,10 +293,12 @@ impl AttentionKernels for CubeBackend {
         let client = qkv.client.clone();
         let (count, dim) = dims.launch_size();
         let tile = dims.tile(&qkv);
+        let w = dims.lanes(&qkv);
         kernels::attention_backward_query::launch::<f32>(
             &client,
             count.clone(),
             dim,
+            w,
             qkv.clone().into_tensor_arg(),
             seed.clone().into_tensor_arg(),
             out.into_tensor_arg(),
@@ -301,7 +309,8 @@ impl AttentionKernels for CubeBackend {
             dims.scale(),
             super::hashed_mask::threshold(dropout),
             1.0 / (1.0 - dropout),
-            dims.k(),
+            dims.k() / w,
+            w,
             heads,
             dropout > 0.0,
             tile,
@@ -315,6 +324,7 @@ impl AttentionKernels for CubeBackend {
                 &client,
                 count.clone(),
                 dim,
+                w,
                 qkv.clone().into_tensor_arg(),
                 seed.clone().into_tensor_arg(),
                 grad.clone().into_tensor_arg(),
@@ -324,7 +334,8 @@ impl AttentionKernels for CubeBackend {
                 dims.scale(),
                 super::hashed_mask::threshold(dropout),
                 1.0 / (1.0 - dropout),
-                dims.k(),
+                dims.k() / w,
+                w,
                 heads,
                 dropout > 0.0,
                 values,
@@ -577,6 +588,20 @@ impl Dims {
         1.0 / (self.k() as f32).sqrt()
     }
 
+    /// The values of a vector the kernels read and write at once: 4 where a head's columns
+    /// are a multiple of 4 and the device reads 4 `f32`s at once, else 1. Every offset the
+    /// kernels use is then a multiple of it (heads start at multiples of `K`, rows at
+    /// multiples of `D`), and each load of a shared tile gives a unit 4 values for 4 products
+    /// instead of 1.
+    fn lanes(&self, like: &CubeTensor) -> usize {
+        let four = self.k().is_multiple_of(4)
+            && like
+                .client
+                .io_optimized_vector_sizes(size_of::<f32>())
+                .any(|size| size == 4);
+        if four { 4 } else { 1 }
+    }
+
     /// One cube per block of rows of one head of one sequence, one unit per row: blocks
     /// along `x`, heads of sequences along `y` (each within a launch's 65535 cubes a side on
     /// every backend). A block is [`ROWS`] rows, or fewer (down to a warp's 32) when the
@@ -669,15 +694,15 @@ mod kernels {
         }
     }
 
-    /// Rows `j0..j0 + rows` of one head's `k` columns of `src` (row 0 at `base`, rows `stride`
-    /// apart) into `tile`, row after row, zeros for rows past `t`. Every unit of the cube takes
-    /// part (consecutive units, consecutive elements); the caller synchronises the cube before
-    /// reading the tile.
+    /// Rows `j0..j0 + rows` of one head's `k` vectors of `src` (row 0 at `base`, rows `stride`
+    /// apart, both in vectors) into `tile`, row after row, zeros for rows past `t`. Every unit
+    /// of the cube takes part (consecutive units, consecutive vectors); the caller synchronises
+    /// the cube before reading the tile.
     #[allow(clippy::too_many_arguments)]
     #[cube]
-    fn load_tile<F: Float>(
-        src: &Tensor<F>,
-        tile: &mut Shared<[F]>,
+    fn load_tile<F: Float, N: Size>(
+        src: &Tensor<Vector<F, N>>,
+        tile: &mut Shared<[Vector<F, N>]>,
         base: usize,
         stride: usize,
         j0: usize,
@@ -690,7 +715,7 @@ mod kernels {
         let mut e = UNIT_POS_X as usize;
         while e < n {
             let j = j0 + e / k;
-            let mut x = F::new(0.0);
+            let mut x = Vector::<F, N>::new(F::new(0.0));
             if j < t {
                 x = src[base + j * stride + e % k];
             }
@@ -720,16 +745,16 @@ mod kernels {
         }
     }
 
-    /// Row `r` of one head's `k` columns (row 0 at `base`, rows `stride` apart) into registers.
+    /// Row `r` of one head's `k` vectors (row 0 at `base`, rows `stride` apart) into registers.
     #[cube]
-    fn load_row<F: Float>(
-        src: &Tensor<F>,
+    fn load_row<F: Float, N: Size>(
+        src: &Tensor<Vector<F, N>>,
         base: usize,
         stride: usize,
         r: usize,
         #[comptime] k: usize,
-    ) -> Array<F> {
-        let mut row = Array::<F>::new(k);
+    ) -> Array<Vector<F, N>> {
+        let mut row = Array::<Vector<F, N>>::new(k);
         #[unroll]
         for c in 0..k {
             row[c] = src[base + r * stride + c];
@@ -737,44 +762,58 @@ mod kernels {
         row
     }
 
-    /// `row . tile[jj]` (row `jj` of a shared tile of `k` columns).
+    /// The sum of the `w` lanes of `v`.
     #[cube]
-    fn dot_tile<F: Float>(
-        row: &Array<F>,
-        tile: &Shared<[F]>,
-        jj: usize,
-        #[comptime] k: usize,
-    ) -> F {
+    fn lanes_sum<F: Float, N: Size>(v: Vector<F, N>, #[comptime] w: usize) -> F {
         let mut sum = F::new(0.0);
         #[unroll]
-        for c in 0..k {
-            sum += row[c] * tile[jj * k + c];
+        for l in 0..w {
+            sum += v.extract(l);
         }
         sum
     }
 
+    /// `row . tile[jj]` (row `jj` of a shared tile of `k` vectors of `w` lanes): one load of
+    /// `w` values per `w` products.
+    #[cube]
+    fn dot_tile<F: Float, N: Size>(
+        row: &Array<Vector<F, N>>,
+        tile: &Shared<[Vector<F, N>]>,
+        jj: usize,
+        #[comptime] k: usize,
+        #[comptime] w: usize,
+    ) -> F {
+        let mut sum = Vector::<F, N>::new(F::new(0.0));
+        #[unroll]
+        for c in 0..k {
+            sum += row[c] * tile[jj * k + c];
+        }
+        lanes_sum::<F, N>(sum, w)
+    }
+
     /// `acc += w * tile[jj]`.
     #[cube]
-    fn add_scaled<F: Float>(
-        acc: &mut Array<F>,
+    fn add_scaled<F: Float, N: Size>(
+        acc: &mut Array<Vector<F, N>>,
         w: F,
-        tile: &Shared<[F]>,
+        tile: &Shared<[Vector<F, N>]>,
         jj: usize,
         #[comptime] k: usize,
     ) {
+        let w = Vector::<F, N>::new(w);
         #[unroll]
         for c in 0..k {
             acc[c] += w * tile[jj * k + c];
         }
     }
 
-    /// A row of `k` zeros in registers.
+    /// A row of `k` zero vectors in registers.
     #[cube]
-    fn zeros<F: Float>(#[comptime] k: usize) -> Array<F> {
-        let mut row = Array::<F>::new(k);
+    fn zeros<F: Float, N: Size>(#[comptime] k: usize) -> Array<Vector<F, N>> {
+        let mut row = Array::<Vector<F, N>>::new(k);
         #[unroll]
         for c in 0..k {
-            row[c] = F::new(0.0);
+            row[c] = Vector::<F, N>::new(F::new(0.0));
         }
         row
     }
@@ -793,21 +832,22 @@ mod kernels {
         n
     }
 
-    /// `a[ai..ai + k] . b[bi..bi + k]`.
+    /// `a[ai..ai + k] . b[bi..bi + k]` (`k` vectors of `w` lanes).
     #[cube]
-    fn dot<F: Float>(
-        a: &Tensor<F>,
+    fn dot<F: Float, N: Size>(
+        a: &Tensor<Vector<F, N>>,
         ai: usize,
-        b: &Tensor<F>,
+        b: &Tensor<Vector<F, N>>,
         bi: usize,
         #[comptime] k: usize,
+        #[comptime] w: usize,
     ) -> F {
-        let mut sum = F::new(0.0);
+        let mut sum = Vector::<F, N>::new(F::new(0.0));
         #[unroll]
         for c in 0..k {
             sum += a[ai + c] * b[bi + c];
         }
-        sum
+        lanes_sum::<F, N>(sum, w)
     }
 
     /// One key into a running softmax whose maximum is `m` (`first`: nothing seen yet):
@@ -829,15 +869,16 @@ mod kernels {
     /// the keys and values `tile` rows at a time through shared memory.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
-    pub(super) fn attention_forward<F: Float>(
-        qkv: &Tensor<F>,
+    pub(super) fn attention_forward<F: Float, N: Size>(
+        qkv: &Tensor<Vector<F, N>>,
         seed: &Tensor<F>,
-        out: &mut Tensor<F>,
+        out: &mut Tensor<Vector<F, N>>,
         lse: &mut Tensor<F>,
         scale: f32,
         threshold: u32,
         keep_scale: f32,
         #[comptime] k: usize,
+        #[comptime] w: usize,
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
         #[comptime] tile: usize,
@@ -850,28 +891,30 @@ mod kernels {
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        let mut q = zeros::<F>(k);
+        let mut q = zeros::<F, N>(k);
         if at.active {
-            q = load_row::<F>(qkv, at.q0, 3 * d, i, k);
+            q = load_row::<F, N>(qkv, at.q0, 3 * d, i, k);
         }
         // A running maximum `m`, sum `l` and output `acc` over the keys seen so far.
         let mut m = F::new(0.0);
         let mut l = F::new(0.0);
-        let mut acc = zeros::<F>(k);
-        let mut keys = Shared::<[F]>::new_slice(comptime!(tile * k));
-        let mut values = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut acc = zeros::<F, N>(k);
+        let mut keys = Shared::<[Vector<F, N>]>::new_slice(comptime!(tile * k));
+        let mut values = Shared::<[Vector<F, N>]>::new_slice(comptime!(tile * k));
         // Keys up to the block's last row; every unit runs every tile (they synchronise).
         let mut j0 = 0usize;
         while j0 < at.end {
-            load_tile::<F>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
-            load_tile::<F>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
+            load_tile::<F, N>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
+            load_tile::<F, N>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
             sync_cube();
             if at.active {
                 for jj in 0..rows_below(j0, i + 1, tile) {
-                    let s = dot_tile::<F>(&q, &keys, jj, k) * scale;
+                    let s = dot_tile::<F, N>(&q, &keys, jj, k, w) * scale;
                     let (m_new, correction, p) = online_step::<F>(m, s, j0 + jj == 0);
                     l = l * correction + p;
                     let weight = p * mask.factor(row * t + j0 + jj, dropout);
+                    let correction = Vector::<F, N>::new(correction);
+                    let weight = Vector::<F, N>::new(weight);
                     #[unroll]
                     for c in 0..k {
                         acc[c] = acc[c] * correction + weight * values[jj * k + c];
@@ -884,9 +927,10 @@ mod kernels {
         }
         if at.active {
             let o = at.o0 + i * d;
+            let l_lanes = Vector::<F, N>::new(l);
             #[unroll]
             for c in 0..k {
-                out[o + c] = acc[c] / l;
+                out[o + c] = acc[c] / l_lanes;
             }
             lse[row] = m + F::ln(l);
         }
@@ -1012,18 +1056,19 @@ mod kernels {
     /// the keys and values `tile` rows at a time through shared memory.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
-    pub(super) fn attention_backward_query<F: Float>(
-        qkv: &Tensor<F>,
+    pub(super) fn attention_backward_query<F: Float, N: Size>(
+        qkv: &Tensor<Vector<F, N>>,
         seed: &Tensor<F>,
-        out: &Tensor<F>,
-        grad: &Tensor<F>,
+        out: &Tensor<Vector<F, N>>,
+        grad: &Tensor<Vector<F, N>>,
         lse: &Tensor<F>,
         delta: &mut Tensor<F>,
-        dqkv: &mut Tensor<F>,
+        dqkv: &mut Tensor<Vector<F, N>>,
         scale: f32,
         threshold: u32,
         keep_scale: f32,
         #[comptime] k: usize,
+        #[comptime] w: usize,
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
         #[comptime] tile: usize,
@@ -1036,32 +1081,32 @@ mod kernels {
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        let mut q = zeros::<F>(k);
-        let mut g = zeros::<F>(k);
+        let mut q = zeros::<F, N>(k);
+        let mut g = zeros::<F, N>(k);
         let mut di = F::new(0.0);
         let mut li = F::new(0.0);
         if at.active {
-            q = load_row::<F>(qkv, at.q0, 3 * d, i, k);
-            g = load_row::<F>(grad, at.o0, d, i, k);
-            di = dot::<F>(grad, at.o0 + i * d, out, at.o0 + i * d, k);
+            q = load_row::<F, N>(qkv, at.q0, 3 * d, i, k);
+            g = load_row::<F, N>(grad, at.o0, d, i, k);
+            di = dot::<F, N>(grad, at.o0 + i * d, out, at.o0 + i * d, k, w);
             delta[row] = di;
             li = lse[row];
         }
-        let mut acc = zeros::<F>(k);
-        let mut keys = Shared::<[F]>::new_slice(comptime!(tile * k));
-        let mut values = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut acc = zeros::<F, N>(k);
+        let mut keys = Shared::<[Vector<F, N>]>::new_slice(comptime!(tile * k));
+        let mut values = Shared::<[Vector<F, N>]>::new_slice(comptime!(tile * k));
         let mut j0 = 0usize;
         while j0 < at.end {
-            load_tile::<F>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
-            load_tile::<F>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
+            load_tile::<F, N>(qkv, &mut keys, at.k0, 3 * d, j0, t, k, tile);
+            load_tile::<F, N>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
             sync_cube();
             if at.active {
                 for jj in 0..rows_below(j0, i + 1, tile) {
-                    let s = dot_tile::<F>(&q, &keys, jj, k) * scale;
-                    let dp = dot_tile::<F>(&g, &values, jj, k);
+                    let s = dot_tile::<F, N>(&q, &keys, jj, k, w) * scale;
+                    let dp = dot_tile::<F, N>(&g, &values, jj, k, w);
                     let factor = mask.factor(row * t + j0 + jj, dropout);
                     let ds = F::exp(s - li) * (dp * factor - di);
-                    add_scaled::<F>(&mut acc, ds, &keys, jj, k);
+                    add_scaled::<F, N>(&mut acc, ds, &keys, jj, k);
                 }
             }
             sync_cube();
@@ -1069,6 +1114,7 @@ mod kernels {
         }
         if at.active {
             let q = at.q0 + i * 3 * d;
+            let scale = Vector::<F, N>::new(scale);
             #[unroll]
             for c in 0..k {
                 dqkv[q + c] = acc[c] * scale;
@@ -1082,17 +1128,18 @@ mod kernels {
     /// [`attention_backward_query`], which writes `delta`).
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
-    pub(super) fn attention_backward_key_value<F: Float>(
-        qkv: &Tensor<F>,
+    pub(super) fn attention_backward_key_value<F: Float, N: Size>(
+        qkv: &Tensor<Vector<F, N>>,
         seed: &Tensor<F>,
-        grad: &Tensor<F>,
+        grad: &Tensor<Vector<F, N>>,
         lse: &Tensor<F>,
         delta: &Tensor<F>,
-        dqkv: &mut Tensor<F>,
+        dqkv: &mut Tensor<Vector<F, N>>,
         scale: f32,
         threshold: u32,
         keep_scale: f32,
         #[comptime] k: usize,
+        #[comptime] w: usize,
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
         #[comptime] values: bool,
@@ -1106,24 +1153,24 @@ mod kernels {
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
-        let mut kj = zeros::<F>(k);
-        let mut vj = zeros::<F>(k);
+        let mut kj = zeros::<F, N>(k);
+        let mut vj = zeros::<F, N>(k);
         if at.active {
-            kj = load_row::<F>(qkv, at.k0, 3 * d, j, k);
+            kj = load_row::<F, N>(qkv, at.k0, 3 * d, j, k);
             if !values {
-                vj = load_row::<F>(qkv, at.v0, 3 * d, j, k);
+                vj = load_row::<F, N>(qkv, at.v0, 3 * d, j, k);
             }
         }
-        let mut acc = zeros::<F>(k);
-        let mut queries = Shared::<[F]>::new_slice(comptime!(tile * k));
-        let mut grads = Shared::<[F]>::new_slice(comptime!(tile * k));
+        let mut acc = zeros::<F, N>(k);
+        let mut queries = Shared::<[Vector<F, N>]>::new_slice(comptime!(tile * k));
+        let mut grads = Shared::<[Vector<F, N>]>::new_slice(comptime!(tile * k));
         let mut lses = Shared::<[F]>::new_slice(tile);
         let mut deltas = Shared::<[F]>::new_slice(tile);
         // Queries before the block's first key see none of its keys.
         let mut i0 = at.first;
         while i0 < t {
-            load_tile::<F>(qkv, &mut queries, at.q0, 3 * d, i0, t, k, tile);
-            load_tile::<F>(grad, &mut grads, at.o0, d, i0, t, k, tile);
+            load_tile::<F, N>(qkv, &mut queries, at.q0, 3 * d, i0, t, k, tile);
+            load_tile::<F, N>(grad, &mut grads, at.o0, d, i0, t, k, tile);
             load_scalars::<F>(lse, &mut lses, first, i0, t, tile);
             if !values {
                 load_scalars::<F>(delta, &mut deltas, first, i0, t, tile);
@@ -1137,17 +1184,17 @@ mod kernels {
                 }
                 for ii in start..rows_below(i0, t, tile) {
                     let i = i0 + ii;
-                    let s = dot_tile::<F>(&kj, &queries, ii, k) * scale;
+                    let s = dot_tile::<F, N>(&kj, &queries, ii, k, w) * scale;
                     let p = F::exp(s - lses[ii]);
                     let factor = mask.factor((first + i) * t + j, dropout);
                     if values {
                         // dV_j = sum_i P_ij (mask) dO_i
-                        add_scaled::<F>(&mut acc, p * factor, &grads, ii, k);
+                        add_scaled::<F, N>(&mut acc, p * factor, &grads, ii, k);
                     } else {
                         // dK_j = scale * sum_i dS_ij Q_i, dS_ij = P_ij (dP_ij (mask) - delta_i)
-                        let dp = dot_tile::<F>(&vj, &grads, ii, k);
+                        let dp = dot_tile::<F, N>(&vj, &grads, ii, k, w);
                         let ds = p * (dp * factor - deltas[ii]);
-                        add_scaled::<F>(&mut acc, ds, &queries, ii, k);
+                        add_scaled::<F, N>(&mut acc, ds, &queries, ii, k);
                     }
                 }
             }
@@ -1155,6 +1202,7 @@ mod kernels {
             i0 += tile;
         }
         if at.active {
+            let scale = Vector::<F, N>::new(scale);
             #[unroll]
             for c in 0..k {
                 if values {
