@@ -172,10 +172,11 @@ pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
         Ok(y) => return y,
         Err(ab) => ab,
     };
-    let splits = match splits_on_gpu(&a) {
+    let device = a.device();
+    let splits = match splits_on_gpu(&device) {
         true => {
             let [rows, k] = a.dims();
-            weight_gradient_splits(rows, k, b.dims()[1], multiprocessors(&a.device()))
+            weight_gradient_splits(rows, k, b.dims()[1], multiprocessors(&device))
         }
         false => 1,
     };
@@ -203,9 +204,9 @@ fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
 /// weight gradient has a small output (`[384, 1152]` for nanoGPT's GPU config) and a long
 /// reduction (16384 rows), and cubek's products give each block of the output one cube that
 /// walks the whole reduction (blocks of 64 x 64 in its tensor-core routines for `f32`, by its
-/// selector's source: 108 cubes for an H100's 132 multiprocessors). In chunks it has `splits` times the cubes, for one `[splits, K, N]` sum
-/// more. (Burn keeps the forward product batched, or folds it back into one: the same
-/// blocks.)
+/// selector's source: 108 cubes for an H100's 132 multiprocessors). In chunks it has `splits`
+/// times the cubes, for one `[splits, K, N]` sum more. (Burn keeps the forward product
+/// batched, or folds it back into one: the same blocks.)
 ///
 /// # Shapes
 /// - a: `[M, K]`, `M` a multiple of `splits`
@@ -223,13 +224,12 @@ pub fn matmul_split_rows(a: Tensor<2>, b: Tensor<2>, splits: usize) -> Tensor<2>
         .reshape([rows, n])
 }
 
-/// Whether [`matmul`] on `a`'s device may split its rows for the weight's gradient: a GPU
+/// Whether [`matmul`] on `device` may split its rows for the weight's gradient: a GPU
 /// backend under autodiff (the split changes only gradients), with `EMBER_GPU_KERNELS`'
 /// `split-k` on ([`weight_gradient_splits`] says into how many chunks).
-fn splits_on_gpu(a: &Tensor<2>) -> bool {
+fn splits_on_gpu(device: &burn::tensor::Device) -> bool {
     use super::gpu_kernels::{GpuKernel, uses};
-    let device = a.device();
-    uses(GpuKernel::SplitK) && device.is_autodiff() && super::on_cubecl(&device)
+    uses(GpuKernel::SplitK) && device.is_autodiff() && super::on_cubecl(device)
 }
 
 /// The number of chunks of `rows` for the weight gradient of an `[rows, k] @ [k, n]` product
