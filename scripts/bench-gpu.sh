@@ -24,8 +24,9 @@
 # TORCH_DEVICE its device (default cuda); ROUNDS how many times `speed` trains ember with and
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
 # (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS[:EMBER_SPLIT_K]
-# (default `f32:on f32:-split-k f32:off bf16:on`; e.g. `f32:-layer-norm f32:-norm` to time one
-# kernel's part, `f32:on:4 f32:on:16` for the weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
+# (default `f32:on f32:-cublas f32:off bf16:on bf16:-cublas`; e.g. `f32:-layer-norm f32:-norm` to time one
+# kernel's part, `f32:-cublas,-split-k` for cubek's products in one piece, `f32:-cublas:4
+# f32:-cublas:16` for cubek's weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
 # the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS the steps `profile` times
 # (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and PyTorch run on an
@@ -124,6 +125,16 @@ check() {
             "$EMBER" train --config configs/tiny.toml --device "$dev" --out "$RUNS/tiny-$dev"
         grep -E "^(step .*val|done)" "$RUNS/tiny-$dev.log"
     done
+    if [ "$DEVICE" = cuda ]; then
+        # The same run with cubek's products in place of cuBLAS's (both TF32): the same initial
+        # weights and batches, so the losses differ only by the products' rounding.
+        rm -rf "$RUNS/tiny-cubek"
+        EMBER_GPU_KERNELS=-cublas logged "$RUNS/tiny-cubek.log" \
+            "$EMBER" train --config configs/tiny.toml --device cuda --out "$RUNS/tiny-cubek"
+        echo "the cuda run again with cubek's products (EMBER_GPU_KERNELS=-cublas):"
+        grep -E "^(step .*val|done)" "$RUNS/tiny-cubek.log"
+        grep -i "cublas" "$RUNS/tiny-cuda.log" || true
+    fi
     for dev in flex "$DEVICE"; do
         "$EMBER_GEN" generate --checkpoint "$RUNS/tiny-flex" --device "$dev" --prompt ROMEO: \
             --greedy --max-tokens 200 >"$RUNS/greedy-$dev.txt" 2>"$RUNS/greedy-$dev.log" || {
@@ -169,7 +180,7 @@ speed() {
     # (ember's bf16 counterpart). A device without bf16 refuses that run in one line.
     rm -rf "$RUNS/speed"
     for round in $(seq "${ROUNDS:-1}"); do
-        for run in ${SPEED_RUNS:-f32:on f32:-split-k f32:off bf16:on}; do
+        for run in ${SPEED_RUNS:-f32:on f32:-cublas f32:off bf16:on bf16:-cublas}; do
             IFS=: read -r precision kernels split <<<"$run"
             split=${split:-auto}
             # The first run's checkpoint stays for sampling below (a later run may be refused:

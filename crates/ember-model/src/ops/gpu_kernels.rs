@@ -54,11 +54,15 @@ pub enum GpuKernel {
     /// step's) as partial products over chunks of the rows, summed (split-K), so that its small
     /// output gives the GPU enough blocks of work ([`crate::ops::matmul`]).
     SplitK,
+    /// Not ember's kernel: the matrix products of linear layers (forward and backward, many
+    /// rows) by NVIDIA's cuBLAS on CUDA where it can be loaded, instead of cubek's
+    /// ([`crate::ops::matmul`]).
+    Cublas,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 14] = [
+    pub const ALL: [GpuKernel; 15] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -73,6 +77,7 @@ impl GpuKernel {
         GpuKernel::Draw,
         GpuKernel::StepGraph,
         GpuKernel::SplitK,
+        GpuKernel::Cublas,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -92,6 +97,7 @@ impl GpuKernel {
             GpuKernel::Draw => "draw",
             GpuKernel::StepGraph => "step-graph",
             GpuKernel::SplitK => "split-k",
+            GpuKernel::Cublas => "cublas",
         }
     }
 }

@@ -172,6 +172,12 @@ pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
         Ok(y) => return y,
         Err(ab) => ab,
     };
+    // On CUDA, cuBLAS's products where it can be loaded (and no split: it chooses its own).
+    #[cfg(feature = "cube")]
+    let (a, b) = match super::cube::product::matmul(a, b) {
+        Ok(y) => return y,
+        Err(ab) => ab,
+    };
     let device = a.device();
     let splits = match splits_on_gpu(&device) {
         true => {

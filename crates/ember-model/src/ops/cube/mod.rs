@@ -12,6 +12,8 @@ pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod cache_write;
 pub(crate) mod cross_entropy;
+#[cfg(feature = "cublas")]
+pub(crate) mod cublas;
 pub(crate) mod draw;
 pub(crate) mod dropout;
 pub(crate) mod embedding;
@@ -19,6 +21,7 @@ pub(crate) mod gelu;
 pub(crate) mod hashed_mask;
 pub(crate) mod layer_norm;
 pub(crate) mod linear;
+pub(crate) mod product;
 pub(crate) mod step_inputs;
 pub(crate) mod sum_of_squares;
 

@@ -1,0 +1,205 @@
+//! Matrix products through NVIDIA's cuBLAS on the CUDA backend (feature `cublas`): the products a
+//! training step's linear layers make, forward and backward ([`super::product`]).
+//!
+//! cubek's products, which Burn's `matmul` chooses by autotune, reached about 42 TFLOP/s in
+//! nanoGPT's GPU config on an H200 where PyTorch's (cuBLAS) reached about 200 (docs/benchmarks.md).
+//! cuBLAS is part of the CUDA toolkit that the `cuda` device needs anyway, and it is loaded at
+//! run time (`libcublas.so`, from the library path or `$CUDA_PATH`), so the binary builds and
+//! starts without it; where it is missing, or the device is not CUDA, products stay cubek's.
+//!
+//! The call is enqueued on the CUDA stream that owns the output's memory, the stream CubeCL
+//! launches this thread's kernels on (vendored cubecl-cuda exposes it: vendor/README.md), so it
+//! runs after the kernels that wrote its operands and before those that read its result, and
+//! the host never waits. Operands are read in place, transposed views included
+//! ([`crate::ops::blas`] maps the row-major product to BLAS's column-major call). `f32` products
+//! run on TF32 tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`: what cubek does for `f32` on CUDA,
+//! and PyTorch with TF32 allowed); bf16 and f16 ones accumulate in `f32`.
+
+use crate::ops::blas::{Gemm, Layout};
+use burn::backend::TensorMetadata;
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl_cuda::CudaRuntime;
+use cubecl_runtime::runtime::Runtime;
+use cudarc::cublas::{result as blas, sys};
+use cudarc::driver::sys as driver;
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::sync::{Mutex, OnceLock};
+
+/// The CubeCL server of the CUDA runtime, whose buffers' resources carry their stream.
+type CudaServer = <CudaRuntime as Runtime>::Server;
+
+/// Whether the cuBLAS library can be loaded (looked for once).
+pub(crate) fn loadable() -> bool {
+    static LOADABLE: OnceLock<bool> = OnceLock::new();
+    *LOADABLE.get_or_init(|| {
+        preload_from_toolkit();
+        // SAFETY: only tries to open the library, by the names cudarc loads it by.
+        unsafe { sys::is_culib_present() }
+    })
+}
+
+/// Opens `libcublasLt` and `libcublas` from the CUDA toolkit's library folders where they are
+/// there, so that loading them by name (cudarc's way) finds them without `LD_LIBRARY_PATH`.
+fn preload_from_toolkit() {
+    let mut roots: Vec<std::path::PathBuf> = Vec::new();
+    if let Some(path) = std::env::var_os("CUDA_PATH") {
+        roots.push(path.into());
+    }
+    roots.push("/usr/local/cuda".into());
+    for root in roots {
+        for dir in ["lib64", "lib", "targets/x86_64-linux/lib"] {
+            let dir = root.join(dir);
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            let mut names: Vec<String> = entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.starts_with("libcublas") && n.contains(".so"))
+                .collect();
+            // The Lt library first: the other one needs it.
+            names.sort_by_key(|n| !n.starts_with("libcublasLt"));
+            for name in names {
+                let Ok(path) = CString::new(dir.join(name).into_os_string().into_encoded_bytes())
+                else {
+                    continue;
+                };
+                // SAFETY: dlopen of a path; a failure leaves nothing loaded.
+                unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+            }
+        }
+    }
+}
+
+/// A cuBLAS handle, created in one CUDA context and used under the lock of [`handles`].
+struct Handle(sys::cublasHandle_t);
+
+// SAFETY: a handle is only used while [`handles`]' lock is held, by one thread at a time.
+unsafe impl Send for Handle {}
+
+/// One handle per CUDA context (per device), by the context's address.
+fn handles() -> &'static Mutex<HashMap<usize, Handle>> {
+    static HANDLES: OnceLock<Mutex<HashMap<usize, Handle>>> = OnceLock::new();
+    HANDLES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The cuBLAS type of a tensor's float type, and the compute type its products use.
+fn types(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t)> {
+    use sys::cublasComputeType_t::{CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32};
+    use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+    match dtype {
+        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32)),
+        DType::BF16 => Some((CUDA_R_16BF, CUBLAS_COMPUTE_32F)),
+        DType::F16 => Some((CUDA_R_16F, CUBLAS_COMPUTE_32F)),
+        _ => None,
+    }
+}
+
+/// The layout of a 2-D tensor's buffer, or `None` (tiled storage, or strides of neither kind).
+fn layout(x: &CubeTensor) -> Option<Layout> {
+    if x.meta.tiling.is_tiled() {
+        return None;
+    }
+    let [rows, cols] = x.shape().dims::<2>();
+    let strides = x.meta.strides.as_ref();
+    Layout::of([rows, cols], [strides[0], strides[1]])
+}
+
+/// `a @ b` (`[M, K] @ [K, N]`, one float type) by cuBLAS into a new contiguous `[M, N]` tensor,
+/// or `None` where cuBLAS does not take it: not a CUDA device, no cuBLAS, a type it is not
+/// used for, operands of neither layout, dimensions past `i32`, or a graph being recorded
+/// (a replayed decoding step keeps CubeCL's kernels).
+pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
+    let dtype = a.dtype();
+    let (data_type, compute) = types(dtype)?;
+    if b.dtype() != dtype || !loadable() || a.client.is_capturing() {
+        return None;
+    }
+    let [m, k] = a.shape().dims::<2>();
+    let [_, n] = b.shape().dims::<2>();
+    let call = Gemm::row_major(m, k, n, layout(a)?, layout(b)?);
+    let dims = [
+        call.m,
+        call.n,
+        call.k,
+        call.ld_first,
+        call.ld_second,
+        call.ldc,
+    ];
+    let [cm, cn, ck, lda, ldb, ldc] = dims.map(i32::try_from);
+    let (cm, cn, ck, lda, ldb, ldc) = (
+        cm.ok()?,
+        cn.ok()?,
+        ck.ok()?,
+        lda.ok()?,
+        ldb.ok()?,
+        ldc.ok()?,
+    );
+    let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        a.client.clone(),
+        a.device.clone(),
+        [m, n].into(),
+        dtype,
+    );
+    if m == 0 || n == 0 {
+        return Some(out);
+    }
+    // Resources keep their buffers in place until dropped, after the call is enqueued.
+    let client = &a.client;
+    let c_res = client.get_resource::<CudaServer>(out.handle.clone()).ok()?;
+    let a_res = client.get_resource::<CudaServer>(a.handle.clone()).ok()?;
+    let b_res = client.get_resource::<CudaServer>(b.handle.clone()).ok()?;
+    let stream = c_res.resource().stream;
+    let (alpha, beta) = (1f32, 0f32);
+    let op = |t: bool| match t {
+        true => sys::cublasOperation_t::CUBLAS_OP_T,
+        false => sys::cublasOperation_t::CUBLAS_OP_N,
+    };
+    let mut handles = handles().lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: the pointers are live device buffers of the operands' extents (held above), the
+    // stream is CubeCL's and its context made current first; alpha and beta are host f32s, as
+    // the compute types above take them.
+    let done = unsafe {
+        let mut context = std::ptr::null_mut();
+        let known = driver::cuStreamGetCtx(stream, &mut context)
+            .result()
+            .is_ok()
+            && driver::cuCtxSetCurrent(context).result().is_ok();
+        if !known {
+            return None;
+        }
+        let handle = match handles.get(&(context as usize)) {
+            Some(handle) => handle.0,
+            None => {
+                let handle = blas::create_handle().ok()?;
+                handles.insert(context as usize, Handle(handle));
+                handle
+            }
+        };
+        blas::set_stream(handle, stream as sys::cudaStream_t).is_ok()
+            && blas::gemm_ex(
+                handle,
+                op(call.transpose_first),
+                op(call.transpose_second),
+                cm,
+                cn,
+                ck,
+                &alpha as *const f32 as *const c_void,
+                b_res.resource().ptr as *const c_void,
+                data_type,
+                lda,
+                a_res.resource().ptr as *const c_void,
+                data_type,
+                ldb,
+                &beta as *const f32 as *const c_void,
+                c_res.resource().ptr as *mut c_void,
+                data_type,
+                ldc,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .is_ok()
+    };
+    done.then_some(out)
+}
