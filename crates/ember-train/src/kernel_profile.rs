@@ -339,6 +339,9 @@ type Launch = (&'static str, Part, Option<(Duration, Duration)>, Duration);
 #[derive(Default)]
 struct StepLaunches {
     timed: Vec<Launch>,
+    /// Work queued outside CubeCL (cuBLAS's products) with its device time: inside the windows
+    /// of the CubeCL kernels around it, so it adds to the busy time, not to the span.
+    external: Vec<(&'static str, Part, Duration)>,
     unmeasured: u64,
     /// How they were timed (`device`, `system`), each once.
     methods: Vec<String>,
@@ -389,6 +392,19 @@ impl StepLaunches {
                 None => serial += duration,
             }
         }
+        for (name, part, duration) in self.external {
+            let i = *index.entry((name.to_string(), part)).or_insert_with(|| {
+                profile.kernels.push(KernelTime {
+                    name: name.to_string(),
+                    part,
+                    launches: 0,
+                    total: Duration::ZERO,
+                });
+                profile.kernels.len() - 1
+            });
+            profile.kernels[i].launches += 1;
+            profile.kernels[i].total += duration;
+        }
         profile.span += serial
             + windows
                 .iter()
@@ -424,6 +440,8 @@ mod imp {
         LaunchObservation, LaunchObserver, ProfileDuration, TimingMethod, TimingRequest,
     };
 
+    use ember_model::ops::external_launches::{self, Elapsed, ExternalLaunches};
+
     use super::{Part, StepLaunches};
 
     /// Installed for the length of a profiled step.
@@ -439,6 +457,15 @@ mod imp {
         /// Measurements the launch path read itself (when CubeCL's own profiling logger is
         /// on, it reads them first).
         resolved: Mutex<Vec<(&'static str, Part, Duration)>>,
+        /// Work ember queued outside CubeCL, unread.
+        external: Mutex<Vec<(&'static str, Part, Elapsed)>>,
+    }
+
+    impl ExternalLaunches for Recorder {
+        fn launched(&self, name: &'static str, elapsed: Elapsed) {
+            let part = self.part();
+            self.external.lock().unwrap().push((name, part, elapsed));
+        }
     }
 
     impl Recorder {
@@ -477,10 +504,12 @@ mod imp {
         }
 
         pub(super) fn watch(&self) -> Watching {
+            external_launches::observe(Some(self.recorder.clone()));
             LaunchObservation::new(self.recorder.clone())
         }
 
         pub(super) fn unwatch(&self, watching: Watching) {
+            external_launches::observe(None);
             drop(watching);
         }
 
@@ -506,6 +535,13 @@ mod imp {
                         step.timed
                             .push((kernel, part, Some(window), ticks.duration()));
                     }
+                    None => step.unmeasured += 1,
+                }
+            }
+            let external = std::mem::take(&mut *self.recorder.external.lock().unwrap());
+            for (name, part, elapsed) in external {
+                match elapsed() {
+                    Some(duration) => step.external.push((name, part, duration)),
                     None => step.unmeasured += 1,
                 }
             }
@@ -565,9 +601,38 @@ mod tests {
                 .iter()
                 .map(|&(k, p, a, b)| (k, p, Some((ms(a), ms(b))), ms(b - a)))
                 .collect(),
+            external: Vec::new(),
             unmeasured,
             methods: vec!["device".into()],
         }
+    }
+
+    /// Work timed outside CubeCL (cuBLAS's products) adds kernel rows and busy time inside the
+    /// span of the CubeCL kernels around it, not span of its own.
+    #[test]
+    fn external_launches_add_busy_time_not_span() {
+        use Part::*;
+        let mut profile = KernelProfile::new(1);
+        let mut launches = step(
+            &[
+                ("KernelBinop", Gradients, 0, 1),
+                ("KernelBinop", Gradients, 9, 10),
+            ],
+            0,
+        );
+        launches.external = vec![
+            ("cublasGemmEx", Gradients, ms(3)),
+            ("cublasGemmEx", Gradients, ms(4)),
+        ];
+        launches.add_to(&mut profile);
+        let rows: Vec<_> = profile
+            .kernels
+            .iter()
+            .map(|k| (k.name.as_str(), k.launches, k.total))
+            .collect();
+        assert!(rows.contains(&("cublasGemmEx", 2, ms(7))), "{rows:?}");
+        assert_eq!(profile.busy(None), ms(9));
+        assert_eq!(profile.span, ms(10));
     }
 
     #[test]

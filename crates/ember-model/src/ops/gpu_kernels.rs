@@ -248,7 +248,8 @@ mod tests {
                 "embedding",
                 "draw",
                 "step-graph",
-                "split-k"
+                "split-k",
+                "cublas"
             ]
         );
         assert_eq!(

@@ -51,6 +51,7 @@ mod cross_entropy;
 mod draw;
 mod dropout;
 mod embedding;
+pub mod external_launches;
 mod gelu;
 pub mod gpu_kernels;
 mod layer_norm;

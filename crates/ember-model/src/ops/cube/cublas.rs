@@ -26,6 +26,7 @@ use cudarc::driver::sys as driver;
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 /// The CubeCL server of the CUDA runtime, whose buffers' resources carry their stream.
 type CudaServer = <CudaRuntime as Runtime>::Server;
@@ -177,7 +178,11 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
                 handle
             }
         };
-        blas::set_stream(handle, stream as sys::cudaStream_t).is_ok()
+        let timing = crate::ops::external_launches::observer().and_then(|observer| {
+            let start = event_on(stream)?;
+            Some((observer, start))
+        });
+        let done = blas::set_stream(handle, stream as sys::cudaStream_t).is_ok()
             && blas::gemm_ex(
                 handle,
                 op(call.transpose_first),
@@ -199,7 +204,65 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
                 compute,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-            .is_ok()
+            .is_ok();
+        if let Some((observer, start)) = timing
+            && let Some(end) = event_on(stream)
+        {
+            observer.launched("cublasGemmEx", elapsed_between(context, start, end));
+        }
+        done
     };
     done.then_some(out)
+}
+
+/// A CUDA event recorded on `stream` now, or `None` where the driver refuses (the context is
+/// current).
+unsafe fn event_on(stream: driver::CUstream) -> Option<Event> {
+    let mut event = std::ptr::null_mut();
+    // SAFETY: the caller made the stream's context current; the event is destroyed by `Event`.
+    unsafe {
+        driver::cuEventCreate(&mut event, 0).result().ok()?;
+        let event = Event(event);
+        driver::cuEventRecord(event.0, stream).result().ok()?;
+        Some(event)
+    }
+}
+
+/// A CUDA event, destroyed when dropped.
+struct Event(driver::CUevent);
+
+// SAFETY: an event is a handle the driver lets any thread use, in its context (made current).
+unsafe impl Send for Event {}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by `event_on`, destroyed once.
+        unsafe {
+            let _ = driver::cuEventDestroy_v2(self.0);
+        }
+    }
+}
+
+/// Reads the device time between `start` and `end` (in `context`) once the device has run
+/// what lies between them.
+fn elapsed_between(
+    context: driver::CUcontext,
+    start: Event,
+    end: Event,
+) -> crate::ops::external_launches::Elapsed {
+    let context = context as usize;
+    Box::new(move || {
+        let mut ms = 0f32;
+        // SAFETY: both events were recorded in `context`, made current on this thread first.
+        unsafe {
+            driver::cuCtxSetCurrent(context as driver::CUcontext)
+                .result()
+                .ok()?;
+            driver::cuEventSynchronize(end.0).result().ok()?;
+            driver::cuEventElapsedTime_v2(&mut ms, start.0, end.0)
+                .result()
+                .ok()?;
+        }
+        Some(Duration::from_secs_f64(f64::from(ms) / 1000.0))
+    })
 }

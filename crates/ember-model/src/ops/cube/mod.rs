@@ -57,6 +57,21 @@ pub(crate) fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
     of(device.as_dispatch())
 }
 
+/// Whether `device`'s CubeCL client is recording a graph on this thread (a replayed decoding
+/// step being captured); false on other backends.
+pub(crate) fn capturing(device: &burn::tensor::Device) -> bool {
+    use burn::backend::DispatchDevice;
+    fn of(device: &DispatchDevice) -> bool {
+        match device {
+            DispatchDevice::Cube(gpu) => gpu.client().is_capturing(),
+            DispatchDevice::Autodiff(inner) => of(inner),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+    of(device.as_dispatch())
+}
+
 /// Whether `kernel` is on ([`crate::ops::gpu_kernels`]) and takes `x`: an `f32` tensor on a
 /// CubeCL device, tracked by autodiff or not.
 pub(crate) fn kernels_take<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {

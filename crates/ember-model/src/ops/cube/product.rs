@@ -19,13 +19,14 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 
 /// `a @ b` by cuBLAS (`[M, K] @ [K, N]`, one float type), tracked by autodiff or not, where
-/// cuBLAS is loadable (feature `cublas`), `EMBER_GPU_KERNELS` has `cublas` and `a` is on a CUDA device
-/// (one that reports its multiprocessors); `(a, b)` back otherwise.
+/// cuBLAS is loadable (feature `cublas`) and exact there, `EMBER_GPU_KERNELS` has `cublas`, and
+/// `a` is on a CUDA device (one that reports its multiprocessors) that records no graph; `(a,
+/// b)` back otherwise.
 pub(crate) fn matmul(a: Tensor<2>, b: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>, Tensor<2>)> {
     let device = a.device();
     let takes = crate::ops::gpu_kernels::uses(GpuKernel::Cublas)
@@ -33,7 +34,9 @@ pub(crate) fn matmul(a: Tensor<2>, b: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>
         && a.dtype() == b.dtype()
         && crate::ops::on_cubecl(&device)
         && super::multiprocessors(&device).is_some()
-        && loadable_or_warn();
+        && loadable_or_warn()
+        && !super::capturing(&device)
+        && agrees_on(&device);
     if !takes {
         return Err((a, b));
     }
@@ -62,6 +65,87 @@ fn loadable_or_warn() -> bool {
         });
     }
     loadable
+}
+
+/// Whether cuBLAS's products were found exact on `device`: checked on the first product of the
+/// process ([`products_agree`], f32 and bf16, a few milliseconds); where they were not, says so
+/// once on stderr and the products stay cubek's, so that a wrong product never trains a model.
+fn agrees_on(device: &Device) -> bool {
+    static AGREES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AGREES.get_or_init(|| match products_agree(device, &[DType::F32, DType::BF16]) {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!(
+                "warning: cuBLAS's matrix products on this device are wrong ({why}); they run on \
+                 cubek's kernels instead"
+            );
+            false
+        }
+    })
+}
+
+/// The op's products on `device` against exact ones computed on the host, in each of `dtypes`:
+/// each operand plain, transposed by the op, and (the right one) a transposed view, with small
+/// integers whose products and sums every float type here holds exactly (TF32 keeps 11 bits of
+/// mantissa, bf16 8: at most 720 and 180 here), so that any difference is an error, not
+/// rounding. The error names the first wrong value.
+pub(crate) fn products_agree(device: &Device, dtypes: &[DType]) -> Result<(), String> {
+    let (m, k, n) = (67, 45, 29);
+    for &dtype in dtypes {
+        let r = if dtype == DType::F32 { 4 } else { 2 };
+        let value = |i: usize, j: usize, seed: usize| {
+            ((i * 7 + j * 13 + seed) % (2 * r + 1)) as f32 - r as f32
+        };
+        // (a transposed by the op, b transposed by the op, b a transposed view)
+        for (ta, tb, view) in [
+            (false, false, false),
+            (true, false, false),
+            (false, true, false),
+            (true, true, false),
+            (false, false, true),
+        ] {
+            let stored = |rows: usize, cols: usize, transposed: bool, seed: usize| {
+                let (sr, sc) = if transposed {
+                    (cols, rows)
+                } else {
+                    (rows, cols)
+                };
+                let data: Vec<f32> = (0..sr * sc)
+                    .map(|x| match transposed {
+                        false => value(x / sc, x % sc, seed),
+                        true => value(x % sc, x / sc, seed),
+                    })
+                    .collect();
+                Tensor::<2>::from_data(TensorData::new(data, [sr, sc]), device)
+                    .cast(FloatDType::from(dtype))
+            };
+            let a = stored(m, k, ta, 1);
+            let b = stored(k, n, tb || view, 5);
+            let c = match view {
+                true => Tensor::<2>::from_dispatch(product(a, b.transpose(), ta, false)),
+                false => Tensor::<2>::from_dispatch(product(a, b, ta, tb)),
+            };
+            let got = c
+                .cast(FloatDType::F32)
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .map_err(|e| format!("reading a product back: {e:?}"))?;
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|p| value(i, p, 1) * value(p, j, 5)).sum();
+                    let at = got[i * n + j];
+                    if at != want {
+                        return Err(format!(
+                            "{dtype:?} [{m}, {k}] @ [{k}, {n}], a transposed {ta}, b transposed \
+                             {tb}, b a view {view}: ({i}, {j}) is {at}, not {want}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The product op on every backend that has it: CubeCL's, Burn's fusion over it, and autodiff
@@ -162,6 +246,16 @@ impl<B: ProductKernels> Backward<B, 2> for Product {
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use burn::tensor::{Device, DeviceKind, Distribution, Tensor};
+
+    /// The start-up check passes for a correct product (on wgpu the op runs Burn's), plain and
+    /// under autodiff.
+    #[test]
+    fn the_exactness_check_passes_for_burns_products() {
+        let gpu = Device::wgpu(DeviceKind::DefaultDevice);
+        for device in [gpu.clone(), gpu.autodiff()] {
+            super::products_agree(&device, &[burn::tensor::DType::F32]).unwrap();
+        }
+    }
 
     /// The op, each operand transposed or not, against Burn's `matmul` of the same views:
     /// output and both gradients, on wgpu with and without checkpointing (where the op runs
