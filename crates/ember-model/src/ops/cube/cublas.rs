@@ -2,10 +2,11 @@
 //! training step's linear layers make, forward and backward ([`super::product`]).
 //!
 //! cubek's products, which Burn's `matmul` chooses by autotune, reached about 42 TFLOP/s in
-//! nanoGPT's GPU config on an H200 where PyTorch's (cuBLAS) reached about 200 (docs/benchmarks.md).
-//! cuBLAS is part of the CUDA toolkit that the `cuda` device needs anyway, and it is loaded at
-//! run time (`libcublas.so`, from the library path or `$CUDA_PATH`), so the binary builds and
-//! starts without it; where it is missing, or the device is not CUDA, products stay cubek's.
+//! nanoGPT's GPU config on an H200 where PyTorch's (cuBLAS) reached about 200
+//! (docs/benchmarks.md). cuBLAS is part of the CUDA toolkit that the `cuda` device needs anyway,
+//! and it is loaded at run time (`libcublas.so`, from the library path or the toolkit's
+//! folders), so the binary builds and starts without it; where it is missing, or the device is
+//! not CUDA, products stay cubek's.
 //!
 //! The call is enqueued on the CUDA stream that owns the output's memory, the stream CubeCL
 //! launches this thread's kernels on (vendored cubecl-cuda exposes it: vendor/README.md), so it
@@ -48,7 +49,8 @@ fn preload_from_toolkit() {
     if let Some(path) = std::env::var_os("CUDA_PATH") {
         roots.push(path.into());
     }
-    roots.push("/usr/local/cuda".into());
+    // Where the toolkit's libdevice is looked for too (README, "CUDA, built offline").
+    roots.extend(["/usr/local/cuda", "/opt/cuda", "/usr/lib/cuda"].map(Into::into));
     for root in roots {
         for dir in ["lib64", "lib", "targets/x86_64-linux/lib"] {
             let dir = root.join(dir);
