@@ -369,8 +369,8 @@ impl StepLaunches {
         // them is host time, not the device's.
         let mut windows: [Option<(Duration, Duration)>; 3] = [None; 3];
         let mut serial = Duration::ZERO;
-        for (kernel, part, window, duration) in self.timed {
-            let name = short_name(kernel);
+        // One launch more of `name` in `part`, and its time, in the profile's rows.
+        let mut count = |name: String, part: Part, duration: Duration| {
             let i = *index.entry((name.clone(), part)).or_insert_with(|| {
                 profile.kernels.push(KernelTime {
                     name,
@@ -382,6 +382,9 @@ impl StepLaunches {
             });
             profile.kernels[i].launches += 1;
             profile.kernels[i].total += duration;
+        };
+        for (kernel, part, window, duration) in self.timed {
+            count(short_name(kernel), part, duration);
             match window {
                 Some((start, end)) => {
                     let w = &mut windows[part.index()];
@@ -393,17 +396,7 @@ impl StepLaunches {
             }
         }
         for (name, part, duration) in self.external {
-            let i = *index.entry((name.to_string(), part)).or_insert_with(|| {
-                profile.kernels.push(KernelTime {
-                    name: name.to_string(),
-                    part,
-                    launches: 0,
-                    total: Duration::ZERO,
-                });
-                profile.kernels.len() - 1
-            });
-            profile.kernels[i].launches += 1;
-            profile.kernels[i].total += duration;
+            count(name.to_string(), part, duration);
         }
         profile.span += serial
             + windows
