@@ -254,6 +254,9 @@ fn elapsed_between(
 ) -> crate::ops::external_launches::Elapsed {
     let context = context as usize;
     Box::new(move || {
+        // The events whole (a closure would capture only their pointers, which are not `Send`),
+        // destroyed when it returns.
+        let (start, end) = (start, end);
         let mut ms = 0f32;
         // SAFETY: both events were recorded in `context`, made current on this thread first.
         unsafe {
