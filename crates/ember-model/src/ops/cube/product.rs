@@ -36,7 +36,7 @@ pub(crate) fn matmul(a: Tensor<2>, b: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>
         && super::multiprocessors(&device).is_some()
         && loadable_or_warn()
         && !super::capturing(&device)
-        && agrees_on(&device);
+        && agrees_on(&device, a.dtype());
     if !takes {
         return Err((a, b));
     }
@@ -67,17 +67,24 @@ fn loadable_or_warn() -> bool {
     loadable
 }
 
-/// Whether cuBLAS's products were found exact on `device`: checked on the first product of the
-/// process ([`products_agree`], f32 and bf16, a few milliseconds); where they were not, says so
-/// once on stderr and the products stay cubek's, so that a wrong product never trains a model.
-fn agrees_on(device: &Device) -> bool {
-    static AGREES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AGREES.get_or_init(|| match products_agree(device, &[DType::F32, DType::BF16]) {
+/// Whether cuBLAS's products in `dtype` were found exact on `device`: checked on the first
+/// product of that type in the process ([`products_agree`], a few milliseconds); where they were
+/// not, says so once on stderr and the products of that type stay cubek's, so that a wrong product
+/// never trains a model.
+fn agrees_on(device: &Device, dtype: DType) -> bool {
+    use std::sync::OnceLock;
+    static AGREES: [OnceLock<bool>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = match dtype {
+        DType::F32 => &AGREES[0],
+        DType::BF16 => &AGREES[1],
+        _ => &AGREES[2],
+    };
+    *slot.get_or_init(|| match products_agree(device, &[dtype]) {
         Ok(()) => true,
         Err(why) => {
             eprintln!(
-                "warning: cuBLAS's matrix products on this device are wrong ({why}); they run on \
-                 cubek's kernels instead"
+                "warning: cuBLAS's {dtype:?} matrix products on this device are wrong ({why}); \
+                 they run on cubek's kernels instead"
             );
             false
         }
@@ -87,8 +94,8 @@ fn agrees_on(device: &Device) -> bool {
 /// The op's products on `device` against exact ones computed on the host, in each of `dtypes`:
 /// each operand plain, transposed by the op, and (the right one) a transposed view, with small
 /// integers whose products and sums every float type here holds exactly (TF32 keeps 11 bits of
-/// mantissa, bf16 8: at most 720 and 180 here), so that any difference is an error, not
-/// rounding. The error names the first wrong value.
+/// mantissa, bf16 8 and f16 11: at most 720 in f32, 180 otherwise), so that any difference is
+/// an error, not rounding. The error names the first wrong value, or the failure to read one.
 pub(crate) fn products_agree(device: &Device, dtypes: &[DType]) -> Result<(), String> {
     let (m, k, n) = (67, 45, 29);
     for &dtype in dtypes {
