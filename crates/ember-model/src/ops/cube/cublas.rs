@@ -130,15 +130,10 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
         call.ld_second,
         call.ldc,
     ];
-    let [cm, cn, ck, lda, ldb, ldc] = dims.map(i32::try_from);
-    let (cm, cn, ck, lda, ldb, ldc) = (
-        cm.ok()?,
-        cn.ok()?,
-        ck.ok()?,
-        lda.ok()?,
-        ldb.ok()?,
-        ldc.ok()?,
-    );
+    if dims.iter().any(|&d| i32::try_from(d).is_err()) {
+        return None;
+    }
+    let [cm, cn, ck, lda, ldb, ldc] = dims.map(|d| d as i32);
     let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
         a.client.clone(),
         a.device.clone(),

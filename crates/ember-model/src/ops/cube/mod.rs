@@ -37,18 +37,12 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 
-/// The number of multiprocessors of `device`'s GPU, where its runtime reports it (CUDA and
-/// ROCm do, wgpu does not); `None` on other backends.
-pub(crate) fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
+/// `device`'s CubeCL device (under autodiff or not), or `None` on other backends.
+fn cube_device(device: &burn::tensor::Device) -> Option<&burn_cubecl::CubeDevice> {
     use burn::backend::DispatchDevice;
-    fn of(device: &DispatchDevice) -> Option<u32> {
+    fn of(device: &DispatchDevice) -> Option<&burn_cubecl::CubeDevice> {
         match device {
-            DispatchDevice::Cube(gpu) => {
-                gpu.client()
-                    .properties()
-                    .hardware
-                    .num_streaming_multiprocessors
-            }
+            DispatchDevice::Cube(gpu) => Some(gpu),
             DispatchDevice::Autodiff(inner) => of(inner),
             #[allow(unreachable_patterns)]
             _ => None,
@@ -57,19 +51,17 @@ pub(crate) fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
     of(device.as_dispatch())
 }
 
+/// The number of multiprocessors of `device`'s GPU, where its runtime reports it (CUDA and
+/// ROCm do, wgpu does not); `None` on other backends.
+pub(crate) fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
+    let client = cube_device(device)?.client();
+    client.properties().hardware.num_streaming_multiprocessors
+}
+
 /// Whether `device`'s CubeCL client is recording a graph on this thread (a replayed decoding
 /// step being captured); false on other backends.
 pub(crate) fn capturing(device: &burn::tensor::Device) -> bool {
-    use burn::backend::DispatchDevice;
-    fn of(device: &DispatchDevice) -> bool {
-        match device {
-            DispatchDevice::Cube(gpu) => gpu.client().is_capturing(),
-            DispatchDevice::Autodiff(inner) => of(inner),
-            #[allow(unreachable_patterns)]
-            _ => false,
-        }
-    }
-    of(device.as_dispatch())
+    cube_device(device).is_some_and(|gpu| gpu.client().is_capturing())
 }
 
 /// Whether `kernel` is on ([`crate::ops::gpu_kernels`]) and takes `x`: an `f32` tensor on a
