@@ -10,6 +10,7 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh memory  # what a step holds: in use, pools, process
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #   DEVICE=vulkan bash scripts/bench-gpu.sh host    # where a sampled token's host time goes
+#   DEVICE=cuda bash scripts/bench-gpu.sh kernels   # what limits each attention kernel (ncu)
 #   DEVICE=cuda BUDGET=550 bash scripts/bench-gpu.sh all  # speed, check, profile, memory, full
 #                                                   # in BUDGET seconds (for a GPU available briefly)
 #
@@ -24,7 +25,7 @@
 # TORCH_DEVICE its device (default cuda); ROUNDS how many times `speed` trains ember with and
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
 # (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS[:EMBER_SPLIT_K]
-# (default `f32:on f32:-cublas f32:off bf16:on bf16:-cublas`; e.g. `f32:-layer-norm f32:-norm` to time one
+# (default `f32:on f32:-attention-tiles f32:-cublas bf16:on bf16:-cublas`; e.g. `f32:-layer-norm f32:-norm` to time one
 # kernel's part, `f32:-cublas,-split-k` for cubek's products in one piece, `f32:-cublas:4
 # f32:-cublas:16` for cubek's weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
@@ -180,7 +181,7 @@ speed() {
     # (ember's bf16 counterpart). A device without bf16 refuses that run in one line.
     rm -rf "$RUNS/speed"
     for round in $(seq "${ROUNDS:-1}"); do
-        for run in ${SPEED_RUNS:-f32:on f32:-cublas f32:off bf16:on bf16:-cublas}; do
+        for run in ${SPEED_RUNS:-f32:on f32:-attention-tiles f32:-cublas bf16:on bf16:-cublas}; do
             IFS=: read -r precision kernels split <<<"$run"
             split=${split:-auto}
             # The first run's checkpoint stays for sampling below (a later run may be refused:
@@ -257,6 +258,45 @@ profile() {
             --precision "$p" --profile "$n")
         echo "\$ ${torch[*]}"
         "${torch[@]}" || echo "FAILED: PyTorch profile, $p"
+    done
+}
+
+# What limits the attention kernels, by Nsight Compute (`ncu`, where the CUDA toolkit has it):
+# each kernel of one training step (the third: KERNEL_SKIP launches skipped, default 48, the two
+# steps before at 24 attention launches each for 6 layers), then the same for PyTorch's
+# attention kernels in its bf16 and TF32 steps. Per kernel: its time, the SM's and memory's
+# share of their peaks, the busiest memory pipe (shared memory included), issue slots, the
+# occupancy and registers, and the warps' stall reasons, from ncu's sections. KERNELS is the
+# kernel-name regex (default `attention`: ember's training kernels); the full reports go to
+# RUNS/kernels-*.txt. Only for DEVICE=cuda.
+kernels() {
+    local ncu sections summary
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /usr/local/cuda-*/bin/ncu \
+        /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1) || true
+    if [ -z "$ncu" ] || [ "${DEVICE%%:*}" != cuda ]; then
+        echo "kernels: needs ncu (Nsight Compute) and DEVICE=cuda; skipped"
+        return 0
+    fi
+    sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
+        --section WarpStateStats --section InstructionStats)
+    # The lines that say what limits a kernel, with its name.
+    summary='/^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Max Bandwidth|L1\/TEX Hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Avg. Active Threads|Shared Memory Configuration|Dynamic Shared|Static Shared|stall|Stall|bank/'
+    rm -rf "$RUNS/kernels"
+    echo "\$ $ncu --kernel-name regex:${KERNELS:-attention} ... $EMBER train (3 steps)"
+    "$ncu" "${sections[@]}" --kernel-name "regex:${KERNELS:-attention}" \
+        --launch-skip "${KERNEL_SKIP:-48}" --launch-count "${KERNEL_COUNT:-24}" \
+        "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/kernels" \
+        --stop-after 3 >"$RUNS/kernels-ember.txt" 2>&1 || echo "FAILED: ncu of ember"
+    grep -E "$summary" "$RUNS/kernels-ember.txt" | cut -c1-150 | head -400
+    for p in bf16 tf32; do
+        echo "\$ $ncu --kernel-name regex:flash|fmha|attn ... torch_reference.py train ($p)"
+        "$ncu" "${sections[@]}" --kernel-name "regex:flash|fmha|attn|Attention" \
+            --launch-skip 24 --launch-count 12 \
+            "$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384 \
+            --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps 4 --warmup 2 \
+            --precision "$p" >"$RUNS/kernels-torch-$p.txt" 2>&1 || echo "FAILED: ncu of PyTorch"
+        grep -E "$summary" "$RUNS/kernels-torch-$p.txt" | cut -c1-150 | head -150
     done
 }
 
@@ -423,4 +463,4 @@ all() {
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|reference|all}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|all}"
