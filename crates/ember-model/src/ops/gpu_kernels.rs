@@ -58,11 +58,15 @@ pub enum GpuKernel {
     /// rows) by NVIDIA's cuBLAS on CUDA where it can be loaded, instead of cubek's
     /// ([`crate::ops::matmul`]).
     Cublas,
+    /// The training attention's forward pass in register tiles (each unit 8 query rows by 4
+    /// keys of the scores, 8 rows by `K / 8` columns of the output) for head sizes 32 and 64;
+    /// off, or for other sizes, one query row per unit (as its backward pass).
+    AttentionTiles,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 15] = [
+    pub const ALL: [GpuKernel; 16] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -78,6 +82,7 @@ impl GpuKernel {
         GpuKernel::StepGraph,
         GpuKernel::SplitK,
         GpuKernel::Cublas,
+        GpuKernel::AttentionTiles,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -98,6 +103,7 @@ impl GpuKernel {
             GpuKernel::StepGraph => "step-graph",
             GpuKernel::SplitK => "split-k",
             GpuKernel::Cublas => "cublas",
+            GpuKernel::AttentionTiles => "attention-tiles",
         }
     }
 }
@@ -249,7 +255,8 @@ mod tests {
                 "draw",
                 "step-graph",
                 "split-k",
-                "cublas"
+                "cublas",
+                "attention-tiles"
             ]
         );
         assert_eq!(

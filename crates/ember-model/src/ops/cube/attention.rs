@@ -30,6 +30,17 @@
 //! Rows are read as vectors of 4 values where a head's width allows (`Dims::lanes`): each
 //! load from a shared tile then feeds 4 products, where one value per load held the kernels to
 //! the shared memory's rate of loads rather than the arithmetic's.
+//!
+//! For head sizes 32 and 64 the training kernels compute in register tiles instead (the
+//! `*_tiled` kernels), as matrix-product kernels do: a cube of 64 units takes a block of 64 rows
+//! (32 where shared memory is small), both operands of each product sit in shared memory
+//! transposed (a 4-value load gives 4 rows' values of one column), and each unit holds 8 rows by
+//! 4 columns of the scores and 8 rows by `K / 8` columns of its output, so that one load feeds
+//! 8 or 16 products where the one-row kernels' load of 4 values fed 4: those kernels read each
+//! pair's `2K` values from shared memory for `2K` products, which on an H100 costs as many of
+//! the shared memory's cycles as the arithmetic costs issue slots (docs/benchmarks.md).
+//! `EMBER_GPU_KERNELS=-attention-tiles` runs the one-row kernels everywhere.
+//!
 //! Decoding has too few query rows for one unit each, so its kernel gives each query row a
 //! cube.
 
@@ -253,8 +264,31 @@ impl AttentionKernels for CubeBackend {
         let dims = Dims::of(&qkv, heads);
         let out = super::empty(&qkv, [dims.b, dims.t, dims.d]);
         let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
+        if let Some(rows) = dims.tiled_rows(&qkv) {
+            #[cfg(all(test, feature = "wgpu"))]
+            tests::TILED_LAUNCHES[rows / 64].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            kernels::attention_forward_tiled::launch::<f32>(
+                &qkv.client.clone(),
+                CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
+                CubeDim::new_1d(TILED_UNITS as u32),
+                4,
+                qkv.into_tensor_arg(),
+                seed.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                dims.scale(),
+                super::hashed_mask::threshold(dropout),
+                1.0 / (1.0 - dropout),
+                dims.k() / 4,
+                heads,
+                dropout > 0.0,
+                rows,
+            );
+            return (out, lse);
+        }
         let (count, dim) = dims.launch_size();
         let tile = dims.tile(&qkv);
+        let group = keys_per_rescale(tile);
         let w = dims.lanes(&qkv);
         kernels::attention_forward::launch::<f32>(
             &qkv.client.clone(),
@@ -273,6 +307,7 @@ impl AttentionKernels for CubeBackend {
             heads,
             dropout > 0.0,
             tile,
+            group,
         );
         (out, lse)
     }
@@ -294,32 +329,84 @@ impl AttentionKernels for CubeBackend {
         let (count, dim) = dims.launch_size();
         let tile = dims.tile(&qkv);
         let w = dims.lanes(&qkv);
-        kernels::attention_backward_query::launch::<f32>(
-            &client,
-            count.clone(),
-            dim,
-            w,
-            qkv.clone().into_tensor_arg(),
-            seed.clone().into_tensor_arg(),
-            out.into_tensor_arg(),
-            grad.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            dqkv.clone().into_tensor_arg(),
-            dims.scale(),
-            super::hashed_mask::threshold(dropout),
-            1.0 / (1.0 - dropout),
-            dims.k() / w,
-            w,
-            heads,
-            dropout > 0.0,
-            tile,
-        );
+        if let Some(rows) = dims.tiled_query_rows(&qkv) {
+            #[cfg(all(test, feature = "wgpu"))]
+            tests::TILED_QUERY_LAUNCHES[rows / 64]
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            kernels::attention_backward_query_tiled::launch::<f32>(
+                &client,
+                CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
+                CubeDim::new_1d(TILED_UNITS as u32),
+                4,
+                qkv.clone().into_tensor_arg(),
+                seed.clone().into_tensor_arg(),
+                out.into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dqkv.clone().into_tensor_arg(),
+                dims.scale(),
+                super::hashed_mask::threshold(dropout),
+                1.0 / (1.0 - dropout),
+                dims.k() / 4,
+                heads,
+                dropout > 0.0,
+                rows,
+            );
+        } else {
+            kernels::attention_backward_query::launch::<f32>(
+                &client,
+                count.clone(),
+                dim,
+                w,
+                qkv.clone().into_tensor_arg(),
+                seed.clone().into_tensor_arg(),
+                out.into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dqkv.clone().into_tensor_arg(),
+                dims.scale(),
+                super::hashed_mask::threshold(dropout),
+                1.0 / (1.0 - dropout),
+                dims.k() / w,
+                w,
+                heads,
+                dropout > 0.0,
+                tile,
+            );
+        }
         // Keys, then values: two launches of one kernel, each with one row of accumulators
         // per unit (with both, 2K accumulators per unit spilled out of registers on an H100:
         // 18 ms a launch against 1.3 ms for the queries' kernel, before the kernels were
         // tiled; docs/benchmarks.md).
         for values in [false, true] {
+            if let Some(rows) = dims.tiled_key_rows(&qkv, values) {
+                #[cfg(all(test, feature = "wgpu"))]
+                tests::TILED_KEY_LAUNCHES[rows / 64]
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                kernels::attention_backward_key_value_tiled::launch::<f32>(
+                    &client,
+                    CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
+                    CubeDim::new_1d(TILED_UNITS as u32),
+                    4,
+                    qkv.clone().into_tensor_arg(),
+                    seed.clone().into_tensor_arg(),
+                    grad.clone().into_tensor_arg(),
+                    lse.clone().into_tensor_arg(),
+                    delta.clone().into_tensor_arg(),
+                    dqkv.clone().into_tensor_arg(),
+                    dims.scale(),
+                    super::hashed_mask::threshold(dropout),
+                    1.0 / (1.0 - dropout),
+                    dims.k() / 4,
+                    heads,
+                    dropout > 0.0,
+                    values,
+                    rows,
+                );
+                continue;
+            }
             kernels::attention_backward_key_value::launch::<f32>(
                 &client,
                 count.clone(),
@@ -602,6 +689,67 @@ impl Dims {
         if four { 4 } else { 1 }
     }
 
+    /// The query rows per cube of the register-tiled forward pass
+    /// ([`kernels::attention_forward_tiled`]), 64 or else 32, whichever shared memory holds;
+    /// `None` where it does not run: [`Dims::tiles_apply`] false.
+    fn tiled_rows(&self, like: &CubeTensor) -> Option<usize> {
+        let fits = |rows: usize| {
+            // The block's queries and a tile's keys and values (vectors of 4), the weights
+            // (vectors, padded), the rows' partial maxima (8 per row), maxima and sums.
+            let vectors = (self.k() / 4) * (rows + 2 * TILED_KEYS) + TILED_KEYS * (rows / 4 + 1);
+            let bytes = (4 * vectors + rows * 10) * size_of::<f32>();
+            bytes <= like.client.properties().hardware.max_shared_memory_size
+        };
+        self.tiles_apply(like)
+            .then(|| [64, 32].into_iter().find(|&rows| fits(rows)))
+            .flatten()
+    }
+
+    /// The keys per cube of the register-tiled backward pass of the keys or the `values`
+    /// ([`kernels::attention_backward_key_value_tiled`]), 64 or else 32, whichever shared memory
+    /// holds; `None` where it does not run (as [`Dims::tiled_rows`]).
+    fn tiled_key_rows(&self, like: &CubeTensor, values: bool) -> Option<usize> {
+        let row = self.k() / 4;
+        let fits = |rows: usize| {
+            // The block's keys and values (for the values' gradient, one vector in place of
+            // the values), and two tiles: the queries and the output gradients, one of them
+            // replaced by the weights.
+            let block = row * rows + if values { 1 } else { row * rows };
+            let tile = (row * TILED_KEYS).max(TILED_KEYS * rows / 4);
+            let bytes = 4 * (block + 2 * tile) * size_of::<f32>();
+            bytes <= like.client.properties().hardware.max_shared_memory_size
+        };
+        self.tiles_apply(like)
+            .then(|| [64, 32].into_iter().find(|&rows| fits(rows)))
+            .flatten()
+    }
+
+    /// The query rows per cube of the register-tiled backward pass of the queries
+    /// ([`kernels::attention_backward_query_tiled`]), 64 or else 32, whichever shared memory
+    /// holds; `None` where it does not run (as [`Dims::tiled_rows`]).
+    fn tiled_query_rows(&self, like: &CubeTensor) -> Option<usize> {
+        let row = self.k() / 4;
+        let fits = |rows: usize| {
+            // The block's queries and output gradients, and two tiles: the keys and the
+            // values, the values replaced by the weights.
+            let block = 2 * row * rows;
+            let tile = (row * TILED_KEYS).max(TILED_KEYS * rows / 4);
+            let bytes = 4 * (block + 2 * tile) * size_of::<f32>();
+            bytes <= like.client.properties().hardware.max_shared_memory_size
+        };
+        self.tiles_apply(like)
+            .then(|| [64, 32].into_iter().find(|&rows| fits(rows)))
+            .flatten()
+    }
+
+    /// Whether the register-tiled kernels apply: `attention-tiles` on, a head size of 32 or 64,
+    /// read as vectors of 4.
+    fn tiles_apply(&self, like: &CubeTensor) -> bool {
+        crate::ops::gpu_kernels::uses(GpuKernel::AttentionTiles)
+            && matches!(self.k(), 32 | 64)
+            && self.lanes(like) == 4
+    }
+
     /// One cube per block of rows of one head of one sequence, one unit per row: blocks
     /// along `x`, heads of sequences along `y` (each within a launch's 65535 cubes a side on
     /// every backend). A block is [`ROWS`] rows, or fewer (down to a warp's 32) when the
@@ -633,6 +781,30 @@ const ROWS: usize = 64;
 
 /// The most rows of a shared-memory tile.
 const MAX_TILE: usize = 32;
+
+/// Units per cube of the register-tiled forward pass: 8 row groups by 8 key (or output
+/// column) groups.
+const TILED_UNITS: usize = 64;
+
+/// Keys per tile of the register-tiled forward pass: 8 key groups of 4 (the kernel's `bc`).
+const TILED_KEYS: usize = 32;
+
+/// Keys the forward pass scores before it rescales its running output once for all of them
+/// (FlashAttention-2's per-block rescale): a power of two, so that it divides every tile of
+/// more rows. With one rescale per key, 64 of a key's 256 instructions in the loop were the
+/// rescale's multiplications, beside 128 fused multiply-adds (head size 64, the kernel
+/// compiled for an H100, sm_90, read offline); 8 keys cost 8 more registers for their scores.
+const GROUP: usize = 8;
+
+/// Keys per rescale of the one-row forward pass, for tiles of `tile` rows: [`GROUP`], at most
+/// the tile (tests may force another).
+fn keys_per_rescale(tile: usize) -> usize {
+    #[cfg(all(test, feature = "wgpu"))]
+    if let n @ 1.. = tests::FORCED_GROUP.load(std::sync::atomic::Ordering::Relaxed) {
+        return n.min(tile);
+    }
+    GROUP.min(tile)
+}
 
 /// The CubeCL kernels (CubeCL's `Tensor`, not Burn's). Loops over a row's `K` columns are
 /// unrolled (`K` is a compile-time constant), so the accumulators can stay in registers.
@@ -850,21 +1022,6 @@ mod kernels {
         lanes_sum::<F, N>(sum, w)
     }
 
-    /// One key into a running softmax whose maximum is `m` (`first`: nothing seen yet):
-    /// the new maximum, the factor that rescales what was accumulated, and the key's weight.
-    #[cube]
-    fn online_step<F: Float>(m: F, s: F, first: bool) -> (F, F, F) {
-        let mut m_new = s;
-        let mut correction = F::new(0.0);
-        if !first {
-            if m > s {
-                m_new = m;
-            }
-            correction = F::exp(m - m_new);
-        }
-        (m_new, correction, F::exp(s - m_new))
-    }
-
     /// Forward pass: one unit per query row `(b, h, i)`, a running softmax over keys `0..=i`,
     /// the keys and values `tile` rows at a time through shared memory.
     #[allow(clippy::too_many_arguments)]
@@ -882,6 +1039,7 @@ mod kernels {
         #[comptime] heads: usize,
         #[comptime] dropout: bool,
         #[comptime] tile: usize,
+        #[comptime] group: usize,
     ) {
         let t = qkv.shape(1);
         let d = heads * k;
@@ -895,8 +1053,9 @@ mod kernels {
         if at.active {
             q = load_row::<F, N>(qkv, at.q0, 3 * d, i, k);
         }
-        // A running maximum `m`, sum `l` and output `acc` over the keys seen so far.
-        let mut m = F::new(0.0);
+        // A running maximum `m`, sum `l` and output `acc` over the keys seen so far (`m`
+        // starts at the lowest float: the first group's rescale multiplies zeros by 0).
+        let mut m = F::min_value();
         let mut l = F::new(0.0);
         let mut acc = zeros::<F, N>(k);
         let mut keys = Shared::<[Vector<F, N>]>::new_slice(comptime!(tile * k));
@@ -908,18 +1067,37 @@ mod kernels {
             load_tile::<F, N>(qkv, &mut values, at.v0, 3 * d, j0, t, k, tile);
             sync_cube();
             if at.active {
-                for jj in 0..rows_below(j0, i + 1, tile) {
-                    let s = dot_tile::<F, N>(&q, &keys, jj, k, w) * scale;
-                    let (m_new, correction, p) = online_step::<F>(m, s, j0 + jj == 0);
-                    l = l * correction + p;
-                    let weight = p * mask.factor(row * t + j0 + jj, dropout);
+                // `group` keys at a time: their scores first, then one rescale of the
+                // accumulator for all of them (where one per key cost `K` multiplications
+                // per key), then their weighted values. Keys past the unit's last
+                // (`i`) score the lowest float, so their weights are 0.
+                let n = rows_below(j0, i + 1, tile);
+                let mut g0 = 0usize;
+                while g0 < n {
+                    let mut s = Array::<F>::new(group);
+                    let mut m_new = m;
+                    #[unroll]
+                    for g in 0..group {
+                        let score = dot_tile::<F, N>(&q, &keys, g0 + g, k, w) * scale;
+                        s[g] = select(g0 + g < n, score, F::min_value());
+                        m_new = F::max(m_new, s[g]);
+                    }
+                    let correction = F::exp(m - m_new);
+                    l *= correction;
                     let correction = Vector::<F, N>::new(correction);
-                    let weight = Vector::<F, N>::new(weight);
                     #[unroll]
                     for c in 0..k {
-                        acc[c] = acc[c] * correction + weight * values[jj * k + c];
+                        acc[c] *= correction;
+                    }
+                    #[unroll]
+                    for g in 0..group {
+                        let p = F::exp(s[g] - m_new);
+                        l += p;
+                        let weight = p * mask.factor(row * t + j0 + g0 + g, dropout);
+                        add_scaled::<F, N>(&mut acc, weight, &values, g0 + g, k);
                     }
                     m = m_new;
+                    g0 += group;
                 }
             }
             sync_cube();
@@ -933,6 +1111,775 @@ mod kernels {
                 out[o + c] = acc[c] / l_lanes;
             }
             lse[row] = m + F::ln(l);
+        }
+    }
+
+    /// Rows `r0..r0 + rows` of one head's `k` vectors of `src` (row 0 at `base`, rows `stride`
+    /// apart, zeros for rows past `t`) into `tile` from vector `at` on, transposed: vector
+    /// `at + c * rows / 4 + r / 4` holds column `c` of rows `r..r + 4` (`r` a multiple of 4), so that a unit
+    /// reads 4 rows' values of one column at once. Each unit moves blocks of 4 rows by 4
+    /// columns (four loads, a transpose in registers, four stores); consecutive units read
+    /// consecutive vectors of a row. Vectors of 4 lanes only.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn load_transposed<F: Float, N: Size>(
+        src: &Tensor<Vector<F, N>>,
+        tile: &mut Shared<[Vector<F, N>]>,
+        at: usize,
+        base: usize,
+        stride: usize,
+        r0: usize,
+        t: usize,
+        #[comptime] k: usize,
+        #[comptime] rows: usize,
+    ) {
+        let units = CUBE_DIM_X as usize;
+        let blocks = comptime!(rows / 4 * k);
+        let mut e = UNIT_POS_X as usize;
+        while e < blocks {
+            let cv = e % k;
+            let rb = e / k;
+            let mut block = Array::<Vector<F, N>>::new(4usize);
+            #[unroll]
+            for l in 0..4 {
+                let r = r0 + rb * 4 + l;
+                let mut x = Vector::<F, N>::new(F::new(0.0));
+                if r < t {
+                    x = src[base + r * stride + cv];
+                }
+                block[l] = x;
+            }
+            #[unroll]
+            for c in 0..4 {
+                let mut column = Vector::<F, N>::new(F::new(0.0));
+                #[unroll]
+                for l in 0..4 {
+                    column.insert(l, block[l].extract(c));
+                }
+                tile[at + (cv * 4 + c) * comptime!(rows / 4) + rb] = column;
+            }
+            e += units;
+        }
+    }
+
+    /// Forward pass in register tiles: a cube of 64 units per block of `br` query rows of one
+    /// head (64, or 32 where shared memory is small), over tiles of 32 keys. The units form 8
+    /// row groups of `rows = br / 8` rows by 8 key groups. For each tile the cube computes the
+    /// block's scores `S = Q K^T`, each unit `rows` rows by 4 keys of them: per column of the
+    /// head one load of `rows` query values and one of 4 key values feed `4 * rows` products,
+    /// where the one-row kernel's load of a key's 4 values fed 4. Then the rows' new maxima
+    /// through shared memory, the weights `P` into shared memory, and `O += P V`, each unit
+    /// `rows` rows by `K / 8` columns of the output. The rows' running maximum and sum live in
+    /// shared memory, the block's queries too (transposed: read by column). Head sizes 32 and
+    /// 64 (`k` 8 or 16 vectors of 4).
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn attention_forward_tiled<F: Float, N: Size>(
+        qkv: &Tensor<Vector<F, N>>,
+        seed: &Tensor<F>,
+        out: &mut Tensor<Vector<F, N>>,
+        lse: &mut Tensor<F>,
+        scale: f32,
+        threshold: u32,
+        keep_scale: f32,
+        #[comptime] k: usize,
+        #[comptime] heads: usize,
+        #[comptime] dropout: bool,
+        #[comptime] br: usize,
+    ) {
+        // Keys per tile; rows per unit and their vectors of 4; the stride of a key's row of
+        // weights in vectors (one more than the block's: the 8 units of a quarter-warp write
+        // the weights of 8 different keys to 4 banks apart, not all to one); output vectors
+        // per unit along a row.
+        let bc = comptime!(32usize);
+        let rows = comptime!(br / 8);
+        let rv = comptime!(br / 32);
+        let pv = comptime!(br / 4 + 1);
+        let cv = comptime!(k / 8);
+        let t = qkv.shape(1);
+        let d = heads * k;
+        let bh = CUBE_POS_Y as usize;
+        let h = bh % heads;
+        let b = bh / heads;
+        let first = CUBE_POS_X as usize * br;
+        let q0 = b * t * 3 * d + h * k;
+        let k0 = q0 + d;
+        let v0 = q0 + 2 * d;
+        let u = UNIT_POS_X as usize;
+        // This unit's rows of the block, `rg * rows..(rg + 1) * rows`; its keys of a tile,
+        // `kg * 4..kg * 4 + 4`, and output columns, vectors `kg * cv..(kg + 1) * cv`.
+        let rg = u / 8;
+        let kg = u % 8;
+        let scale = F::cast_from(scale);
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
+
+        let mut queries = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * br));
+        let mut keys = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * bc));
+        let mut values = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * bc));
+        let mut weights = Shared::<[Vector<F, N>]>::new_slice(comptime!(bc * pv));
+        let mut partial = Shared::<[F]>::new_slice(comptime!(br * 8));
+        let mut row_max = Shared::<[F]>::new_slice(br);
+        let mut row_sum = Shared::<[F]>::new_slice(br);
+        load_transposed::<F, N>(qkv, &mut queries, 0, q0, 3 * d, first, t, k, br);
+        if u < br {
+            row_max[u] = F::min_value();
+            row_sum[u] = F::new(0.0);
+        }
+        let mut acc = Array::<Vector<F, N>>::new(comptime!(rows * cv));
+        #[unroll]
+        for x in 0..comptime!(rows * cv) {
+            acc[x] = Vector::<F, N>::new(F::new(0.0));
+        }
+        let mut end = first + br;
+        if end > t {
+            end = t;
+        }
+        let mut j0 = 0usize;
+        while j0 < end {
+            load_transposed::<F, N>(qkv, &mut keys, 0, k0, 3 * d, j0, t, k, bc);
+            load_tile::<F, N>(qkv, &mut values, v0, 3 * d, j0, t, k, bc);
+            sync_cube();
+            // Scores: s[i] holds row rg * rows + i against the unit's 4 keys.
+            let mut s = Array::<Vector<F, N>>::new(rows);
+            #[unroll]
+            for i in 0..rows {
+                s[i] = Vector::<F, N>::new(F::new(0.0));
+            }
+            let (a, b) = (&queries, &keys);
+            tile_products::<F, N>(
+                &mut s,
+                a,
+                0usize,
+                b,
+                0usize,
+                rg,
+                kg,
+                comptime!(br / 4),
+                8usize,
+                k,
+                rv,
+            );
+            // Scaled and masked (keys after the row, or past the sequence: only in tiles that
+            // reach the block's first row or the sequence's end), each row's maximum over the
+            // unit's 4 keys to the others.
+            let masked = j0 + bc > first || j0 + bc > t;
+            #[unroll]
+            for i in 0..rows {
+                let r = first + rg * rows + i;
+                let mut row = s[i] * Vector::<F, N>::new(scale);
+                if masked {
+                    #[unroll]
+                    for jj in 0..4usize {
+                        let j = j0 + kg * 4 + jj;
+                        row.insert(jj, select(j <= r && j < t, row.extract(jj), F::min_value()));
+                    }
+                }
+                let mut m = F::min_value();
+                #[unroll]
+                for jj in 0..4usize {
+                    m = F::max(m, row.extract(jj));
+                }
+                s[i] = row;
+                partial[(rg * rows + i) * 8 + kg] = m;
+            }
+            sync_cube();
+            // Each unit reads its rows' maxima over the tile (the 8 units of a row compute the
+            // same), the factor that rescales what the rows accumulated, the weights (each
+            // key's, `rows` of them, stored as vectors of 4 rows), and its 4 weights' sum.
+            let mut m_new = Array::<F>::new(rows);
+            let mut correction = Array::<F>::new(rows);
+            let mut sums = Array::<F>::new(rows);
+            #[unroll]
+            for i in 0..rows {
+                let row = rg * rows + i;
+                let m_old = row_max[row];
+                let mut m = m_old;
+                #[unroll]
+                for g in 0..8usize {
+                    m = F::max(m, partial[row * 8 + g]);
+                }
+                m_new[i] = m;
+                correction[i] = F::exp(m_old - m);
+                let mut p = Vector::<F, N>::new(F::new(0.0));
+                #[unroll]
+                for jj in 0..4usize {
+                    p.insert(jj, F::exp(s[i].extract(jj) - m));
+                }
+                sums[i] = lanes_sum::<F, N>(p, 4usize);
+                if dropout {
+                    #[unroll]
+                    for jj in 0..4usize {
+                        let global = (bh * t + first + row) * t + j0 + kg * 4 + jj;
+                        p.insert(jj, p.extract(jj) * mask.factor(global, dropout));
+                    }
+                }
+                s[i] = p;
+            }
+            #[unroll]
+            for jj in 0..4usize {
+                #[unroll]
+                for a in 0..rv {
+                    let mut w = Vector::<F, N>::new(F::new(0.0));
+                    #[unroll]
+                    for i in 0..4usize {
+                        w.insert(i, s[a * 4 + i].extract(jj));
+                    }
+                    weights[(kg * 4 + jj) * pv + rg * rv + a] = w;
+                }
+            }
+            sync_cube();
+            #[unroll]
+            for i in 0..rows {
+                partial[(rg * rows + i) * 8 + kg] = sums[i];
+            }
+            sync_cube();
+            // One unit per row (kg 0) keeps the running maximum and sum.
+            if kg == 0 {
+                #[unroll]
+                for i in 0..rows {
+                    let row = rg * rows + i;
+                    let mut sum = F::new(0.0);
+                    #[unroll]
+                    for g in 0..8usize {
+                        sum += partial[row * 8 + g];
+                    }
+                    row_sum[row] = row_sum[row] * correction[i] + sum;
+                    row_max[row] = m_new[i];
+                }
+            }
+            // The output: rescaled, then the tile's weighted values, four keys per iteration.
+            #[unroll]
+            for i in 0..rows {
+                let f = Vector::<F, N>::new(correction[i]);
+                #[unroll]
+                for x in 0..cv {
+                    acc[i * cv + x] *= f;
+                }
+            }
+            for j4 in 0..comptime!(bc / 4) {
+                #[unroll]
+                for l in 0..4 {
+                    let j = j4 * 4 + l;
+                    let mut v = Array::<Vector<F, N>>::new(cv);
+                    #[unroll]
+                    for x in 0..cv {
+                        v[x] = values[j * k + kg * cv + x];
+                    }
+                    #[unroll]
+                    for a in 0..rv {
+                        let w = weights[j * pv + rg * rv + a];
+                        #[unroll]
+                        for i in 0..4 {
+                            let p = Vector::<F, N>::new(w.extract(i));
+                            #[unroll]
+                            for x in 0..cv {
+                                acc[(a * 4 + i) * cv + x] += p * v[x];
+                            }
+                        }
+                    }
+                }
+            }
+            sync_cube();
+            j0 += bc;
+        }
+        #[unroll]
+        for i in 0..rows {
+            let r = first + rg * rows + i;
+            if r < t {
+                let row = rg * rows + i;
+                let l = row_sum[row];
+                let inverse = Vector::<F, N>::new(F::new(1.0) / l);
+                let o = b * t * d + h * k + r * d + kg * cv;
+                #[unroll]
+                for x in 0..cv {
+                    out[o + x] = acc[i * cv + x] * inverse;
+                }
+                if kg == 0 {
+                    lse[bh * t + r] = row_max[row] + F::ln(l);
+                }
+            }
+        }
+    }
+
+    /// `s[a * 4 + i] += A_r . B_g` over the head's `4 k` columns: the register tile of one
+    /// unit, rows `r = rg * rv * 4 + a * 4 + i` of `A` (`4 rv` of them) against the 4 rows of
+    /// `B` of group `g`; both read transposed from shared memory (`A`'s vector `c * a_cols + r
+    /// / 4` at `a_at`, `B`'s `c * b_cols + g` at `b_at`: 4 rows' values of column `c`), so one
+    /// load of each feeds `16 rv` products. Four columns per iteration, unrolled (the loop's
+    /// own instructions were a fifth of a column's 40).
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn tile_products<F: Float, N: Size>(
+        s: &mut Array<Vector<F, N>>,
+        a: &Shared<[Vector<F, N>]>,
+        a_at: usize,
+        b: &Shared<[Vector<F, N>]>,
+        b_at: usize,
+        rg: usize,
+        g: usize,
+        #[comptime] a_cols: usize,
+        #[comptime] b_cols: usize,
+        #[comptime] k: usize,
+        #[comptime] rv: usize,
+    ) {
+        for c4 in 0..k {
+            #[unroll]
+            for l in 0..4 {
+                let c = c4 * 4 + l;
+                let bv = b[b_at + c * b_cols + g];
+                #[unroll]
+                for x in 0..rv {
+                    let av = a[a_at + c * a_cols + rg * rv + x];
+                    #[unroll]
+                    for i in 0..4 {
+                        s[x * 4 + i] += Vector::<F, N>::new(av.extract(i)) * bv;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `acc[r][cc] += sum_j W[j][r] T[j][c]` over a tile's 32 rows `j`, for the unit's `4 rv`
+    /// rows `r` (vector `rg * rv + x` of a row of weights) and its `cw` columns
+    /// `c = g * cw + cc`: the weights `W` at `w_at` (rows of `wc` vectors, [`swizzled`]), the
+    /// tile `T` transposed at `t_at` (vector `c * 8 + j / 4`: 4 rows' values of column `c`).
+    /// Four rows `j` at a time: `4 rv` loads of weights and `cw` of the tile feed `16 rv cw`
+    /// products.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn accumulate_tile<F: Float, N: Size>(
+        acc: &mut Array<F>,
+        tiles: &Shared<[Vector<F, N>]>,
+        w_at: usize,
+        t_at: usize,
+        rg: usize,
+        g: usize,
+        #[comptime] wc: usize,
+        #[comptime] cw: usize,
+        #[comptime] rv: usize,
+    ) {
+        for j4 in 0..8usize {
+            let mut w = Array::<Vector<F, N>>::new(comptime!(4 * rv));
+            #[unroll]
+            for l in 0..4usize {
+                #[unroll]
+                for x in 0..rv {
+                    w[l * rv + x] = tiles[w_at + swizzled(j4 * 4 + l, rg * rv + x, wc)];
+                }
+            }
+            #[unroll]
+            for cc in 0..cw {
+                let c = g * cw + cc;
+                let tv = tiles[t_at + c * 8 + j4];
+                #[unroll]
+                for x in 0..rv {
+                    #[unroll]
+                    for i in 0..4usize {
+                        let mut sum = acc[(x * 4 + i) * cw + cc];
+                        #[unroll]
+                        for l in 0..4usize {
+                            sum += w[l * rv + x].extract(i) * tv.extract(l);
+                        }
+                        acc[(x * 4 + i) * cw + cc] = sum;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes a unit's register tile `s` (`4 rv` rows by its 4 columns `g * 4..g * 4 + 4`) into
+    /// the weights at `w_at` transposed: row `j = g * 4 + jj` of the weights holds the unit's
+    /// rows as vectors `rg * rv + x` ([`swizzled`]).
+    #[cube]
+    fn store_weights<F: Float, N: Size>(
+        s: &Array<Vector<F, N>>,
+        tiles: &mut Shared<[Vector<F, N>]>,
+        w_at: usize,
+        rg: usize,
+        g: usize,
+        #[comptime] wc: usize,
+        #[comptime] rv: usize,
+    ) {
+        #[unroll]
+        for jj in 0..4usize {
+            #[unroll]
+            for x in 0..rv {
+                let mut w = Vector::<F, N>::new(F::new(0.0));
+                #[unroll]
+                for i in 0..4usize {
+                    w.insert(i, s[x * 4 + i].extract(jj));
+                }
+                tiles[w_at + swizzled(g * 4 + jj, rg * rv + x, wc)] = w;
+            }
+        }
+    }
+
+    /// Where weight `(q, key vector col)` of a tile of the tiled backward pass lives among its
+    /// `bc` rows of `cols` vectors: the vector column XOR-ed with `q / 4` (the query group of
+    /// the unit that writes it), so that the 8 units of a quarter-warp, which write 8 query
+    /// groups' weights of one key vector, reach 8 different banks.
+    #[cube]
+    fn swizzled(q: usize, col: usize, #[comptime] cols: usize) -> usize {
+        q * cols + (col ^ ((q / 4) % 8))
+    }
+
+    /// Backward pass in register tiles, queries: a cube of 64 units per block of `br` query
+    /// rows of one head (64, or 32 where shared memory is small) writes `delta` and `dQ`, over
+    /// tiles of 32 keys up to the block's last row. The units form 8 row groups of
+    /// `rows = br / 8` rows by 8 key groups. Per tile: `S = Q K^T` and `dP = dO V^T`, each unit
+    /// `rows` rows by 4 keys, from the block's queries and output gradients and the tile's keys
+    /// and values, all in shared memory transposed; `dS = P (dP - delta)` into shared memory in
+    /// place of the values; then `dQ += dS K`, each unit `rows` rows by `K / 8` columns. Head
+    /// sizes 32 and 64.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn attention_backward_query_tiled<F: Float, N: Size>(
+        qkv: &Tensor<Vector<F, N>>,
+        seed: &Tensor<F>,
+        out: &Tensor<Vector<F, N>>,
+        grad: &Tensor<Vector<F, N>>,
+        lse: &Tensor<F>,
+        delta: &mut Tensor<F>,
+        dqkv: &mut Tensor<Vector<F, N>>,
+        scale: f32,
+        threshold: u32,
+        keep_scale: f32,
+        #[comptime] k: usize,
+        #[comptime] heads: usize,
+        #[comptime] dropout: bool,
+        #[comptime] br: usize,
+    ) {
+        // Keys per tile; rows per unit and their vectors of 4; vectors of a tile's row of
+        // weights; output columns per unit; one tile's vectors (transposed keys or values, or
+        // the weights).
+        let bc = comptime!(32usize);
+        let rows = comptime!(br / 8);
+        let rv = comptime!(br / 32);
+        let wc = comptime!(br / 4);
+        let cw = comptime!(k / 2);
+        let tile = comptime!(if k * 32 > 8 * br { k * 32 } else { 8 * br });
+        let t = qkv.shape(1);
+        let d = heads * k;
+        let bh = CUBE_POS_Y as usize;
+        let h = bh % heads;
+        let b = bh / heads;
+        let first = CUBE_POS_X as usize * br;
+        let q0 = b * t * 3 * d + h * k;
+        let k0 = q0 + d;
+        let v0 = q0 + 2 * d;
+        let o0 = b * t * d + h * k;
+        let u = UNIT_POS_X as usize;
+        // This unit's rows of the block, `rg * rows..(rg + 1) * rows`; its keys of a tile,
+        // `kg * 4..kg * 4 + 4`, and its output columns `kg * cw..(kg + 1) * cw`.
+        let rg = u / 8;
+        let kg = u % 8;
+        let scale = F::cast_from(scale);
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
+
+        let mut block_queries = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * br));
+        let mut block_grads = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * br));
+        let mut tiles = Shared::<[Vector<F, N>]>::new_slice(comptime!(2 * tile));
+        load_transposed::<F, N>(qkv, &mut block_queries, 0, q0, 3 * d, first, t, k, br);
+        load_transposed::<F, N>(grad, &mut block_grads, 0, o0, d, first, t, k, br);
+        // delta_r = dO_r . O_r: each unit over its columns of its rows, the 8 parts of a row
+        // summed through the tiles' memory (not in use yet).
+        #[unroll]
+        for i in 0..rows {
+            let r = first + rg * rows + i;
+            let mut part = F::new(0.0);
+            if r < t {
+                #[unroll]
+                for x in 0..comptime!(cw / 4) {
+                    let at = o0 + r * d + kg * comptime!(cw / 4) + x;
+                    part += lanes_sum::<F, N>(grad[at] * out[at], 4usize);
+                }
+            }
+            tiles[(rg * rows + i) * 8 + kg] = Vector::<F, N>::new(part);
+        }
+        sync_cube();
+        let mut di = Array::<F>::new(rows);
+        let mut li = Array::<F>::new(rows);
+        #[unroll]
+        for i in 0..rows {
+            let row = rg * rows + i;
+            let r = first + row;
+            let mut sum = F::new(0.0);
+            #[unroll]
+            for g in 0..8usize {
+                sum += tiles[row * 8 + g].extract(0usize);
+            }
+            di[i] = sum;
+            li[i] = F::new(0.0);
+            if r < t {
+                li[i] = lse[bh * t + r];
+                if kg == 0 {
+                    delta[bh * t + r] = sum;
+                }
+            }
+        }
+        sync_cube();
+        let mut acc = Array::<F>::new(comptime!(rows * cw));
+        #[unroll]
+        for x in 0..comptime!(rows * cw) {
+            acc[x] = F::new(0.0);
+        }
+        let mut end = first + br;
+        if end > t {
+            end = t;
+        }
+        let mut j0 = 0usize;
+        while j0 < end {
+            load_transposed::<F, N>(qkv, &mut tiles, 0, k0, 3 * d, j0, t, k, bc);
+            load_transposed::<F, N>(qkv, &mut tiles, tile, v0, 3 * d, j0, t, k, bc);
+            sync_cube();
+            let mut s = Array::<Vector<F, N>>::new(rows);
+            let mut dp = Array::<Vector<F, N>>::new(rows);
+            #[unroll]
+            for i in 0..rows {
+                s[i] = Vector::<F, N>::new(F::new(0.0));
+                dp[i] = Vector::<F, N>::new(F::new(0.0));
+            }
+            let (a, b) = (&block_queries, &tiles);
+            tile_products::<F, N>(&mut s, a, 0usize, b, 0usize, rg, kg, wc, 8usize, k, rv);
+            let a = &block_grads;
+            tile_products::<F, N>(&mut dp, a, 0usize, b, tile, rg, kg, wc, 8usize, k, rv);
+            // dS = P (dP (factors) - delta), P masked (keys after the row or past the
+            // sequence, only in tiles that reach the block's first row or the sequence's end).
+            let masked = j0 + bc > first || j0 + bc > t;
+            #[unroll]
+            for i in 0..rows {
+                let r = first + rg * rows + i;
+                let mut p = Vector::<F, N>::new(F::new(0.0));
+                #[unroll]
+                for jj in 0..4usize {
+                    p.insert(jj, F::exp(s[i].extract(jj) * scale - li[i]));
+                }
+                if masked {
+                    #[unroll]
+                    for jj in 0..4usize {
+                        let j = j0 + kg * 4 + jj;
+                        p.insert(jj, select(j <= r && j < t, p.extract(jj), F::new(0.0)));
+                    }
+                }
+                let mut factor = Vector::<F, N>::new(F::new(1.0));
+                if dropout {
+                    #[unroll]
+                    for jj in 0..4usize {
+                        let j = j0 + kg * 4 + jj;
+                        factor.insert(jj, mask.factor((bh * t + r) * t + j, dropout));
+                    }
+                }
+                s[i] = p * (dp[i] * factor - Vector::<F, N>::new(di[i]));
+            }
+            // Every unit has read the values the weights replace.
+            sync_cube();
+            store_weights::<F, N>(&s, &mut tiles, tile, rg, kg, wc, rv);
+            sync_cube();
+            // dQ += dS K.
+            accumulate_tile::<F, N>(&mut acc, &tiles, tile, 0usize, rg, kg, wc, cw, rv);
+            sync_cube();
+            j0 += bc;
+        }
+        #[unroll]
+        for i in 0..rows {
+            let r = first + rg * rows + i;
+            if r < t {
+                let at = q0 + r * 3 * d + kg * comptime!(cw / 4);
+                #[unroll]
+                for x in 0..comptime!(cw / 4) {
+                    let mut o = Vector::<F, N>::new(F::new(0.0));
+                    #[unroll]
+                    for l in 0..4usize {
+                        o.insert(l, acc[i * cw + x * 4 + l]);
+                    }
+                    dqkv[at + x] = o * Vector::<F, N>::new(scale);
+                }
+            }
+        }
+    }
+
+    /// Backward pass in register tiles, keys or values (`#[comptime] values`): a cube of 64
+    /// units per block of `br` keys of one head (64, or 32 where shared memory is small), over
+    /// tiles of 32 queries from the block's first key on (after
+    /// [`attention_backward_query`], which writes `delta`). The units form 8 key groups of
+    /// `rows = br / 8` keys by 8 query groups. For each tile: `S^T = K Q^T` (and for the keys
+    /// `dP^T = V dO^T`), each unit `rows` keys by 4 queries, from the block's keys (and values)
+    /// and the tile's queries and output gradients, all in shared memory transposed; the
+    /// weights `P^T` (values) or `dS^T = P^T (dP^T - delta)` (keys) into shared memory; then
+    /// `dV += P^T dO` or `dK += dS^T Q`, each unit `rows` keys by `K / 8` columns, reading the
+    /// tile transposed (4 queries of a column at once). The weights take the place of the tile
+    /// the accumulation does not read. Head sizes 32 and 64.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    pub(super) fn attention_backward_key_value_tiled<F: Float, N: Size>(
+        qkv: &Tensor<Vector<F, N>>,
+        seed: &Tensor<F>,
+        grad: &Tensor<Vector<F, N>>,
+        lse: &Tensor<F>,
+        delta: &Tensor<F>,
+        dqkv: &mut Tensor<Vector<F, N>>,
+        scale: f32,
+        threshold: u32,
+        keep_scale: f32,
+        #[comptime] k: usize,
+        #[comptime] heads: usize,
+        #[comptime] dropout: bool,
+        #[comptime] values: bool,
+        #[comptime] br: usize,
+    ) {
+        // Queries per tile; keys per unit and their vectors of 4; vectors of a tile's row of
+        // weights; output columns per unit; one tile's vectors in shared memory (transposed
+        // queries or output gradients, or the weights).
+        let bc = comptime!(32usize);
+        let rows = comptime!(br / 8);
+        let rv = comptime!(br / 32);
+        let wc = comptime!(br / 4);
+        let cw = comptime!(k / 2);
+        let tile = comptime!(if k * 32 > 8 * br { k * 32 } else { 8 * br });
+        let t = qkv.shape(1);
+        let d = heads * k;
+        let bh = CUBE_POS_Y as usize;
+        let h = bh % heads;
+        let b = bh / heads;
+        let first = CUBE_POS_X as usize * br;
+        let q0 = b * t * 3 * d + h * k;
+        let k0 = q0 + d;
+        let v0 = q0 + 2 * d;
+        let o0 = b * t * d + h * k;
+        let u = UNIT_POS_X as usize;
+        // This unit's keys of the block, `rg * rows..(rg + 1) * rows`; its queries of a tile,
+        // `qg * 4..qg * 4 + 4`, and its output columns `qg * cw..(qg + 1) * cw`.
+        let rg = u / 8;
+        let qg = u % 8;
+        let scale = F::cast_from(scale);
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
+        // Tiles: the queries at 0, the output gradients at `tile`; the weights where the
+        // accumulation does not read (the queries' place for the values, the gradients' for
+        // the keys).
+        let w_at = comptime!(if values { 0 } else { tile });
+        let t_at = comptime!(if values { tile } else { 0 });
+
+        let mut block_keys = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * br));
+        let mut block_values =
+            Shared::<[Vector<F, N>]>::new_slice(comptime!(if values { 1 } else { k * br }));
+        let mut tiles = Shared::<[Vector<F, N>]>::new_slice(comptime!(2 * tile));
+        load_transposed::<F, N>(qkv, &mut block_keys, 0, k0, 3 * d, first, t, k, br);
+        if !values {
+            load_transposed::<F, N>(qkv, &mut block_values, 0, v0, 3 * d, first, t, k, br);
+        }
+        let mut acc = Array::<F>::new(comptime!(rows * cw));
+        #[unroll]
+        for x in 0..comptime!(rows * cw) {
+            acc[x] = F::new(0.0);
+        }
+        // Queries before the block's first key see none of its keys.
+        let mut i0 = first;
+        while i0 < t {
+            load_transposed::<F, N>(qkv, &mut tiles, 0, q0, 3 * d, i0, t, k, bc);
+            load_transposed::<F, N>(grad, &mut tiles, tile, o0, d, i0, t, k, bc);
+            // The unit's 4 queries' log-sum-exps and deltas (0 past the sequence).
+            let mut lq = Vector::<F, N>::new(F::new(0.0));
+            let mut dq = Vector::<F, N>::new(F::new(0.0));
+            #[unroll]
+            for jj in 0..4usize {
+                let q = i0 + qg * 4 + jj;
+                if q < t {
+                    lq.insert(jj, lse[bh * t + q]);
+                    if !values {
+                        dq.insert(jj, delta[bh * t + q]);
+                    }
+                }
+            }
+            sync_cube();
+            // s[i]: key rg * rows + i against the unit's 4 queries; for the keys, dp[i] the
+            // same of `dP^T`.
+            let mut s = Array::<Vector<F, N>>::new(rows);
+            let mut dp = Array::<Vector<F, N>>::new(comptime!(if values { 1 } else { rows }));
+            #[unroll]
+            for i in 0..rows {
+                s[i] = Vector::<F, N>::new(F::new(0.0));
+                if !values {
+                    dp[i] = Vector::<F, N>::new(F::new(0.0));
+                }
+            }
+            tile_products::<F, N>(
+                &mut s,
+                &block_keys,
+                0usize,
+                &tiles,
+                0usize,
+                rg,
+                qg,
+                wc,
+                8usize,
+                k,
+                rv,
+            );
+            if !values {
+                let (a, b) = (&block_values, &tiles);
+                tile_products::<F, N>(&mut dp, a, 0usize, b, tile, rg, qg, wc, 8usize, k, rv);
+            }
+            // The weights: P^T (masked: queries before the key or past the sequence, only in
+            // tiles that reach the block's first key or the sequence's end), with dropout's
+            // factors for dV; for dK, dS^T = P^T (dP^T (factors) - delta).
+            let masked = i0 < first + br || i0 + bc > t;
+            #[unroll]
+            for i in 0..rows {
+                let j = first + rg * rows + i;
+                let mut p = Vector::<F, N>::new(F::new(0.0));
+                #[unroll]
+                for jj in 0..4usize {
+                    p.insert(jj, F::exp(s[i].extract(jj) * scale - lq.extract(jj)));
+                }
+                if masked {
+                    #[unroll]
+                    for jj in 0..4usize {
+                        let q = i0 + qg * 4 + jj;
+                        p.insert(jj, select(q >= j && q < t, p.extract(jj), F::new(0.0)));
+                    }
+                }
+                let mut factor = Vector::<F, N>::new(F::new(1.0));
+                if dropout {
+                    #[unroll]
+                    for jj in 0..4usize {
+                        let q = i0 + qg * 4 + jj;
+                        factor.insert(jj, mask.factor((bh * t + q) * t + j, dropout));
+                    }
+                }
+                if values {
+                    s[i] = p * factor;
+                } else {
+                    s[i] = p * (dp[i] * factor - dq);
+                }
+            }
+            // Every unit has read the tile the weights replace.
+            sync_cube();
+            store_weights::<F, N>(&s, &mut tiles, w_at, rg, qg, wc, rv);
+            sync_cube();
+            // dV += P^T dO or dK += dS^T Q.
+            accumulate_tile::<F, N>(&mut acc, &tiles, w_at, t_at, rg, qg, wc, cw, rv);
+            sync_cube();
+            i0 += bc;
+        }
+        #[unroll]
+        for i in 0..rows {
+            let j = first + rg * rows + i;
+            if j < t {
+                let at = q0 + j * 3 * d + qg * comptime!(cw / 4);
+                #[unroll]
+                for x in 0..comptime!(cw / 4) {
+                    let mut o = Vector::<F, N>::new(F::new(0.0));
+                    #[unroll]
+                    for l in 0..4usize {
+                        o.insert(l, acc[i * cw + x * 4 + l]);
+                    }
+                    if values {
+                        dqkv[at + 2 * d + x] = o;
+                    } else {
+                        dqkv[at + d + x] = o * Vector::<F, N>::new(scale);
+                    }
+                }
+            }
         }
     }
 
@@ -1262,6 +2209,141 @@ mod tests {
         }
     }
 
+    /// Keys per rescale of the forward pass when set (0: the default).
+    pub(super) static FORCED_GROUP: std::sync::atomic::AtomicUsize =
+        std::sync::atomic::AtomicUsize::new(0);
+
+    /// The forward pass with one rescale per key (`attention-groups` off), per 2 keys and per
+    /// 8, against the reference: groups cut by a query's last key (the causal edge), by the
+    /// sequence's end and by tiles, with dropout and without. (Other tests running meanwhile
+    /// take the forced group too; every group is correct.)
+    #[test]
+    fn every_group_of_keys_equals_the_reference() {
+        use std::sync::atomic::Ordering;
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        for group in [1, 2, 8] {
+            FORCED_GROUP.store(group, Ordering::Relaxed);
+            for (b, t, heads, k, p) in
+                [(2, 9, 3, 4, 0.0), (1, 45, 2, 16, 0.0), (1, 70, 1, 32, 0.25)]
+            {
+                let d = heads * k;
+                let draw = |dims: [usize; 3]| {
+                    Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
+                };
+                let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+                let seed = 0.25_f32;
+                let factors = dropout_factors(b, heads, t, seed, p);
+                agrees_on(
+                    &device,
+                    &x,
+                    &g,
+                    |qkv| {
+                        let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
+                        seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
+                    },
+                    |qkv| masked_reference(qkv, heads, &factors),
+                    1e-4,
+                    &format!("groups of {group}, dropout {p}, {b}x{t}, {heads} heads of {k}"),
+                );
+            }
+        }
+        FORCED_GROUP.store(0, Ordering::Relaxed);
+    }
+
+    /// Launches of the register-tiled backward pass of the queries with cubes of 32 rows
+    /// (index 0) and 64.
+    pub(super) static TILED_QUERY_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
+        [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+
+    /// Launches of the register-tiled backward pass of keys and values with cubes of 32 keys
+    /// (index 0) and 64.
+    pub(super) static TILED_KEY_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
+        [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+
+    /// Launches of the register-tiled forward pass with cubes of 32 rows (index 0) and 64.
+    pub(super) static TILED_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
+        [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+
+    /// The register-tiled forward pass and backward pass of keys and values (head sizes 32 and
+    /// 64) against the reference, output and gradient: one position, a block's rows minus
+    /// one, exactly one block, one more, several blocks ending inside a tile, several heads
+    /// and sequences, with dropout and without; and it did run.
+    #[test]
+    fn tiled_kernels_equal_the_reference() {
+        use std::sync::atomic::Ordering;
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let counts = || {
+            [&TILED_LAUNCHES, &TILED_QUERY_LAUNCHES, &TILED_KEY_LAUNCHES]
+                .map(|kernel| kernel.each_ref().map(|n| n.load(Ordering::Relaxed)))
+        };
+        let before = counts();
+        for (b, t, heads, k, p) in [
+            (1, 1, 1, 64, 0.0),
+            (2, 63, 2, 32, 0.0),
+            (1, 64, 1, 64, 0.0),
+            (1, 65, 3, 32, 0.25),
+            (2, 150, 2, 64, 0.0),
+            (1, 200, 1, 64, 0.25),
+        ] {
+            let d = heads * k;
+            let draw = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
+            };
+            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+            let seed = 0.75_f32;
+            let factors = dropout_factors(b, heads, t, seed, p);
+            agrees_on(
+                &device,
+                &x,
+                &g,
+                |qkv| {
+                    let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
+                    seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
+                },
+                |qkv| masked_reference(qkv, heads, &factors),
+                1e-4,
+                &format!("tiled, dropout {p}, {b}x{t}, {heads} heads of {k}"),
+            );
+        }
+        // lavapipe's 32 KiB of shared memory hold cubes of 64 rows (keys) for heads of 32 and
+        // of 32 for heads of 64 (32 for both in the values' kernel): both sizes of every
+        // kernel ran.
+        let after = counts();
+        for (kernel, name) in ["forward", "queries' backward", "keys' backward"]
+            .iter()
+            .enumerate()
+        {
+            for (size, rows) in [32, 64].iter().enumerate() {
+                assert!(
+                    after[kernel][size] > before[kernel][size],
+                    "the register-tiled {name} pass never ran with cubes of {rows} rows"
+                );
+            }
+        }
+    }
+
+    /// The reference attention of `qkv` `[B, T, 3D]` with each weight multiplied by its
+    /// factor in `factors` (`[B, H, T, T]`, the dropout mask).
+    fn masked_reference(qkv: Tensor<3>, heads: usize, factors: &[f32]) -> Tensor<3> {
+        let [b, t, d3] = qkv.dims();
+        let (d, on) = (d3 / 3, qkv.device());
+        let k = d / heads;
+        let part = |i: usize| {
+            qkv.clone()
+                .slice([0..b, 0..t, i * d..(i + 1) * d])
+                .reshape([b, t, heads, k])
+                .swap_dims(1, 2)
+        };
+        let (q, kk, v) = (part(0), part(1), part(2));
+        let scale = 1.0 / (k as f64).sqrt();
+        let weights = crate::ops::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
+        let mask = burn::tensor::TensorData::new(factors.to_vec(), [b, heads, t, t]);
+        (weights * Tensor::<4>::from_data(mask, &on))
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, t, d])
+    }
+
     /// Queries over a cache's whole buffer against the reference (scores, mask by position,
     /// softmax): the queries a view with heads swapped in (as the model passes them), every
     /// buffer row filled (rows past `start + T` must be hidden by position alone), first step,
@@ -1375,25 +2457,7 @@ mod tests {
                     let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
                     seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
                 },
-                |qkv| {
-                    let on = qkv.device();
-                    let part = |i: usize| {
-                        qkv.clone()
-                            .slice([0..b, 0..t, i * d..(i + 1) * d])
-                            .reshape([b, t, heads, k])
-                            .swap_dims(1, 2)
-                    };
-                    let (q, kk, v) = (part(0), part(1), part(2));
-                    let scale = 1.0 / (k as f64).sqrt();
-                    let weights =
-                        crate::ops::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
-                    let mask = burn::tensor::TensorData::new(factors.clone(), [b, heads, t, t]);
-                    let mask = Tensor::<4>::from_data(mask, &on);
-                    (weights * mask)
-                        .matmul(v)
-                        .swap_dims(1, 2)
-                        .reshape([b, t, d])
-                },
+                |qkv| masked_reference(qkv, heads, &factors),
                 1e-4,
                 &format!("dropout {p}, {b}x{t}, {heads} heads of {k}"),
             );
