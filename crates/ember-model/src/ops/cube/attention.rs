@@ -1114,6 +1114,47 @@ mod kernels {
         }
     }
 
+    /// Where a cube of the register-tiled kernels reads and writes: the head's index among all
+    /// sequences' heads `bh = b * H + h`, the block's first row, the offsets (in vectors) of
+    /// row 0 of the head's Q, K and V columns in `[B, T, 3D]` and of its columns in `[B, T, D]`,
+    /// and the unit's row group `rg` and column group `g` (8 by 8 units).
+    #[derive(CubeType, Clone, Copy)]
+    struct TiledBlock {
+        bh: usize,
+        first: usize,
+        q0: usize,
+        k0: usize,
+        v0: usize,
+        o0: usize,
+        rg: usize,
+        g: usize,
+    }
+
+    #[cube]
+    fn tiled_block(
+        t: usize,
+        #[comptime] k: usize,
+        #[comptime] heads: usize,
+        #[comptime] br: usize,
+    ) -> TiledBlock {
+        let d = heads * k;
+        let bh = CUBE_POS_Y as usize;
+        let h = bh % heads;
+        let b = bh / heads;
+        let q0 = b * t * 3 * d + h * k;
+        let u = UNIT_POS_X as usize;
+        TiledBlock {
+            bh,
+            first: CUBE_POS_X as usize * br,
+            q0,
+            k0: q0 + d,
+            v0: q0 + 2 * d,
+            o0: b * t * d + h * k,
+            rg: u / 8,
+            g: u % 8,
+        }
+    }
+
     /// Rows `r0..r0 + rows` of one head's `k` vectors of `src` (row 0 at `base`, rows `stride`
     /// apart, zeros for rows past `t`) into `tile` from vector `at` on, transposed: vector
     /// `at + c * rows / 4 + r / 4` holds column `c` of rows `r..r + 4` (`r` a multiple of 4), so that a unit
@@ -1198,18 +1239,19 @@ mod kernels {
         let cv = comptime!(k / 8);
         let t = qkv.shape(1);
         let d = heads * k;
-        let bh = CUBE_POS_Y as usize;
-        let h = bh % heads;
-        let b = bh / heads;
-        let first = CUBE_POS_X as usize * br;
-        let q0 = b * t * 3 * d + h * k;
-        let k0 = q0 + d;
-        let v0 = q0 + 2 * d;
-        let u = UNIT_POS_X as usize;
         // This unit's rows of the block, `rg * rows..(rg + 1) * rows`; its keys of a tile,
         // `kg * 4..kg * 4 + 4`, and output columns, vectors `kg * cv..(kg + 1) * cv`.
-        let rg = u / 8;
-        let kg = u % 8;
+        let TiledBlock {
+            bh,
+            first,
+            q0,
+            k0,
+            v0,
+            o0,
+            rg,
+            g: kg,
+        } = tiled_block(t, k, heads, br);
+        let u = UNIT_POS_X as usize;
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
@@ -1389,7 +1431,7 @@ mod kernels {
                 let row = rg * rows + i;
                 let l = row_sum[row];
                 let inverse = Vector::<F, N>::new(F::new(1.0) / l);
-                let o = b * t * d + h * k + r * d + kg * cv;
+                let o = o0 + r * d + kg * cv;
                 #[unroll]
                 for x in 0..cv {
                     out[o + x] = acc[i * cv + x] * inverse;
@@ -1514,6 +1556,41 @@ mod kernels {
         }
     }
 
+    /// A unit's `rows` rows of a gradient (`acc`, `cw` columns per row) times `factor` into
+    /// its columns `g * cw..(g + 1) * cw` of rows `r0..r0 + rows` (below `t`) of `dqkv`
+    /// `[B, T, 3D]`, row 0 of the head's Q, K or V columns at `at`.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn write_gradient<F: Float, N: Size>(
+        acc: &Array<F>,
+        dqkv: &mut Tensor<Vector<F, N>>,
+        at: usize,
+        r0: usize,
+        t: usize,
+        g: usize,
+        factor: F,
+        d: usize,
+        #[comptime] cw: usize,
+        #[comptime] rows: usize,
+    ) {
+        let factor = Vector::<F, N>::new(factor);
+        #[unroll]
+        for i in 0..rows {
+            let r = r0 + i;
+            if r < t {
+                #[unroll]
+                for x in 0..comptime!(cw / 4) {
+                    let mut o = Vector::<F, N>::new(F::new(0.0));
+                    #[unroll]
+                    for l in 0..4usize {
+                        o.insert(l, acc[i * cw + x * 4 + l]);
+                    }
+                    dqkv[at + r * 3 * d + g * comptime!(cw / 4) + x] = o * factor;
+                }
+            }
+        }
+    }
+
     /// Where weight `(q, key vector col)` of a tile of the tiled backward pass lives among its
     /// `bc` rows of `cols` vectors: the vector column XOR-ed with `q / 4` (the query group of
     /// the unit that writes it), so that the 8 units of a quarter-warp, which write 8 query
@@ -1560,19 +1637,18 @@ mod kernels {
         let tile = comptime!(if k * 32 > 8 * br { k * 32 } else { 8 * br });
         let t = qkv.shape(1);
         let d = heads * k;
-        let bh = CUBE_POS_Y as usize;
-        let h = bh % heads;
-        let b = bh / heads;
-        let first = CUBE_POS_X as usize * br;
-        let q0 = b * t * 3 * d + h * k;
-        let k0 = q0 + d;
-        let v0 = q0 + 2 * d;
-        let o0 = b * t * d + h * k;
-        let u = UNIT_POS_X as usize;
         // This unit's rows of the block, `rg * rows..(rg + 1) * rows`; its keys of a tile,
         // `kg * 4..kg * 4 + 4`, and its output columns `kg * cw..(kg + 1) * cw`.
-        let rg = u / 8;
-        let kg = u % 8;
+        let TiledBlock {
+            bh,
+            first,
+            q0,
+            k0,
+            v0,
+            o0,
+            rg,
+            g: kg,
+        } = tiled_block(t, k, heads, br);
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
 
@@ -1680,22 +1756,8 @@ mod kernels {
             sync_cube();
             j0 += bc;
         }
-        #[unroll]
-        for i in 0..rows {
-            let r = first + rg * rows + i;
-            if r < t {
-                let at = q0 + r * 3 * d + kg * comptime!(cw / 4);
-                #[unroll]
-                for x in 0..comptime!(cw / 4) {
-                    let mut o = Vector::<F, N>::new(F::new(0.0));
-                    #[unroll]
-                    for l in 0..4usize {
-                        o.insert(l, acc[i * cw + x * 4 + l]);
-                    }
-                    dqkv[at + x] = o * Vector::<F, N>::new(scale);
-                }
-            }
-        }
+        let rows_at = first + rg * rows;
+        write_gradient::<F, N>(&acc, dqkv, q0, rows_at, t, kg, scale, d, cw, rows);
     }
 
     /// Backward pass in register tiles, keys or values (`#[comptime] values`): a cube of 64
@@ -1738,19 +1800,18 @@ mod kernels {
         let tile = comptime!(if k * 32 > 8 * br { k * 32 } else { 8 * br });
         let t = qkv.shape(1);
         let d = heads * k;
-        let bh = CUBE_POS_Y as usize;
-        let h = bh % heads;
-        let b = bh / heads;
-        let first = CUBE_POS_X as usize * br;
-        let q0 = b * t * 3 * d + h * k;
-        let k0 = q0 + d;
-        let v0 = q0 + 2 * d;
-        let o0 = b * t * d + h * k;
-        let u = UNIT_POS_X as usize;
         // This unit's keys of the block, `rg * rows..(rg + 1) * rows`; its queries of a tile,
         // `qg * 4..qg * 4 + 4`, and its output columns `qg * cw..(qg + 1) * cw`.
-        let rg = u / 8;
-        let qg = u % 8;
+        let TiledBlock {
+            bh,
+            first,
+            q0,
+            k0,
+            v0,
+            o0,
+            rg,
+            g: qg,
+        } = tiled_block(t, k, heads, br);
         let scale = F::cast_from(scale);
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
         // Tiles: the queries at 0, the output gradients at `tile`; the weights where the
@@ -1861,25 +1922,12 @@ mod kernels {
             sync_cube();
             i0 += bc;
         }
-        #[unroll]
-        for i in 0..rows {
-            let j = first + rg * rows + i;
-            if j < t {
-                let at = q0 + j * 3 * d + qg * comptime!(cw / 4);
-                #[unroll]
-                for x in 0..comptime!(cw / 4) {
-                    let mut o = Vector::<F, N>::new(F::new(0.0));
-                    #[unroll]
-                    for l in 0..4usize {
-                        o.insert(l, acc[i * cw + x * 4 + l]);
-                    }
-                    if values {
-                        dqkv[at + 2 * d + x] = o;
-                    } else {
-                        dqkv[at + d + x] = o * Vector::<F, N>::new(scale);
-                    }
-                }
-            }
+        let rows_at = first + rg * rows;
+        if values {
+            let one = F::new(1.0);
+            write_gradient::<F, N>(&acc, dqkv, v0, rows_at, t, qg, one, d, cw, rows);
+        } else {
+            write_gradient::<F, N>(&acc, dqkv, k0, rows_at, t, qg, scale, d, cw, rows);
         }
     }
 
