@@ -281,7 +281,7 @@ kernels() {
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
         --section WarpStateStats --section InstructionStats)
     # The lines that say what limits a kernel, with its name.
-    summary='/^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Max Bandwidth|L1\/TEX Hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Avg. Active Threads|Shared Memory Configuration|Dynamic Shared|Static Shared|stall|Stall|bank/'
+    summary='^  [a-zA-Z_][a-zA-Z0-9_]* \(|^  void |Duration|Compute \(SM\) Throughput|Memory Throughput|Max Bandwidth|L1/TEX Hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Dynamic Shared|Static Shared|stall|Stall|bank'
     rm -rf "$RUNS/kernels"
     echo "\$ $ncu --kernel-name regex:${KERNELS:-attention} ... $EMBER train (3 steps)"
     "$ncu" "${sections[@]}" --kernel-name "regex:${KERNELS:-attention}" \
