@@ -695,8 +695,8 @@ impl Dims {
     fn tiled_rows(&self, like: &CubeTensor) -> Option<usize> {
         let fits = |rows: usize| {
             // The block's queries and a tile's keys and values (vectors of 4), the weights
-            // (vectors, padded), the rows' partial maxima (8 per row), maxima and sums.
-            let vectors = (self.k() / 4) * (rows + 2 * TILED_KEYS) + TILED_KEYS * (rows / 4 + 1);
+            // (vectors), the rows' partial maxima (8 per row), maxima and sums.
+            let vectors = (self.k() / 4) * (rows + 2 * TILED_KEYS) + TILED_KEYS * rows / 4;
             let bytes = (4 * vectors + rows * 10) * size_of::<f32>();
             bytes <= like.client.properties().hardware.max_shared_memory_size
         };
@@ -1228,14 +1228,12 @@ mod kernels {
         #[comptime] dropout: bool,
         #[comptime] br: usize,
     ) {
-        // Keys per tile; rows per unit and their vectors of 4; the stride of a key's row of
-        // weights in vectors (one more than the block's: the 8 units of a quarter-warp write
-        // the weights of 8 different keys to 4 banks apart, not all to one); output vectors
-        // per unit along a row.
+        // Keys per tile; rows per unit and their vectors of 4; vectors of a key's row of
+        // weights ([`swizzled`]); output vectors per unit along a row.
         let bc = comptime!(32usize);
         let rows = comptime!(br / 8);
         let rv = comptime!(br / 32);
-        let pv = comptime!(br / 4 + 1);
+        let wc = comptime!(br / 4);
         let cv = comptime!(k / 8);
         let t = qkv.shape(1);
         let d = heads * k;
@@ -1258,7 +1256,7 @@ mod kernels {
         let mut queries = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * br));
         let mut keys = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * bc));
         let mut values = Shared::<[Vector<F, N>]>::new_slice(comptime!(k * bc));
-        let mut weights = Shared::<[Vector<F, N>]>::new_slice(comptime!(bc * pv));
+        let mut weights = Shared::<[Vector<F, N>]>::new_slice(comptime!(bc * wc));
         let mut partial = Shared::<[F]>::new_slice(comptime!(br * 8));
         let mut row_max = Shared::<[F]>::new_slice(br);
         let mut row_sum = Shared::<[F]>::new_slice(br);
@@ -1357,18 +1355,7 @@ mod kernels {
                 }
                 s[i] = p;
             }
-            #[unroll]
-            for jj in 0..4usize {
-                #[unroll]
-                for a in 0..rv {
-                    let mut w = Vector::<F, N>::new(F::new(0.0));
-                    #[unroll]
-                    for i in 0..4usize {
-                        w.insert(i, s[a * 4 + i].extract(jj));
-                    }
-                    weights[(kg * 4 + jj) * pv + rg * rv + a] = w;
-                }
-            }
+            store_weights::<F, N>(&s, &mut weights, 0usize, rg, kg, wc, rv);
             sync_cube();
             #[unroll]
             for i in 0..rows {
@@ -1409,7 +1396,7 @@ mod kernels {
                     }
                     #[unroll]
                     for a in 0..rv {
-                        let w = weights[j * pv + rg * rv + a];
+                        let w = weights[swizzled(j, rg * rv + a, wc)];
                         #[unroll]
                         for i in 0..4 {
                             let p = Vector::<F, N>::new(w.extract(i));
@@ -1591,13 +1578,13 @@ mod kernels {
         }
     }
 
-    /// Where weight `(q, key vector col)` of a tile of the tiled backward pass lives among its
-    /// `bc` rows of `cols` vectors: the vector column XOR-ed with `q / 4` (the query group of
-    /// the unit that writes it), so that the 8 units of a quarter-warp, which write 8 query
-    /// groups' weights of one key vector, reach 8 different banks.
+    /// Where vector `col` of row `j` of a tile's weights lives (rows of `cols` vectors; row `j`
+    /// is one of the tile's 32 rows, each vector 4 of the block's rows): `col` XOR-ed with
+    /// `j / 4`, the column group of the unit that writes it, so that the 8 units of a
+    /// quarter-warp, which write one vector column of 8 groups' rows, reach 8 different banks.
     #[cube]
-    fn swizzled(q: usize, col: usize, #[comptime] cols: usize) -> usize {
-        q * cols + (col ^ ((q / 4) % 8))
+    fn swizzled(j: usize, col: usize, #[comptime] cols: usize) -> usize {
+        j * cols + (col ^ ((j / 4) % 8))
     }
 
     /// Backward pass in register tiles, queries: a cube of 64 units per block of `br` query
