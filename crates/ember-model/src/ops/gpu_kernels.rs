@@ -58,9 +58,9 @@ pub enum GpuKernel {
     /// rows) by NVIDIA's cuBLAS on CUDA where it can be loaded, instead of cubek's
     /// ([`crate::ops::matmul`]).
     Cublas,
-    /// The training attention's forward pass in register tiles (each unit 8 query rows by 4
-    /// keys of the scores, 8 rows by `K / 8` columns of the output) for head sizes 32 and 64;
-    /// off, or for other sizes, one query row per unit (as its backward pass).
+    /// Not a kernel of its own: the training attention's forward and backward passes in
+    /// register tiles (each unit 8 rows by 4 columns of the scores, 8 rows by `K / 8` columns
+    /// of its output) for head sizes 32 and 64; off, or for other sizes, one row per unit.
     AttentionTiles,
 }
 

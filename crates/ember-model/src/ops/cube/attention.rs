@@ -264,7 +264,7 @@ impl AttentionKernels for CubeBackend {
         let dims = Dims::of(&qkv, heads);
         let out = super::empty(&qkv, [dims.b, dims.t, dims.d]);
         let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
-        if let Some(rows) = dims.tiled_rows(&qkv) {
+        if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Forward) {
             #[cfg(all(test, feature = "wgpu"))]
             tests::TILED_LAUNCHES[rows / 64].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             kernels::attention_forward_tiled::launch::<f32>(
@@ -329,7 +329,7 @@ impl AttentionKernels for CubeBackend {
         let (count, dim) = dims.launch_size();
         let tile = dims.tile(&qkv);
         let w = dims.lanes(&qkv);
-        if let Some(rows) = dims.tiled_query_rows(&qkv) {
+        if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Queries) {
             #[cfg(all(test, feature = "wgpu"))]
             tests::TILED_QUERY_LAUNCHES[rows / 64]
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -381,7 +381,8 @@ impl AttentionKernels for CubeBackend {
         // 18 ms a launch against 1.3 ms for the queries' kernel, before the kernels were
         // tiled; docs/benchmarks.md).
         for values in [false, true] {
-            if let Some(rows) = dims.tiled_key_rows(&qkv, values) {
+            let kernel = if values { Tiled::Values } else { Tiled::Keys };
+            if let Some(rows) = dims.tiled_rows(&qkv, kernel) {
                 #[cfg(all(test, feature = "wgpu"))]
                 tests::TILED_KEY_LAUNCHES[rows / 64]
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -689,56 +690,16 @@ impl Dims {
         if four { 4 } else { 1 }
     }
 
-    /// The query rows per cube of the register-tiled forward pass
-    /// ([`kernels::attention_forward_tiled`]), 64 or else 32, whichever shared memory holds;
-    /// `None` where it does not run: [`Dims::tiles_apply`] false.
-    fn tiled_rows(&self, like: &CubeTensor) -> Option<usize> {
-        let fits = |rows: usize| {
-            // The block's queries and a tile's keys and values (vectors of 4), the weights
-            // (vectors), the rows' partial maxima (8 per row), maxima and sums.
-            let vectors = (self.k() / 4) * (rows + 2 * TILED_KEYS) + TILED_KEYS * rows / 4;
-            let bytes = (4 * vectors + rows * 10) * size_of::<f32>();
-            bytes <= like.client.properties().hardware.max_shared_memory_size
-        };
+    /// The rows per cube (64, or else 32, whichever shared memory holds) of the register-tiled
+    /// `kernel`; `None` where it does not run: [`Dims::tiles_apply`] false.
+    fn tiled_rows(&self, like: &CubeTensor, kernel: Tiled) -> Option<usize> {
+        let max = like.client.properties().hardware.max_shared_memory_size;
         self.tiles_apply(like)
-            .then(|| [64, 32].into_iter().find(|&rows| fits(rows)))
-            .flatten()
-    }
-
-    /// The keys per cube of the register-tiled backward pass of the keys or the `values`
-    /// ([`kernels::attention_backward_key_value_tiled`]), 64 or else 32, whichever shared memory
-    /// holds; `None` where it does not run (as [`Dims::tiled_rows`]).
-    fn tiled_key_rows(&self, like: &CubeTensor, values: bool) -> Option<usize> {
-        let row = self.k() / 4;
-        let fits = |rows: usize| {
-            // The block's keys and values (for the values' gradient, one vector in place of
-            // the values), and two tiles: the queries and the output gradients, one of them
-            // replaced by the weights.
-            let block = row * rows + if values { 1 } else { row * rows };
-            let tile = (row * TILED_KEYS).max(TILED_KEYS * rows / 4);
-            let bytes = 4 * (block + 2 * tile) * size_of::<f32>();
-            bytes <= like.client.properties().hardware.max_shared_memory_size
-        };
-        self.tiles_apply(like)
-            .then(|| [64, 32].into_iter().find(|&rows| fits(rows)))
-            .flatten()
-    }
-
-    /// The query rows per cube of the register-tiled backward pass of the queries
-    /// ([`kernels::attention_backward_query_tiled`]), 64 or else 32, whichever shared memory
-    /// holds; `None` where it does not run (as [`Dims::tiled_rows`]).
-    fn tiled_query_rows(&self, like: &CubeTensor) -> Option<usize> {
-        let row = self.k() / 4;
-        let fits = |rows: usize| {
-            // The block's queries and output gradients, and two tiles: the keys and the
-            // values, the values replaced by the weights.
-            let block = 2 * row * rows;
-            let tile = (row * TILED_KEYS).max(TILED_KEYS * rows / 4);
-            let bytes = 4 * (block + 2 * tile) * size_of::<f32>();
-            bytes <= like.client.properties().hardware.max_shared_memory_size
-        };
-        self.tiles_apply(like)
-            .then(|| [64, 32].into_iter().find(|&rows| fits(rows)))
+            .then(|| {
+                [64, 32]
+                    .into_iter()
+                    .find(|&rows| kernel.shared_bytes(self.k() / 4, rows) <= max)
+            })
             .flatten()
     }
 
@@ -782,16 +743,54 @@ const ROWS: usize = 64;
 /// The most rows of a shared-memory tile.
 const MAX_TILE: usize = 32;
 
-/// Units per cube of the register-tiled forward pass: 8 row groups by 8 key (or output
-/// column) groups.
+/// Units per cube of the register-tiled kernels: 8 row groups by 8 column groups.
 const TILED_UNITS: usize = 64;
 
-/// Keys per tile of the register-tiled forward pass: 8 key groups of 4 (the kernel's `bc`).
+/// Rows per tile that the register-tiled kernels stream (keys, or queries for the keys' and
+/// values' gradients): 8 column groups of 4 (the kernels' `bc`).
 const TILED_KEYS: usize = 32;
+
+/// The register-tiled kernels, for the shared memory each needs.
+#[derive(Clone, Copy)]
+enum Tiled {
+    Forward,
+    Queries,
+    Keys,
+    Values,
+}
+
+impl Tiled {
+    /// Bytes of shared memory of a cube of `rows` rows for a head of `row` vectors of 4: what
+    /// the kernel declares.
+    fn shared_bytes(self, row: usize, rows: usize) -> usize {
+        let vector = 4 * size_of::<f32>();
+        let tile = tile_vectors(row, rows);
+        match self {
+            // The block's queries, a tile's keys and values, the weights; the rows' 8 partial
+            // maxima, maximum and sum.
+            Tiled::Forward => {
+                (row * (rows + 2 * TILED_KEYS) + TILED_KEYS * rows / 4) * vector
+                    + rows * 10 * size_of::<f32>()
+            }
+            // The block's queries and output gradients (keys and values), two tiles.
+            Tiled::Queries | Tiled::Keys => (2 * row * rows + 2 * tile) * vector,
+            // The block's keys and one vector in place of its values, two tiles.
+            Tiled::Values => (row * rows + 1 + 2 * tile) * vector,
+        }
+    }
+}
+
+/// Vectors of one of the backward kernels' two tiles: transposed tile rows (`row` vectors of
+/// the head each) or the weights that replace them (`rows / 4` vectors each), whichever is
+/// larger.
+const fn tile_vectors(row: usize, rows: usize) -> usize {
+    let (operand, weights) = (row * TILED_KEYS, TILED_KEYS * rows / 4);
+    if operand > weights { operand } else { weights }
+}
 
 /// Keys the forward pass scores before it rescales its running output once for all of them
 /// (FlashAttention-2's per-block rescale): a power of two, so that it divides every tile of
-/// more rows. With one rescale per key, 64 of a key's 256 instructions in the loop were the
+/// more rows. With one rescale per key, 64 of a key's 266 instructions in the loop were the
 /// rescale's multiplications, beside 128 fused multiply-adds (head size 64, the kernel
 /// compiled for an H100, sm_90, read offline); 8 keys cost 8 more registers for their scores.
 const GROUP: usize = 8;
@@ -1621,7 +1620,7 @@ mod kernels {
         let rv = comptime!(br / 32);
         let wc = comptime!(br / 4);
         let cw = comptime!(k / 2);
-        let tile = comptime!(if k * 32 > 8 * br { k * 32 } else { 8 * br });
+        let tile = comptime!(crate::ops::cube::attention::tile_vectors(k, br));
         let t = qkv.shape(1);
         let d = heads * k;
         // This unit's rows of the block, `rg * rows..(rg + 1) * rows`; its keys of a tile,
@@ -1784,7 +1783,7 @@ mod kernels {
         let rv = comptime!(br / 32);
         let wc = comptime!(br / 4);
         let cw = comptime!(k / 2);
-        let tile = comptime!(if k * 32 > 8 * br { k * 32 } else { 8 * br });
+        let tile = comptime!(crate::ops::cube::attention::tile_vectors(k, br));
         let t = qkv.shape(1);
         let d = heads * k;
         // This unit's keys of the block, `rg * rows..(rg + 1) * rows`; its queries of a tile,
