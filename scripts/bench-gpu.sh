@@ -268,7 +268,8 @@ profile() {
 # share of their peaks, the busiest memory pipe (shared memory included), issue slots, the
 # occupancy and registers, and the warps' stall reasons, from ncu's sections. KERNELS is the
 # kernel-name regex (default `attention`: ember's training kernels); the full reports go to
-# RUNS/kernels-*.txt. Only for DEVICE=cuda.
+# RUNS/kernels-*.txt. TORCH_KERNELS the PyTorch precisions profiled (default `bf16 tf32`; empty:
+# ember's kernels alone). Only for DEVICE=cuda.
 kernels() {
     local ncu sections summary
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /usr/local/cuda-*/bin/ncu \
@@ -289,7 +290,7 @@ kernels() {
         "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/kernels" \
         --stop-after 3 >"$RUNS/kernels-ember.txt" 2>&1 || echo "FAILED: ncu of ember"
     grep -E "$summary" "$RUNS/kernels-ember.txt" | cut -c1-150 | head -400
-    for p in bf16 tf32; do
+    for p in ${TORCH_KERNELS-bf16 tf32}; do
         echo "\$ $ncu --kernel-name regex:flash|fmha|attn ... torch_reference.py train ($p)"
         "$ncu" "${sections[@]}" --kernel-name "regex:flash|fmha|attn|Attention" \
             --launch-skip 24 --launch-count 12 \
