@@ -161,6 +161,9 @@ fn start(name: &str, index: usize) -> Result<Device> {
     cache_compiled_kernels();
     probe(name, move || make(index)).map_err(|e| match (name, e) {
         ("cuda", TrainError::Device(message)) => TrainError::Device(cuda::explain(message)),
+        ("vulkan" | "wgpu", TrainError::Device(message)) => {
+            TrainError::Device(vulkan::explain(name, message, vulkan::loader_found()))
+        }
         (_, e) => e,
     })
 }
@@ -287,6 +290,60 @@ mod cuda {
     }
 }
 
+/// What the Vulkan devices need on the machine they run on: wgpu starts its adapter on another
+/// thread and, where there is none, Burn reports only that the thread's channel closed
+/// (`RecvError`).
+mod vulkan {
+    use std::path::PathBuf;
+
+    /// The Vulkan loader's library file, which wgpu opens by this name.
+    const LOADER: &str = "libvulkan.so.1";
+
+    /// Whether the dynamic linker can find the Vulkan loader: in `LD_LIBRARY_PATH`, the usual
+    /// library folders, or the linker's cache (`/etc/ld.so.cache`, which names every library
+    /// `ldconfig` found).
+    pub fn loader_found() -> bool {
+        let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+            .map(|v| std::env::split_paths(&v).collect())
+            .unwrap_or_default();
+        dirs.extend(
+            [
+                "/usr/lib/x86_64-linux-gnu",
+                "/usr/lib/aarch64-linux-gnu",
+                "/usr/lib64",
+                "/usr/lib",
+                "/usr/local/lib",
+            ]
+            .map(PathBuf::from),
+        );
+        dirs.iter().any(|d| d.join(LOADER).exists())
+            || std::fs::read("/etc/ld.so.cache")
+                .is_ok_and(|cache| cache.windows(LOADER.len()).any(|w| w == LOADER.as_bytes()))
+    }
+
+    /// Replaces a start-up failure that names only a closed channel with what is missing: the
+    /// loader, or a driver it can start (seen on an NVIDIA machine: the driver's Vulkan
+    /// library, `libGLX_nvidia.so.0`, needs libglvnd's `libGLX` and `libGLdispatch`, and its
+    /// manifest was outside the loader's folders). Other failures keep their own message.
+    pub fn explain(name: &str, message: String, loader_found: bool) -> String {
+        if !message.contains("RecvError") {
+            message
+        } else if !loader_found {
+            format!(
+                "device `{name}` is in this build but this machine has no Vulkan loader \
+                 ({LOADER}; Debian and Ubuntu: the package libvulkan1); available here: flex"
+            )
+        } else {
+            format!(
+                "device `{name}` is in this build but the Vulkan loader started no GPU driver \
+                 (VK_LOADER_DEBUG=error prints its reasons; NVIDIA's driver also needs libglvnd, \
+                 Debian's libglx0 and libglvnd0, and VK_DRIVER_FILES set to its nvidia_icd.json \
+                 where that is outside /usr/share/vulkan/icd.d); available here: flex"
+            )
+        }
+    }
+}
+
 /// Creates a device and runs one small computation on it. Backends panic when there is no
 /// adapter or driver; that panic is caught (and kept off stderr) and becomes an error.
 #[allow(dead_code)]
@@ -367,5 +424,31 @@ mod tests {
             let err = check_name("cuda:1").unwrap_err().to_string();
             assert!(err.contains("scripts/setup-cuda.sh --build"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_vulkan_device_that_does_not_start_says_what_is_missing() {
+        // Burn's message when wgpu found no adapter, as `probe` words it.
+        let closed = "device `vulkan` is in this build but did not start on this machine \
+                      (called `Result::unwrap()` on an `Err` value: RecvError); available here: flex";
+        let no_loader = vulkan::explain("vulkan", closed.into(), false);
+        assert!(
+            no_loader.contains("no Vulkan loader (libvulkan.so.1")
+                && no_loader.contains("libvulkan1")
+                && !no_loader.contains("RecvError"),
+            "{no_loader}"
+        );
+        let no_driver = vulkan::explain("wgpu", closed.into(), true);
+        assert!(
+            no_driver.starts_with("device `wgpu`")
+                && no_driver.contains("started no GPU driver")
+                && no_driver.contains("VK_LOADER_DEBUG=error")
+                && no_driver.contains("libglvnd")
+                && !no_driver.contains("RecvError"),
+            "{no_driver}"
+        );
+        // Another failure keeps its own words.
+        let other = "device `vulkan` started but computed 1 + 2 wrongly".to_string();
+        assert_eq!(vulkan::explain("vulkan", other.clone(), true), other);
     }
 }
