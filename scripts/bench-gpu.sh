@@ -165,6 +165,19 @@ check() {
             echo "FAILED: generate on $DEVICE with EMBER_GPU_KERNELS=$graph"
         tail -1 "$RUNS/drawn$graph.log"
     done
+    # Compiled kernels are kept between runs (cubecl's store, `compilation.cache`): the second
+    # of two identical runs compiles none (cubecl logs each compilation where CUBECL_DEBUG_LOG
+    # names a file).
+    local run compiled=()
+    for run in 1 2; do
+        rm -f "$RUNS/compiled-$run.log"
+        CUBECL_DEBUG_LOG="$RUNS/compiled-$run.log" "$EMBER_GEN" generate --checkpoint \
+            "$RUNS/tiny-flex" --device "$DEVICE" --prompt ROMEO: --max-tokens 20 --seed 4 \
+            >/dev/null 2>&1 || echo "FAILED: generate on $DEVICE with CUBECL_DEBUG_LOG"
+        compiled+=("$(grep -c START_KERNEL_COMPILATION "$RUNS/compiled-$run.log" 2>/dev/null)")
+    done
+    echo "kernels compiled by two identical runs on $DEVICE: ${compiled[0]:-?}, then ${compiled[1]:-?}" \
+        "(0 the second time: compiled kernels are kept between runs)"
     if cmp -s "$RUNS/drawnon.txt" "$RUNS/drawn-step-graph.txt"; then
         echo "temperature draws on $DEVICE: identical replayed and step by step (300 tokens)"
     else
