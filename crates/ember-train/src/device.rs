@@ -162,7 +162,7 @@ fn start(name: &str, index: usize) -> Result<Device> {
     probe(name, move || make(index)).map_err(|e| match (name, e) {
         ("cuda", TrainError::Device(message)) => TrainError::Device(cuda::explain(message)),
         ("vulkan" | "wgpu", TrainError::Device(message)) => {
-            TrainError::Device(vulkan::explain(name, message, vulkan::loader_found()))
+            TrainError::Device(vulkan::explain(name, message, vulkan::loader_found))
         }
         (_, e) => e,
     })
@@ -262,21 +262,12 @@ mod cuda {
 
     /// Folders where the NVIDIA driver's `libcuda.so.1` usually is.
     fn driver_found() -> bool {
-        let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
-            .map(|v| std::env::split_paths(&v).collect())
-            .unwrap_or_default();
-        for dir in [
-            "/usr/lib/x86_64-linux-gnu",
-            "/usr/lib/aarch64-linux-gnu",
-            "/usr/lib64",
-            "/usr/lib",
+        let extra = [
             "/usr/local/nvidia/lib64",
             "/usr/local/nvidia/lib",
             "/usr/lib/wsl/lib",
-        ] {
-            dirs.push(PathBuf::from(dir));
-        }
-        dirs.iter().any(|d| d.join("libcuda.so.1").exists())
+        ];
+        super::library_found("libcuda.so.1", &extra)
             || Path::new("/proc/driver/nvidia/version").exists()
     }
 
@@ -293,12 +284,26 @@ mod cuda {
     }
 }
 
+/// Whether the dynamic linker's usual places hold the library `file`: the folders of
+/// `LD_LIBRARY_PATH`, the system's library folders and `extra`.
+fn library_found(file: &str, extra: &[&str]) -> bool {
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    let system = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ];
+    dirs.extend(system.iter().chain(extra).map(std::path::PathBuf::from));
+    dirs.iter().any(|d| d.join(file).exists())
+}
+
 /// What the Vulkan devices need on the machine they run on: wgpu starts its adapter on another
 /// thread and, where there is none, Burn reports only that the thread's channel closed
 /// (`RecvError`).
 mod vulkan {
-    use std::path::PathBuf;
-
     /// The Vulkan loader's library file, which wgpu opens by this name.
     const LOADER: &str = "libvulkan.so.1";
 
@@ -306,20 +311,7 @@ mod vulkan {
     /// library folders, or the linker's cache (`/etc/ld.so.cache`, which names every library
     /// `ldconfig` found).
     pub fn loader_found() -> bool {
-        let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
-            .map(|v| std::env::split_paths(&v).collect())
-            .unwrap_or_default();
-        dirs.extend(
-            [
-                "/usr/lib/x86_64-linux-gnu",
-                "/usr/lib/aarch64-linux-gnu",
-                "/usr/lib64",
-                "/usr/lib",
-                "/usr/local/lib",
-            ]
-            .map(PathBuf::from),
-        );
-        dirs.iter().any(|d| d.join(LOADER).exists())
+        super::library_found(LOADER, &["/usr/local/lib"])
             || std::fs::read("/etc/ld.so.cache")
                 .is_ok_and(|cache| cache.windows(LOADER.len()).any(|w| w == LOADER.as_bytes()))
     }
@@ -328,10 +320,10 @@ mod vulkan {
     /// loader, or a driver it can start (seen on an NVIDIA machine: the driver's Vulkan
     /// library, `libGLX_nvidia.so.0`, needs libglvnd's `libGLX` and `libGLdispatch`, and its
     /// manifest was outside the loader's folders). Other failures keep their own message.
-    pub fn explain(name: &str, message: String, loader_found: bool) -> String {
+    pub fn explain(name: &str, message: String, loader_found: impl FnOnce() -> bool) -> String {
         if !message.contains("RecvError") {
             message
-        } else if !loader_found {
+        } else if !loader_found() {
             format!(
                 "device `{name}` is in this build but this machine has no Vulkan loader \
                  ({LOADER}; Debian and Ubuntu: the package libvulkan1); available here: flex"
@@ -434,14 +426,14 @@ mod tests {
         // Burn's message when wgpu found no adapter, as `probe` words it.
         let closed = "device `vulkan` is in this build but did not start on this machine \
                       (called `Result::unwrap()` on an `Err` value: RecvError); available here: flex";
-        let no_loader = vulkan::explain("vulkan", closed.into(), false);
+        let no_loader = vulkan::explain("vulkan", closed.into(), || false);
         assert!(
             no_loader.contains("no Vulkan loader (libvulkan.so.1")
                 && no_loader.contains("libvulkan1")
                 && !no_loader.contains("RecvError"),
             "{no_loader}"
         );
-        let no_driver = vulkan::explain("wgpu", closed.into(), true);
+        let no_driver = vulkan::explain("wgpu", closed.into(), || true);
         assert!(
             no_driver.starts_with("device `wgpu`")
                 && no_driver.contains("started no GPU driver")
@@ -452,6 +444,6 @@ mod tests {
         );
         // Another failure keeps its own words.
         let other = "device `vulkan` started but computed 1 + 2 wrongly".to_string();
-        assert_eq!(vulkan::explain("vulkan", other.clone(), true), other);
+        assert_eq!(vulkan::explain("vulkan", other.clone(), || true), other);
     }
 }
