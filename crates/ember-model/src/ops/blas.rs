@@ -106,6 +106,72 @@ impl Gemm {
     }
 }
 
+/// Where each matrix of a batch lies in its buffer: matrix `i` from element `offset + i * stride`,
+/// laid out as `layout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    pub offset: usize,
+    pub stride: usize,
+    pub layout: Layout,
+}
+
+/// A strided batched call (`gemmStridedBatched`): for each `i < batch`, the row-major product
+/// `c_i = a_i @ b_i` (`[M, K] @ [K, N]`), `c_i` row-major with its own row stride, written in
+/// place into `c`'s buffer. As in [`Gemm::row_major`], BLAS's first operand is `b` and its second
+/// `a`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batched {
+    pub gemm: Gemm,
+    pub a: Strided,
+    pub b: Strided,
+    pub c: Strided,
+    pub batch: usize,
+}
+
+impl Batched {
+    /// The call for `[m, k, n]` products of `a`'s and `b`'s matrices into `c`'s, or `None`
+    /// where `c` is not row-major (BLAS writes its output column-major: a row-major one only).
+    pub fn new(
+        [m, k, n]: [usize; 3],
+        a: Strided,
+        b: Strided,
+        c: Strided,
+        batch: usize,
+    ) -> Option<Self> {
+        let Layout::RowMajor { ld: ldc } = c.layout else {
+            return None;
+        };
+        let gemm = Gemm {
+            ldc,
+            ..Gemm::row_major(m, k, n, a.layout, b.layout)
+        };
+        Some(Batched {
+            gemm,
+            a,
+            b,
+            c,
+            batch,
+        })
+    }
+
+    /// What BLAS computes for this call with `alpha` (and `beta = 0`), on the host: every
+    /// matrix of the batch written into `c`, nothing else of it touched.
+    pub fn reference(&self, a: &[f32], b: &[f32], c: &mut [f32], alpha: f32) {
+        let g = &self.gemm;
+        for i in 0..self.batch {
+            let first = &b[self.b.offset + i * self.b.stride..];
+            let second = &a[self.a.offset + i * self.a.stride..];
+            let out = &mut c[self.c.offset + i * self.c.stride..];
+            g.reference(first, second, out);
+            for col in 0..g.n {
+                for row in 0..g.m {
+                    out[row + col * g.ldc] *= alpha;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{Gemm, Layout};

@@ -62,11 +62,15 @@ pub enum GpuKernel {
     /// register tiles (each unit 8 rows by 4 columns of the scores, 8 rows by `K / 8` columns
     /// of its output) for head sizes 32 and 64; off, or for other sizes, one row per unit.
     AttentionTiles,
+    /// Not a kernel of its own: on CUDA with cuBLAS, the training attention's forward and
+    /// backward passes as cuBLAS's batched products over one head's stored scores, with two
+    /// small kernels between them (`ops/cube/attention_products`); off, the fused kernels.
+    AttentionProducts,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 16] = [
+    pub const ALL: [GpuKernel; 17] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -83,6 +87,7 @@ impl GpuKernel {
         GpuKernel::SplitK,
         GpuKernel::Cublas,
         GpuKernel::AttentionTiles,
+        GpuKernel::AttentionProducts,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -104,6 +109,7 @@ impl GpuKernel {
             GpuKernel::SplitK => "split-k",
             GpuKernel::Cublas => "cublas",
             GpuKernel::AttentionTiles => "attention-tiles",
+            GpuKernel::AttentionProducts => "attention-products",
         }
     }
 }
@@ -256,7 +262,8 @@ mod tests {
                 "step-graph",
                 "split-k",
                 "cublas",
-                "attention-tiles"
+                "attention-tiles",
+                "attention-products"
             ]
         );
         assert_eq!(

@@ -261,55 +261,10 @@ impl AttentionKernels for CubeBackend {
         dropout: f32,
     ) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
-        let dims = Dims::of(&qkv, heads);
-        let out = super::empty(&qkv, [dims.b, dims.t, dims.d]);
-        let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
-        if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Forward) {
-            #[cfg(all(test, feature = "wgpu"))]
-            tests::TILED_LAUNCHES[rows / 64].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            kernels::attention_forward_tiled::launch::<f32>(
-                &qkv.client.clone(),
-                CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
-                CubeDim::new_1d(TILED_UNITS as u32),
-                4,
-                qkv.into_tensor_arg(),
-                seed.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                dims.scale(),
-                super::hashed_mask::threshold(dropout),
-                1.0 / (1.0 - dropout),
-                dims.k() / 4,
-                heads,
-                dropout > 0.0,
-                rows,
-            );
-            return (out, lse);
+        if by_products(&qkv) {
+            return super::attention_products::forward(&qkv, &seed, heads, dropout);
         }
-        let (count, dim) = dims.launch_size();
-        let tile = dims.tile(&qkv);
-        let group = keys_per_rescale(tile);
-        let w = dims.lanes(&qkv);
-        kernels::attention_forward::launch::<f32>(
-            &qkv.client.clone(),
-            count,
-            dim,
-            w,
-            qkv.into_tensor_arg(),
-            seed.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            dims.scale(),
-            super::hashed_mask::threshold(dropout),
-            1.0 / (1.0 - dropout),
-            dims.k() / w,
-            w,
-            heads,
-            dropout > 0.0,
-            tile,
-            group,
-        );
-        (out, lse)
+        fused_forward(qkv, seed, heads, dropout)
     }
 
     fn causal_self_attention_backward(
@@ -321,116 +276,11 @@ impl AttentionKernels for CubeBackend {
         heads: usize,
         dropout: f32,
     ) -> CubeTensor {
-        let [qkv, out, lse, grad] = [qkv, out, lse, grad].map(into_contiguous);
-        let dims = Dims::of(&qkv, heads);
-        let dqkv = super::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
-        let delta = super::empty(&qkv, [dims.b, heads, dims.t]);
-        let client = qkv.client.clone();
-        let (count, dim) = dims.launch_size();
-        let tile = dims.tile(&qkv);
-        let w = dims.lanes(&qkv);
-        if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Queries) {
-            #[cfg(all(test, feature = "wgpu"))]
-            tests::TILED_QUERY_LAUNCHES[rows / 64]
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            kernels::attention_backward_query_tiled::launch::<f32>(
-                &client,
-                CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
-                CubeDim::new_1d(TILED_UNITS as u32),
-                4,
-                qkv.clone().into_tensor_arg(),
-                seed.clone().into_tensor_arg(),
-                out.into_tensor_arg(),
-                grad.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
-                dqkv.clone().into_tensor_arg(),
-                dims.scale(),
-                super::hashed_mask::threshold(dropout),
-                1.0 / (1.0 - dropout),
-                dims.k() / 4,
-                heads,
-                dropout > 0.0,
-                rows,
-            );
-        } else {
-            kernels::attention_backward_query::launch::<f32>(
-                &client,
-                count.clone(),
-                dim,
-                w,
-                qkv.clone().into_tensor_arg(),
-                seed.clone().into_tensor_arg(),
-                out.into_tensor_arg(),
-                grad.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
-                dqkv.clone().into_tensor_arg(),
-                dims.scale(),
-                super::hashed_mask::threshold(dropout),
-                1.0 / (1.0 - dropout),
-                dims.k() / w,
-                w,
-                heads,
-                dropout > 0.0,
-                tile,
-            );
+        let [qkv, lse, grad] = [qkv, lse, grad].map(into_contiguous);
+        if by_products(&qkv) {
+            return super::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout);
         }
-        // Keys, then values: two launches of one kernel, each with one row of accumulators
-        // per unit (with both, 2K accumulators per unit spilled out of registers on an H100:
-        // 18 ms a launch against 1.3 ms for the queries' kernel, before the kernels were
-        // tiled; docs/benchmarks.md).
-        for values in [false, true] {
-            let kernel = if values { Tiled::Values } else { Tiled::Keys };
-            if let Some(rows) = dims.tiled_rows(&qkv, kernel) {
-                #[cfg(all(test, feature = "wgpu"))]
-                tests::TILED_KEY_LAUNCHES[rows / 64]
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                kernels::attention_backward_key_value_tiled::launch::<f32>(
-                    &client,
-                    CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
-                    CubeDim::new_1d(TILED_UNITS as u32),
-                    4,
-                    qkv.clone().into_tensor_arg(),
-                    seed.clone().into_tensor_arg(),
-                    grad.clone().into_tensor_arg(),
-                    lse.clone().into_tensor_arg(),
-                    delta.clone().into_tensor_arg(),
-                    dqkv.clone().into_tensor_arg(),
-                    dims.scale(),
-                    super::hashed_mask::threshold(dropout),
-                    1.0 / (1.0 - dropout),
-                    dims.k() / 4,
-                    heads,
-                    dropout > 0.0,
-                    values,
-                    rows,
-                );
-                continue;
-            }
-            kernels::attention_backward_key_value::launch::<f32>(
-                &client,
-                count.clone(),
-                dim,
-                w,
-                qkv.clone().into_tensor_arg(),
-                seed.clone().into_tensor_arg(),
-                grad.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
-                dqkv.clone().into_tensor_arg(),
-                dims.scale(),
-                super::hashed_mask::threshold(dropout),
-                1.0 / (1.0 - dropout),
-                dims.k() / w,
-                w,
-                heads,
-                dropout > 0.0,
-                values,
-                tile,
-            );
-        }
-        dqkv
+        fused_backward(qkv, seed, into_contiguous(out), lse, grad, heads, dropout)
     }
 
     fn cached_causal_attention(
@@ -450,6 +300,278 @@ impl AttentionKernels for CubeBackend {
     ) -> CubeTensor {
         cached_attention(q, k, v, CachedStart::Device(super::ids_i32(position)))
     }
+}
+
+/// Whether the training attention runs as batched products ([`super::attention_products`]):
+/// `attention-products` on, `qkv` on a CUDA device whose cuBLAS loads, no graph being recorded,
+/// and the products found to agree with the fused kernels there ([`products_agree`], once).
+fn by_products(qkv: &CubeTensor) -> bool {
+    #[cfg(all(test, feature = "wgpu"))]
+    if tests::PRODUCTS.get() {
+        return true;
+    }
+    #[cfg(feature = "cublas")]
+    {
+        crate::ops::gpu_kernels::uses(GpuKernel::AttentionProducts)
+            && matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
+            && super::cublas::loadable()
+            && !qkv.client.is_capturing()
+            && products_agree_on(qkv)
+    }
+    #[cfg(not(feature = "cublas"))]
+    {
+        let _ = qkv;
+        false
+    }
+}
+
+/// Whether [`products_agree`] on `like`'s device, checked on the first call in the process (a
+/// few small launches), so that a wrong call never trains a model: where they do not agree, says
+/// so once on stderr, and the fused kernels run.
+#[cfg(feature = "cublas")]
+fn products_agree_on(like: &CubeTensor) -> bool {
+    static AGREES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AGREES.get_or_init(|| match products_agree(like) {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!(
+                "warning: the attention as cuBLAS's batched products disagrees with ember's fused \
+                 kernels on this device ({why}); the attention runs on the fused kernels"
+            );
+            false
+        }
+    })
+}
+
+/// The attention as batched products against the fused kernels on `like`'s device: output,
+/// log-sum-exps and the projection's gradient of 3 sequences of 45 positions, 2 heads of 32,
+/// with dropout, within 1% of the largest value (TF32 products round to 11 bits; a wrong matrix
+/// or dropout mask is off by its whole size). The error names the first value that differs, or
+/// the failure to read one.
+#[cfg_attr(not(feature = "cublas"), allow(dead_code))] // run by CUDA builds and tests
+pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
+    use burn::backend::ops::FloatTensorOps;
+    use burn::tensor::TensorData;
+    let (b, t, heads, k, dropout) = (3, 45, 2, 32, 0.25_f32);
+    let d = heads * k;
+    let load = |n: usize, seed: usize, shape: Vec<usize>| {
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919 + seed) % 61) as f32 / 60.0 - 0.5)
+            .collect();
+        CubeBackend::float_from_data(TensorData::new(values, shape), &like.device)
+    };
+    let qkv = load(b * t * 3 * d, 1, vec![b, t, 3 * d]);
+    let grad = load(b * t * d, 2, vec![b, t, d]);
+    let seed = CubeBackend::float_from_data(TensorData::new(vec![0.375_f32], [1]), &like.device);
+    let (out, lse) = super::attention_products::forward(&qkv, &seed, heads, dropout);
+    let dqkv = super::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout);
+    let (fused_out, fused_lse) = fused_forward(qkv.clone(), seed.clone(), heads, dropout);
+    let fused_dqkv = fused_backward(
+        qkv,
+        seed,
+        fused_out.clone(),
+        fused_lse.clone(),
+        grad,
+        heads,
+        dropout,
+    );
+    for (what, ours, fused) in [
+        ("output", out, fused_out),
+        ("log-sum-exp", lse, fused_lse),
+        ("gradient", dqkv, fused_dqkv),
+    ] {
+        let read = |x: CubeTensor| {
+            burn_cubecl::ops::into_data_sync(x)
+                .try_to_vec::<f32>()
+                .map_err(|e| format!("reading the {what} back: {e:?}"))
+        };
+        let (ours, fused) = (read(ours)?, read(fused)?);
+        let scale = fused.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (i, (p, q)) in ours.iter().zip(&fused).enumerate() {
+            // Written so that a NaN fails.
+            if !((p - q).abs() <= 0.01 * scale) {
+                return Err(format!("{what} value {i} is {p}, the fused kernels' {q}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The forward pass in ember's fused kernels (contiguous `qkv`).
+fn fused_forward(
+    qkv: CubeTensor,
+    seed: CubeTensor,
+    heads: usize,
+    dropout: f32,
+) -> (CubeTensor, CubeTensor) {
+    let dims = Dims::of(&qkv, heads);
+    let out = super::empty(&qkv, [dims.b, dims.t, dims.d]);
+    let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
+    if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Forward) {
+        #[cfg(all(test, feature = "wgpu"))]
+        tests::TILED_LAUNCHES[rows / 64].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        kernels::attention_forward_tiled::launch::<f32>(
+            &qkv.client.clone(),
+            CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
+            CubeDim::new_1d(TILED_UNITS as u32),
+            4,
+            qkv.into_tensor_arg(),
+            seed.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            dims.scale(),
+            super::hashed_mask::threshold(dropout),
+            1.0 / (1.0 - dropout),
+            dims.k() / 4,
+            heads,
+            dropout > 0.0,
+            rows,
+        );
+        return (out, lse);
+    }
+    let (count, dim) = dims.launch_size();
+    let tile = dims.tile(&qkv);
+    let group = keys_per_rescale(tile);
+    let w = dims.lanes(&qkv);
+    kernels::attention_forward::launch::<f32>(
+        &qkv.client.clone(),
+        count,
+        dim,
+        w,
+        qkv.into_tensor_arg(),
+        seed.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        dims.scale(),
+        super::hashed_mask::threshold(dropout),
+        1.0 / (1.0 - dropout),
+        dims.k() / w,
+        w,
+        heads,
+        dropout > 0.0,
+        tile,
+        group,
+    );
+    (out, lse)
+}
+
+/// The backward pass in ember's fused kernels (contiguous tensors).
+fn fused_backward(
+    qkv: CubeTensor,
+    seed: CubeTensor,
+    out: CubeTensor,
+    lse: CubeTensor,
+    grad: CubeTensor,
+    heads: usize,
+    dropout: f32,
+) -> CubeTensor {
+    let dims = Dims::of(&qkv, heads);
+    let dqkv = super::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
+    let delta = super::empty(&qkv, [dims.b, heads, dims.t]);
+    let client = qkv.client.clone();
+    let (count, dim) = dims.launch_size();
+    let tile = dims.tile(&qkv);
+    let w = dims.lanes(&qkv);
+    if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Queries) {
+        #[cfg(all(test, feature = "wgpu"))]
+        tests::TILED_QUERY_LAUNCHES[rows / 64].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        kernels::attention_backward_query_tiled::launch::<f32>(
+            &client,
+            CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
+            CubeDim::new_1d(TILED_UNITS as u32),
+            4,
+            qkv.clone().into_tensor_arg(),
+            seed.clone().into_tensor_arg(),
+            out.into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            dims.scale(),
+            super::hashed_mask::threshold(dropout),
+            1.0 / (1.0 - dropout),
+            dims.k() / 4,
+            heads,
+            dropout > 0.0,
+            rows,
+        );
+    } else {
+        kernels::attention_backward_query::launch::<f32>(
+            &client,
+            count.clone(),
+            dim,
+            w,
+            qkv.clone().into_tensor_arg(),
+            seed.clone().into_tensor_arg(),
+            out.into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            dims.scale(),
+            super::hashed_mask::threshold(dropout),
+            1.0 / (1.0 - dropout),
+            dims.k() / w,
+            w,
+            heads,
+            dropout > 0.0,
+            tile,
+        );
+    }
+    // Keys, then values: two launches of one kernel, each with one row of accumulators
+    // per unit (with both, 2K accumulators per unit spilled out of registers on an H100:
+    // 18 ms a launch against 1.3 ms for the queries' kernel, before the kernels were
+    // tiled; docs/benchmarks.md).
+    for values in [false, true] {
+        let kernel = if values { Tiled::Values } else { Tiled::Keys };
+        if let Some(rows) = dims.tiled_rows(&qkv, kernel) {
+            #[cfg(all(test, feature = "wgpu"))]
+            tests::TILED_KEY_LAUNCHES[rows / 64].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            kernels::attention_backward_key_value_tiled::launch::<f32>(
+                &client,
+                CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
+                CubeDim::new_1d(TILED_UNITS as u32),
+                4,
+                qkv.clone().into_tensor_arg(),
+                seed.clone().into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dqkv.clone().into_tensor_arg(),
+                dims.scale(),
+                super::hashed_mask::threshold(dropout),
+                1.0 / (1.0 - dropout),
+                dims.k() / 4,
+                heads,
+                dropout > 0.0,
+                values,
+                rows,
+            );
+            continue;
+        }
+        kernels::attention_backward_key_value::launch::<f32>(
+            &client,
+            count.clone(),
+            dim,
+            w,
+            qkv.clone().into_tensor_arg(),
+            seed.clone().into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            dims.scale(),
+            super::hashed_mask::threshold(dropout),
+            1.0 / (1.0 - dropout),
+            dims.k() / w,
+            w,
+            heads,
+            dropout > 0.0,
+            values,
+            tile,
+        );
+    }
+    dqkv
 }
 
 /// Where the cached attention's queries start: a number known when the kernel is launched, or
@@ -2241,6 +2363,64 @@ mod tests {
                 &format!("{b}x{t}, {heads} heads of {k}"),
             );
         }
+    }
+
+    thread_local! {
+        /// Whether this thread's training attention runs as batched products (on wgpu, Burn's
+        /// products: the path CUDA takes with cuBLAS).
+        pub(super) static PRODUCTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// The attention as batched products, output and gradient, against the reference with the
+    /// same dropout mask, plain, under autodiff and with checkpointing: head sizes 4 to 128, one
+    /// position and several, lengths that are not a multiple of a cube's units, one head and
+    /// several, with dropout and without.
+    #[test]
+    fn products_equal_the_reference_on_wgpu() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        PRODUCTS.set(true);
+        for (b, t, heads, k, p) in [
+            (2, 9, 3, 4, 0.0),
+            (1, 1, 1, 8, 0.25),
+            (3, 37, 2, 16, 0.25),
+            (1, 70, 1, 32, 0.0),
+            (2, 33, 2, 64, 0.25),
+            (1, 40, 1, 128, 0.0),
+        ] {
+            let d = heads * k;
+            let draw = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
+            };
+            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+            let seed = 0.125_f32;
+            let factors = dropout_factors(b, heads, t, seed, p);
+            agrees_on(
+                &device,
+                &x,
+                &g,
+                |qkv| {
+                    let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
+                    seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
+                },
+                |qkv| masked_reference(qkv, heads, &factors),
+                1e-4,
+                &format!("products, dropout {p}, {b}x{t}, {heads} heads of {k}"),
+            );
+        }
+        PRODUCTS.set(false);
+    }
+
+    /// The check CUDA runs before the attention takes the products passes on wgpu, where the
+    /// products are Burn's.
+    #[test]
+    fn the_products_check_passes_on_wgpu() {
+        use burn::backend::{BackendTensor, DispatchTensorKind};
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let like = match Tensor::<1>::zeros([1], &device).into_dispatch().kind {
+            DispatchTensorKind::Cube(BackendTensor::Float(x)) => x,
+            _ => panic!("a wgpu tensor is CubeCL's"),
+        };
+        products_agree(&like).unwrap();
     }
 
     /// Keys per rescale of the forward pass when set (0: the default).

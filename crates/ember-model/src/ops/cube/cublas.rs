@@ -1,5 +1,6 @@
 //! Matrix products through NVIDIA's cuBLAS on the CUDA backend (feature `cublas`): the products a
-//! training step's linear layers make, forward and backward ([`super::product`]).
+//! training step's linear layers make, forward and backward ([`super::product`]), and the
+//! attention's per-head products as strided batched calls ([`super::attention_products`]).
 //!
 //! cubek's products, which Burn's `matmul` chooses by autotune, reached about 42 TFLOP/s in
 //! nanoGPT's GPU config on an H200 where PyTorch's (cuBLAS) reached about 200
@@ -16,7 +17,7 @@
 //! run on TF32 tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`: what cubek does for `f32` on CUDA,
 //! and PyTorch with TF32 allowed); bf16 and f16 ones accumulate in `f32`.
 
-use crate::ops::blas::{Gemm, Layout};
+use crate::ops::blas::{Batched, Gemm, Layout};
 use burn::backend::TensorMetadata;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
@@ -143,34 +144,145 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
     if m == 0 || n == 0 {
         return Some(out);
     }
-    // Resources keep their buffers in place until dropped, after the call is enqueued.
-    let client = &a.client;
-    let c_res = client.get_resource::<CudaServer>(out.handle.clone()).ok()?;
-    let a_res = client.get_resource::<CudaServer>(a.handle.clone()).ok()?;
-    let b_res = client.get_resource::<CudaServer>(b.handle.clone()).ok()?;
-    let stream = c_res.resource().stream;
     let (alpha, beta) = (1f32, 0f32);
-    let op = |t: bool| match t {
+    let done = enqueue("cublasGemmEx", &out, [a, b], |handle, [c, a, b]| {
+        // SAFETY (the caller's): the pointers are the operands' live buffers, of their extents.
+        unsafe {
+            blas::gemm_ex(
+                handle,
+                op(call.transpose_first),
+                op(call.transpose_second),
+                cm,
+                cn,
+                ck,
+                &alpha as *const f32 as *const c_void,
+                b as *const c_void,
+                data_type,
+                lda,
+                a as *const c_void,
+                data_type,
+                ldb,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                data_type,
+                ldc,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .is_ok()
+    });
+    done.then_some(out)
+}
+
+/// `call` (its matrices in the buffers of `a`, `b` and `c`, in that order) with `alpha`, one
+/// `cublasGemmStridedBatchedEx` enqueued as [`product`]'s call is, all three `f32` (TF32
+/// products, as [`product`]'s); false where cuBLAS does not take it (as for [`product`]: not
+/// CUDA, no cuBLAS, a graph being recorded, a size past `i32`), and then nothing was written.
+/// The caller owns `c`'s buffer (nothing else reads it meanwhile) and every matrix of the
+/// batch lies inside its tensor's buffer.
+pub(crate) fn batched_product(call: &Batched, [a, b, c]: [&CubeTensor; 3], alpha: f32) -> bool {
+    let all_f32 = [a, b, c].iter().all(|t| t.dtype() == DType::F32);
+    if !all_f32 || !loadable() || a.client.is_capturing() {
+        return false;
+    }
+    let g = call.gemm;
+    let dims = [g.m, g.n, g.k, g.ld_first, g.ld_second, g.ldc, call.batch];
+    if dims.iter().any(|&d| i32::try_from(d).is_err()) {
+        return false;
+    }
+    let [cm, cn, ck, lda, ldb, ldc, count] = dims.map(|d| d as i32);
+    if g.m == 0 || g.n == 0 || call.batch == 0 {
+        return true;
+    }
+    let strides = [call.b.stride, call.a.stride, call.c.stride].map(|s| s as i64);
+    let offsets =
+        [call.c.offset, call.a.offset, call.b.offset].map(|o| (o * size_of::<f32>()) as u64);
+    let (beta, (data_type, compute)) = (0f32, types(DType::F32).expect("f32 is a cuBLAS type"));
+    enqueue(
+        "cublasGemmStridedBatchedEx",
+        c,
+        [a, b],
+        |handle, [pc, pa, pb]| {
+            let [pc, pa, pb] = [pc + offsets[0], pa + offsets[1], pb + offsets[2]];
+            // SAFETY (the caller's): every matrix of the batch lies inside its tensor's buffer.
+            unsafe {
+                blas::gemm_strided_batched_ex(
+                    handle,
+                    op(g.transpose_first),
+                    op(g.transpose_second),
+                    cm,
+                    cn,
+                    ck,
+                    &alpha as *const f32 as *const c_void,
+                    pb as *const c_void,
+                    data_type,
+                    lda,
+                    strides[0],
+                    pa as *const c_void,
+                    data_type,
+                    ldb,
+                    strides[1],
+                    &beta as *const f32 as *const c_void,
+                    pc as *mut c_void,
+                    data_type,
+                    ldc,
+                    strides[2],
+                    count,
+                    compute,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .is_ok()
+        },
+    )
+}
+
+/// cuBLAS's `transa` / `transb` for an operand read transposed or not.
+fn op(transposed: bool) -> sys::cublasOperation_t {
+    match transposed {
         true => sys::cublasOperation_t::CUBLAS_OP_T,
         false => sys::cublasOperation_t::CUBLAS_OP_N,
+    }
+}
+
+/// Runs `call` with this context's cuBLAS handle, set to the CUDA stream of `out`'s buffer,
+/// and the device addresses of `out`'s and `inputs`' buffers; false where the buffers are not
+/// CUDA's, the driver refuses, or `call` does. With [`crate::ops::external_launches`] observing,
+/// the call is timed on the stream as one launch named `name`.
+fn enqueue(
+    name: &'static str,
+    out: &CubeTensor,
+    inputs: [&CubeTensor; 2],
+    call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool,
+) -> bool {
+    // Resources keep their buffers in place until dropped, after the call is enqueued.
+    let client = &out.client;
+    let resource = |x: &CubeTensor| client.get_resource::<CudaServer>(x.handle.clone()).ok();
+    let (Some(c_res), Some(a_res), Some(b_res)) =
+        (resource(out), resource(inputs[0]), resource(inputs[1]))
+    else {
+        return false;
     };
+    let stream = c_res.resource().stream;
     let mut handles = handles().lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: the pointers are live device buffers of the operands' extents (held above), the
-    // stream is CubeCL's and its context made current first; alpha and beta are host f32s, as
-    // the compute types above take them.
-    let done = unsafe {
+    // SAFETY: the pointers are live device buffers (held above), the stream is CubeCL's and its
+    // context made current first.
+    unsafe {
         let mut context = std::ptr::null_mut();
         let known = driver::cuStreamGetCtx(stream, &mut context)
             .result()
             .is_ok()
             && driver::cuCtxSetCurrent(context).result().is_ok();
         if !known {
-            return None;
+            return false;
         }
         let handle = match handles.get(&(context as usize)) {
             Some(handle) => handle.0,
             None => {
-                let handle = blas::create_handle().ok()?;
+                let Ok(handle) = blas::create_handle() else {
+                    return false;
+                };
                 handles.insert(context as usize, Handle(handle));
                 handle
             }
@@ -179,37 +291,20 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
             let start = event_on(stream)?;
             Some((observer, start))
         });
-        let done = blas::set_stream(handle, stream as sys::cudaStream_t).is_ok()
-            && blas::gemm_ex(
-                handle,
-                op(call.transpose_first),
-                op(call.transpose_second),
-                cm,
-                cn,
-                ck,
-                &alpha as *const f32 as *const c_void,
-                b_res.resource().ptr as *const c_void,
-                data_type,
-                lda,
-                a_res.resource().ptr as *const c_void,
-                data_type,
-                ldb,
-                &beta as *const f32 as *const c_void,
-                c_res.resource().ptr as *mut c_void,
-                data_type,
-                ldc,
-                compute,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-            .is_ok();
+        let pointers = [
+            c_res.resource().ptr,
+            a_res.resource().ptr,
+            b_res.resource().ptr,
+        ];
+        let done =
+            blas::set_stream(handle, stream as sys::cudaStream_t).is_ok() && call(handle, pointers);
         if let Some((observer, start)) = timing
             && let Some(end) = event_on(stream)
         {
-            observer.launched("cublasGemmEx", elapsed_between(context, start, end));
+            observer.launched(name, elapsed_between(context, start, end));
         }
         done
-    };
-    done.then_some(out)
+    }
 }
 
 /// A CUDA event recorded on `stream` now, or `None` where the driver refuses (the context is

@@ -1,0 +1,534 @@
+//! The training attention's two passes (the op of [`super::attention`]) as batched matrix
+//! products, one head at a time, with two small kernels over that head's scores between them:
+//! the textbook `softmax(Q K^T / sqrt(K)) V` with its `[T, T]` scores stored, where the fused
+//! kernels never store them.
+//!
+//! On CUDA the products are cuBLAS's (TF32 tensor cores, as PyTorch's attention uses for `f32`),
+//! which ember's own kernels do not reach: on an H200, the fused backward pass took 1057 µs per
+//! layer of nanoGPT's GPU config against about 250 µs computed for these products and kernels
+//! (docs/benchmarks.md). Each head's matrices are read and written where they lie in the
+//! projection `[B, T, 3D]`, its gradient and the output `[B, T, D]` (rows `3D` or `D` apart,
+//! sequences `T` rows apart: one strided batched call per product and head, batched over the
+//! sequences), so nothing is copied; one head's scores `[B, T, T]` are the only extra memory
+//! (two such buffers in the backward pass: 32 MiB for nanoGPT's GPU config in `f32`), reused
+//! for every head.
+//!
+//! Per head `h`, with `S = scale Q K^T` (scaled scores), `L` each row's log-sum-exp over the keys
+//! it sees, `P = exp(S - L)` below the diagonal (0 above) and `M` the dropout factors (the
+//! fused kernels' hashed mask, the same element for element):
+//!
+//! - forward: `S`; kernel: `L`, and `P M` in place of `S`; `O = (P M) V`;
+//! - backward: `S` again; kernel: `P M`; `dV = (P M)^T dO`; `dG = dO V^T`; kernel: `dS = P (dG M
+//!   - delta)` in place of `dG`, `delta_i = sum_j (P M)_ij dG_ij`; `dQ = scale dS K`, `dK =
+//!   scale dS^T Q`.
+//!
+//! Elsewhere than CUDA (and for a product cuBLAS does not take) the products are Burn's
+//! `matmul` on the same views: how the tests run this path on wgpu against the op's reference.
+
+use crate::ops::blas::{Batched, Layout, Strided};
+use crate::ops::cube::{ROW_UNITS, launch_size, row_cubes};
+use burn::backend::TensorMetadata;
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, Slice};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+
+/// The forward pass: the output `[B, T, D]` and each query row's log-sum-exp `[B, H, T]` of the
+/// contiguous projection `qkv` `[B, T, 3D]`, weights dropped with probability `dropout` by the
+/// mask of `seed`.
+pub(super) fn forward(
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    heads: usize,
+    dropout: f32,
+) -> (CubeTensor, CubeTensor) {
+    let shape = Shape::of(qkv, heads);
+    let (d, k) = (shape.d, shape.k);
+    let mut out = super::empty(qkv, [shape.b, shape.t, d]);
+    let lse = super::empty(qkv, [shape.b, heads, shape.t]);
+    let mut scores = super::empty(qkv, [shape.b, shape.t, shape.t]);
+    for h in 0..heads {
+        let (q, keys, values) = (
+            Part::cols(qkv, h * k, k),
+            Part::cols(qkv, d + h * k, k),
+            Part::cols(qkv, 2 * d + h * k, k),
+        );
+        scores = product(q, keys.t(), shape.scale, scores, 0);
+        let (count, dim) = row_cubes(shape.b * shape.t);
+        kernels::weights_forward::launch::<f32>(
+            &qkv.client,
+            count,
+            dim,
+            scores.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            seed.clone().into_tensor_arg(),
+            super::hashed_mask::threshold(dropout),
+            1.0 / (1.0 - dropout),
+            h,
+            heads,
+            dropout > 0.0,
+        );
+        out = product(Part::all(&scores), values, 1.0, out, h * k);
+    }
+    (out, lse)
+}
+
+/// The backward pass: the gradient `[B, T, 3D]` of the contiguous projection `qkv` from the
+/// forward pass's seed and log-sum-exp `lse` and the output's contiguous gradient `grad`
+/// `[B, T, D]`.
+pub(super) fn backward(
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    lse: &CubeTensor,
+    grad: &CubeTensor,
+    heads: usize,
+    dropout: f32,
+) -> CubeTensor {
+    let shape = Shape::of(qkv, heads);
+    let (d, k, t) = (shape.d, shape.k, shape.t);
+    let square = || super::empty(qkv, [shape.b, t, t]);
+    let mut dqkv = super::empty(qkv, [shape.b, t, 3 * d]);
+    // The scores, and one buffer for the dropped weights, then their gradient `dG`, then the
+    // scores' gradient: two `[B, T, T]` buffers for every head.
+    let (mut scores, mut work) = (square(), square());
+    let (threshold, keep) = (
+        super::hashed_mask::threshold(dropout),
+        1.0 / (1.0 - dropout),
+    );
+    for h in 0..heads {
+        let (q, keys, values, dout) = (
+            Part::cols(qkv, h * k, k),
+            Part::cols(qkv, d + h * k, k),
+            Part::cols(qkv, 2 * d + h * k, k),
+            Part::cols(grad, h * k, k),
+        );
+        scores = product(q, keys.t(), shape.scale, scores, 0);
+        let (count, dim) = launch_size(qkv, shape.b * t * t);
+        kernels::weights_backward::launch::<f32>(
+            &qkv.client,
+            count,
+            dim,
+            scores.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            seed.clone().into_tensor_arg(),
+            work.clone().into_tensor_arg(),
+            threshold,
+            keep,
+            h,
+            heads,
+            dropout > 0.0,
+        );
+        dqkv = product(Part::all(&work).t(), dout, 1.0, dqkv, 2 * d + h * k);
+        work = product(dout, values.t(), 1.0, work, 0);
+        let (count, dim) = row_cubes(shape.b * t);
+        kernels::scores_backward::launch::<f32>(
+            &qkv.client,
+            count,
+            dim,
+            scores.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            seed.clone().into_tensor_arg(),
+            work.clone().into_tensor_arg(),
+            threshold,
+            keep,
+            h,
+            heads,
+            dropout > 0.0,
+        );
+        dqkv = product(Part::all(&work), keys, shape.scale, dqkv, h * k);
+        dqkv = product(Part::all(&work).t(), q, shape.scale, dqkv, d + h * k);
+    }
+    dqkv
+}
+
+/// The sizes of one call.
+struct Shape {
+    b: usize,
+    t: usize,
+    d: usize,
+    k: usize,
+    scale: f32,
+}
+
+impl Shape {
+    fn of(qkv: &CubeTensor, heads: usize) -> Self {
+        let [b, t, d3] = qkv.shape().dims::<3>();
+        assert_eq!(qkv.dtype(), DType::F32, "attention products: f32 only");
+        let (d, k) = (d3 / 3, d3 / 3 / heads);
+        Shape {
+            b,
+            t,
+            d,
+            k,
+            scale: 1.0 / (k as f32).sqrt(),
+        }
+    }
+}
+
+/// One matrix per sequence: columns `col..col + cols` of every row of a contiguous `[B, R, W]`
+/// tensor (`[R, cols]` each), read transposed where `transposed`.
+#[derive(Clone, Copy)]
+struct Part<'a> {
+    x: &'a CubeTensor,
+    col: usize,
+    cols: usize,
+    transposed: bool,
+}
+
+impl<'a> Part<'a> {
+    fn cols(x: &'a CubeTensor, col: usize, cols: usize) -> Self {
+        Part {
+            x,
+            col,
+            cols,
+            transposed: false,
+        }
+    }
+
+    /// Every column.
+    fn all(x: &'a CubeTensor) -> Self {
+        Part::cols(x, 0, x.shape()[2])
+    }
+
+    /// Read transposed.
+    fn t(self) -> Self {
+        Part {
+            transposed: !self.transposed,
+            ..self
+        }
+    }
+
+    /// `[B, R, W]`.
+    fn dims(&self) -> [usize; 3] {
+        self.x.shape().dims::<3>()
+    }
+
+    /// Rows and columns of the matrix as read.
+    fn read_shape(&self) -> [usize; 2] {
+        let rows = self.dims()[1];
+        match self.transposed {
+            false => [rows, self.cols],
+            true => [self.cols, rows],
+        }
+    }
+
+    /// Where its matrices lie in the buffer: row-major with rows `W` apart (column-major when
+    /// read transposed), sequences `R W` apart.
+    fn strided(&self) -> Strided {
+        let [_, rows, width] = self.dims();
+        Strided {
+            offset: self.col,
+            stride: rows * width,
+            layout: match self.transposed {
+                false => Layout::RowMajor { ld: width },
+                true => Layout::ColMajor { ld: width },
+            },
+        }
+    }
+}
+
+/// The strided batched call of `out[s, :, col..] = a_s @ b_s` for each sequence `s`, `out` a
+/// contiguous `[B, R, W]` tensor.
+#[cfg_attr(not(feature = "cublas"), allow(dead_code))] // cuBLAS's, and the tests'
+fn call(a: Part, b: Part, out: &CubeTensor, col: usize) -> Batched {
+    let ([m, k], [_, n]) = (a.read_shape(), b.read_shape());
+    let [batch, rows, width] = out.shape().dims::<3>();
+    assert!(
+        rows == m && col + n <= width && b.read_shape()[0] == k,
+        "attention products: [{m}, {k}] @ {:?} into columns {col}.. of {:?}",
+        b.read_shape(),
+        out.shape()
+    );
+    let c = Strided {
+        offset: col,
+        stride: rows * width,
+        layout: Layout::RowMajor { ld: width },
+    };
+    Batched::new([m, k, n], a.strided(), b.strided(), c, batch)
+        .expect("a row-major output is a BLAS output")
+}
+
+/// `out` with `alpha a_s @ b_s` written into its columns `col..` of each sequence `s`: by one
+/// cuBLAS call in place where cuBLAS takes it, else by Burn's `matmul` and `slice_assign`.
+fn product(a: Part, b: Part, alpha: f32, out: CubeTensor, col: usize) -> CubeTensor {
+    #[cfg(feature = "cublas")]
+    if super::cublas::batched_product(&call(a, b, &out, col), [a.x, b.x, &out], alpha) {
+        return out;
+    }
+    type Ops = CubeBackend;
+    let view = |p: Part| {
+        let [bs, rows, _] = p.dims();
+        let x = <Ops as FloatTensorOps<Ops>>::float_slice(
+            p.x.clone(),
+            &[
+                Slice::from(0..bs),
+                Slice::from(0..rows),
+                Slice::from(p.col..p.col + p.cols),
+            ],
+        );
+        match p.transposed {
+            true => <Ops as FloatTensorOps<Ops>>::float_swap_dims(x, 1, 2),
+            false => x,
+        }
+    };
+    let mut c = <Ops as FloatTensorOps<Ops>>::float_matmul(view(a), view(b));
+    if alpha != 1.0 {
+        c = <Ops as FloatTensorOps<Ops>>::float_mul_scalar(c, alpha.into());
+    }
+    let [bs, rows, _] = out.shape().dims::<3>();
+    let n = b.read_shape()[1];
+    <Ops as FloatTensorOps<Ops>>::float_slice_assign(
+        out,
+        &[
+            Slice::from(0..bs),
+            Slice::from(0..rows),
+            Slice::from(col..col + n),
+        ],
+        c,
+    )
+}
+
+/// The kernels between the products, over one head `h` of `H`: rows `r = s * T + i` of the
+/// head's `[B, T, T]` buffers (sequence `s`, query `i`, key `j` along the row). Weight `(i, j)`
+/// of that head is element `((s * H + h) * T + i) * T + j` of the dropout mask, as in the fused
+/// kernels, and `L` is read from and written to `lse[(s * H + h) * T + i]`.
+mod kernels {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    use super::ROW_UNITS;
+    use crate::ops::cube::hashed_mask::Mask;
+    use crate::ops::cube::{cube_row, reduce_cube};
+
+    /// One cube per row: its log-sum-exp `L` over keys `0..=i` of the scaled scores `s`, and
+    /// `exp(s - L)` times the dropout factor in place of `s` (0 past `i`).
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn weights_forward<F: Float>(
+        s: &mut Tensor<F>,
+        lse: &mut Tensor<F>,
+        seed: &Tensor<F>,
+        threshold: u32,
+        keep_scale: f32,
+        h: usize,
+        heads: usize,
+        #[comptime] dropout: bool,
+    ) {
+        let t = s.shape(1);
+        let r = cube_row();
+        if r >= s.shape(0) * t {
+            terminate!();
+        }
+        let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
+        let (seq, i) = (r / t, r % t);
+        let at = r * t;
+        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
+        let mut max = F::min_value();
+        for j in range_stepped(u, i + 1, units) {
+            max = F::max(max, s[at + j]);
+        }
+        let max = reduce_cube::<F>(&mut scratch, max, true);
+        let mut sum = F::new(0.0);
+        for j in range_stepped(u, i + 1, units) {
+            sum += F::exp(s[at + j] - max);
+        }
+        let sum = reduce_cube::<F>(&mut scratch, sum, false);
+        let l = max + F::ln(sum);
+        let row = (seq * heads + h) * t + i;
+        if u == 0 {
+            lse[row] = l;
+        }
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
+        for j in range_stepped(u, t, units) {
+            let mut w = F::new(0.0);
+            if j <= i {
+                w = F::exp(s[at + j] - l) * mask.factor(row * t + j, dropout);
+            }
+            s[at + j] = w;
+        }
+    }
+
+    /// One unit per element: the dropped weights `exp(s - L)` times the dropout factor (0 past
+    /// the diagonal) into `w`.
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn weights_backward<F: Float>(
+        s: &Tensor<F>,
+        lse: &Tensor<F>,
+        seed: &Tensor<F>,
+        w: &mut Tensor<F>,
+        threshold: u32,
+        keep_scale: f32,
+        h: usize,
+        heads: usize,
+        #[comptime] dropout: bool,
+    ) {
+        let e = ABSOLUTE_POS;
+        if e >= w.len() {
+            terminate!();
+        }
+        let t = s.shape(1);
+        let (r, j) = (e / t, e % t);
+        let (seq, i) = (r / t, r % t);
+        let row = (seq * heads + h) * t + i;
+        let mut value = F::new(0.0);
+        if j <= i {
+            let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
+            value = F::exp(s[e] - lse[row]) * mask.factor(row * t + j, dropout);
+        }
+        w[e] = value;
+    }
+
+    /// One cube per row: from the scaled scores `s`, `L` and the dropped weights' gradient
+    /// `g = dO V^T`, the scores' gradient `P (g M - delta)` in place of `g` (0 past the
+    /// diagonal), `delta = sum_j P_j M_j g_j`.
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scores_backward<F: Float>(
+        s: &Tensor<F>,
+        lse: &Tensor<F>,
+        seed: &Tensor<F>,
+        g: &mut Tensor<F>,
+        threshold: u32,
+        keep_scale: f32,
+        h: usize,
+        heads: usize,
+        #[comptime] dropout: bool,
+    ) {
+        let t = s.shape(1);
+        let r = cube_row();
+        if r >= s.shape(0) * t {
+            terminate!();
+        }
+        let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
+        let (seq, i) = (r / t, r % t);
+        let at = r * t;
+        let row = (seq * heads + h) * t + i;
+        let l = lse[row];
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
+        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
+        let mut delta = F::new(0.0);
+        for j in range_stepped(u, i + 1, units) {
+            let p = F::exp(s[at + j] - l);
+            delta += p * mask.factor(row * t + j, dropout) * g[at + j];
+        }
+        let delta = reduce_cube::<F>(&mut scratch, delta, false);
+        for j in range_stepped(u, t, units) {
+            let mut ds = F::new(0.0);
+            if j <= i {
+                let p = F::exp(s[at + j] - l);
+                ds = p * (g[at + j] * mask.factor(row * t + j, dropout) - delta);
+            }
+            g[at + j] = ds;
+        }
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use burn::backend::{BackendTensor, DispatchTensorKind};
+    use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
+
+    /// A wgpu tensor of `shape` holding `values`, as the backend's tensor.
+    fn cube(values: &[f32], shape: [usize; 3]) -> CubeTensor {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let x = Tensor::<3>::from_data(TensorData::new(values.to_vec(), shape), &device);
+        match x.into_dispatch().kind {
+            DispatchTensorKind::Cube(BackendTensor::Float(x)) => x,
+            _ => panic!("a wgpu tensor is CubeCL's"),
+        }
+    }
+
+    /// Every product the two passes make, with each head's columns: the call handed to cuBLAS,
+    /// computed on the host as BLAS computes it ([`Batched::reference`]), writes each sequence's
+    /// product of the right matrices into the right columns and nothing else; and the path
+    /// taken without cuBLAS (Burn's `matmul`, on wgpu) gives the same tensor.
+    #[test]
+    fn each_call_reads_and_writes_a_heads_matrices_where_they_lie() {
+        let (b, t, heads, k) = (2, 5, 2, 3);
+        let d = heads * k;
+        let values = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 37 + seed) % 19) as f32 - 9.0)
+                .collect()
+        };
+        let (qkv_v, grad_v, square_v) = (
+            values(b * t * 3 * d, 1),
+            values(b * t * d, 2),
+            values(b * t * t, 3),
+        );
+        let (qkv, grad, square) = (
+            cube(&qkv_v, [b, t, 3 * d]),
+            cube(&grad_v, [b, t, d]),
+            cube(&square_v, [b, t, t]),
+        );
+        let host = |x: &CubeTensor| -> &[f32] {
+            match x.shape()[2] {
+                w if w == 3 * d => &qkv_v,
+                w if w == d => &grad_v,
+                _ => &square_v,
+            }
+        };
+        // Element (i, j) of sequence `s`'s matrix of `p`, as read.
+        let at = |p: &Part, s: usize, i: usize, j: usize| {
+            let [_, rows, width] = p.dims();
+            let (r, c) = if p.transposed { (j, i) } else { (i, j) };
+            host(p.x)[s * rows * width + r * width + p.col + c]
+        };
+        for h in 0..heads {
+            let (q, keys, values_h, dout) = (
+                Part::cols(&qkv, h * k, k),
+                Part::cols(&qkv, d + h * k, k),
+                Part::cols(&qkv, 2 * d + h * k, k),
+                Part::cols(&grad, h * k, k),
+            );
+            let sq = Part::all(&square);
+            // (a, b, alpha, output's width, output's column)
+            let products = [
+                (q, keys.t(), 0.5, t, 0),
+                (sq, values_h, 1.0, d, h * k),
+                (sq.t(), dout, 1.0, 3 * d, 2 * d + h * k),
+                (dout, values_h.t(), 1.0, t, 0),
+                (sq, keys, 0.5, 3 * d, h * k),
+                (sq.t(), q, 0.5, 3 * d, d + h * k),
+            ];
+            for (n, (a, bb, alpha, width, col)) in products.into_iter().enumerate() {
+                let out = cube(&vec![0.0; b * t * width], [b, t, width]);
+                let batched = call(a, bb, &out, col);
+                let mut blas = vec![f32::NAN; b * t * width];
+                batched.reference(host(a.x), host(bb.x), &mut blas, alpha);
+                let ([m, inner], [_, cols]) = (a.read_shape(), bb.read_shape());
+                for s in 0..b {
+                    for i in 0..m {
+                        for j in 0..width {
+                            let got = blas[(s * t + i) * width + j];
+                            if !(col..col + cols).contains(&j) {
+                                assert!(
+                                    got.is_nan(),
+                                    "head {h}, product {n}: wrote ({s}, {i}, {j})"
+                                );
+                                continue;
+                            }
+                            let want: f32 = alpha
+                                * (0..inner)
+                                    .map(|p| at(&a, s, i, p) * at(&bb, s, p, j - col))
+                                    .sum::<f32>();
+                            assert_eq!(got, want, "head {h}, product {n}: ({s}, {i}, {j})");
+                        }
+                    }
+                }
+                let burn = burn_cubecl::ops::into_data_sync(product(a, bb, alpha, out, col))
+                    .try_to_vec::<f32>()
+                    .unwrap();
+                for (e, (x, y)) in burn.iter().zip(&blas).enumerate() {
+                    let y = if y.is_nan() { 0.0 } else { *y };
+                    assert!(
+                        (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                        "head {h}, product {n}, element {e}: Burn's {x}, BLAS's {y}"
+                    );
+                }
+            }
+        }
+    }
+}
