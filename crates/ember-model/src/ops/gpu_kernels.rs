@@ -62,8 +62,8 @@ pub enum GpuKernel {
     /// register tiles (each unit 8 rows by 4 columns of the scores, 8 rows by `K / 8` columns
     /// of its output) for head sizes 32 and 64; off, or for other sizes, one row per unit.
     AttentionTiles,
-    /// Not a kernel of its own: on CUDA with cuBLAS, the training attention's forward and
-    /// backward passes as cuBLAS's batched products over one head's stored scores, with two
+    /// Not a kernel of its own: on CUDA with cuBLAS (and `cublas` on), the training attention's
+    /// forward and backward passes as cuBLAS's batched products over one head's stored scores, with two
     /// small kernels between them (`ops/cube/attention_products`); off, the fused kernels.
     AttentionProducts,
 }

@@ -303,7 +303,7 @@ impl AttentionKernels for CubeBackend {
 }
 
 /// Whether the training attention runs as batched products ([`super::attention_products`]):
-/// `attention-products` on, `qkv` on a CUDA device whose cuBLAS loads, no graph being recorded,
+/// `attention-products` and `cublas` on, `qkv` on a CUDA device whose cuBLAS loads, no graph being recorded,
 /// and the products found to agree with the fused kernels there ([`products_agree`], once).
 fn by_products(qkv: &CubeTensor) -> bool {
     #[cfg(all(test, feature = "wgpu"))]
@@ -312,7 +312,9 @@ fn by_products(qkv: &CubeTensor) -> bool {
     }
     #[cfg(feature = "cublas")]
     {
-        crate::ops::gpu_kernels::uses(GpuKernel::AttentionProducts)
+        use crate::ops::gpu_kernels::uses;
+        uses(GpuKernel::AttentionProducts)
+            && uses(GpuKernel::Cublas)
             && matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
             && super::cublas::loadable()
             && !qkv.client.is_capturing()
@@ -2374,19 +2376,22 @@ mod tests {
     /// The attention as batched products, output and gradient, against the reference with the
     /// same dropout mask, plain, under autodiff and with checkpointing: head sizes 4 to 128, one
     /// position and several, lengths that are not a multiple of a cube's units, one head and
-    /// several, with dropout and without.
+    /// several, with dropout and without, all sequences in one call and a few at a time.
     #[test]
     fn products_equal_the_reference_on_wgpu() {
+        use crate::ops::cube::attention_products::tests::SEQUENCES;
         let device = Device::wgpu(DeviceKind::DefaultDevice);
         PRODUCTS.set(true);
-        for (b, t, heads, k, p) in [
-            (2, 9, 3, 4, 0.0),
-            (1, 1, 1, 8, 0.25),
-            (3, 37, 2, 16, 0.25),
-            (1, 70, 1, 32, 0.0),
-            (2, 33, 2, 64, 0.25),
-            (1, 40, 1, 128, 0.0),
+        for (b, t, heads, k, p, per_call) in [
+            (2, 9, 3, 4, 0.0, 0),
+            (1, 1, 1, 8, 0.25, 0),
+            (3, 37, 2, 16, 0.25, 0),
+            (3, 37, 2, 16, 0.25, 2),
+            (1, 70, 1, 32, 0.0, 0),
+            (2, 33, 2, 64, 0.25, 1),
+            (1, 40, 1, 128, 0.0, 0),
         ] {
+            SEQUENCES.set(per_call);
             let d = heads * k;
             let draw = |dims: [usize; 3]| {
                 Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
@@ -2404,9 +2409,12 @@ mod tests {
                 },
                 |qkv| masked_reference(qkv, heads, &factors),
                 1e-4,
-                &format!("products, dropout {p}, {b}x{t}, {heads} heads of {k}"),
+                &format!(
+                    "products, dropout {p}, {b}x{t}, {heads} heads of {k}, {per_call} per call"
+                ),
             );
         }
+        SEQUENCES.set(0);
         PRODUCTS.set(false);
     }
 

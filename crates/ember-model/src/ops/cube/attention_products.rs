@@ -33,6 +33,20 @@ use burn::tensor::{DType, Slice};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 
+/// The most bytes of one `[B, T, T]` buffer: longer sequences or larger batches are taken a few
+/// sequences at a time (nanoGPT's GPU config, 64 sequences of 256, in one: 16 MiB).
+const BUFFER_BYTES: usize = 64 << 20;
+
+/// Sequences per call of the products: as many as one buffer of [`BUFFER_BYTES`] holds, at
+/// least one (tests may force fewer).
+fn sequences_per_call(b: usize, t: usize) -> usize {
+    #[cfg(all(test, feature = "wgpu"))]
+    if let n @ 1.. = tests::SEQUENCES.get() {
+        return n.min(b);
+    }
+    (BUFFER_BYTES / (t * t * size_of::<f32>()).max(1)).clamp(1, b.max(1))
+}
+
 /// The forward pass: the output `[B, T, D]` and each query row's log-sum-exp `[B, H, T]` of the
 /// contiguous projection `qkv` `[B, T, 3D]`, weights dropped with probability `dropout` by the
 /// mask of `seed`.
@@ -43,32 +57,38 @@ pub(super) fn forward(
     dropout: f32,
 ) -> (CubeTensor, CubeTensor) {
     let shape = Shape::of(qkv, heads);
-    let (d, k) = (shape.d, shape.k);
-    let mut out = super::empty(qkv, [shape.b, shape.t, d]);
-    let lse = super::empty(qkv, [shape.b, heads, shape.t]);
-    let mut scores = super::empty(qkv, [shape.b, shape.t, shape.t]);
-    for h in 0..heads {
-        let (q, keys, values) = (
-            Part::cols(qkv, h * k, k),
-            Part::cols(qkv, d + h * k, k),
-            Part::cols(qkv, 2 * d + h * k, k),
-        );
-        scores = product(q, keys.t(), shape.scale, scores, 0);
-        let (count, dim) = row_cubes(shape.b * shape.t);
-        kernels::weights_forward::launch::<f32>(
-            &qkv.client,
-            count,
-            dim,
-            scores.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            seed.clone().into_tensor_arg(),
-            super::hashed_mask::threshold(dropout),
-            1.0 / (1.0 - dropout),
-            h,
-            heads,
-            dropout > 0.0,
-        );
-        out = product(Part::all(&scores), values, 1.0, out, h * k);
+    let (d, k, t) = (shape.d, shape.k, shape.t);
+    let mut out = super::empty(qkv, [shape.b, t, d]);
+    let lse = super::empty(qkv, [shape.b, heads, t]);
+    let per_call = sequences_per_call(shape.b, t);
+    let mut scores = super::empty(qkv, [per_call, t, t]);
+    for first in (0..shape.b).step_by(per_call) {
+        let n = per_call.min(shape.b - first);
+        for h in 0..heads {
+            let (q, keys, values) = (
+                Part::cols(qkv, h * k, k).from(first),
+                Part::cols(qkv, d + h * k, k).from(first),
+                Part::cols(qkv, 2 * d + h * k, k).from(first),
+            );
+            scores = product(n, q, keys.t(), shape.scale, scores, (0, 0));
+            let (count, dim) = row_cubes(n * t);
+            kernels::weights_forward::launch::<f32>(
+                &qkv.client,
+                count,
+                dim,
+                scores.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                seed.clone().into_tensor_arg(),
+                super::hashed_mask::threshold(dropout),
+                1.0 / (1.0 - dropout),
+                n * t,
+                first,
+                h,
+                heads,
+                dropout > 0.0,
+            );
+            out = product(n, Part::all(&scores), values, 1.0, out, (first, h * k));
+        }
     }
     (out, lse)
 }
@@ -86,7 +106,8 @@ pub(super) fn backward(
 ) -> CubeTensor {
     let shape = Shape::of(qkv, heads);
     let (d, k, t) = (shape.d, shape.k, shape.t);
-    let square = || super::empty(qkv, [shape.b, t, t]);
+    let per_call = sequences_per_call(shape.b, t);
+    let square = || super::empty(qkv, [per_call, t, t]);
     let mut dqkv = super::empty(qkv, [shape.b, t, 3 * d]);
     // The scores, and one buffer for the dropped weights, then their gradient `dG`, then the
     // scores' gradient: two `[B, T, T]` buffers for every head.
@@ -95,48 +116,56 @@ pub(super) fn backward(
         super::hashed_mask::threshold(dropout),
         1.0 / (1.0 - dropout),
     );
-    for h in 0..heads {
-        let (q, keys, values, dout) = (
-            Part::cols(qkv, h * k, k),
-            Part::cols(qkv, d + h * k, k),
-            Part::cols(qkv, 2 * d + h * k, k),
-            Part::cols(grad, h * k, k),
-        );
-        scores = product(q, keys.t(), shape.scale, scores, 0);
-        let (count, dim) = launch_size(qkv, shape.b * t * t);
-        kernels::weights_backward::launch::<f32>(
-            &qkv.client,
-            count,
-            dim,
-            scores.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            seed.clone().into_tensor_arg(),
-            work.clone().into_tensor_arg(),
-            threshold,
-            keep,
-            h,
-            heads,
-            dropout > 0.0,
-        );
-        dqkv = product(Part::all(&work).t(), dout, 1.0, dqkv, 2 * d + h * k);
-        work = product(dout, values.t(), 1.0, work, 0);
-        let (count, dim) = row_cubes(shape.b * t);
-        kernels::scores_backward::launch::<f32>(
-            &qkv.client,
-            count,
-            dim,
-            scores.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            seed.clone().into_tensor_arg(),
-            work.clone().into_tensor_arg(),
-            threshold,
-            keep,
-            h,
-            heads,
-            dropout > 0.0,
-        );
-        dqkv = product(Part::all(&work), keys, shape.scale, dqkv, h * k);
-        dqkv = product(Part::all(&work).t(), q, shape.scale, dqkv, d + h * k);
+    for first in (0..shape.b).step_by(per_call) {
+        let n = per_call.min(shape.b - first);
+        for h in 0..heads {
+            let (q, keys, values, dout) = (
+                Part::cols(qkv, h * k, k).from(first),
+                Part::cols(qkv, d + h * k, k).from(first),
+                Part::cols(qkv, 2 * d + h * k, k).from(first),
+                Part::cols(grad, h * k, k).from(first),
+            );
+            scores = product(n, q, keys.t(), shape.scale, scores, (0, 0));
+            let (count, dim) = launch_size(qkv, n * t * t);
+            kernels::weights_backward::launch::<f32>(
+                &qkv.client,
+                count,
+                dim,
+                scores.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                seed.clone().into_tensor_arg(),
+                work.clone().into_tensor_arg(),
+                threshold,
+                keep,
+                n * t * t,
+                first,
+                h,
+                heads,
+                dropout > 0.0,
+            );
+            let (q_at, k_at, v_at) = ((first, h * k), (first, d + h * k), (first, 2 * d + h * k));
+            dqkv = product(n, Part::all(&work).t(), dout, 1.0, dqkv, v_at);
+            work = product(n, dout, values.t(), 1.0, work, (0, 0));
+            let (count, dim) = row_cubes(n * t);
+            kernels::scores_backward::launch::<f32>(
+                &qkv.client,
+                count,
+                dim,
+                scores.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                seed.clone().into_tensor_arg(),
+                work.clone().into_tensor_arg(),
+                threshold,
+                keep,
+                n * t,
+                first,
+                h,
+                heads,
+                dropout > 0.0,
+            );
+            dqkv = product(n, Part::all(&work), keys, shape.scale, dqkv, q_at);
+            dqkv = product(n, Part::all(&work).t(), q, shape.scale, dqkv, k_at);
+        }
     }
     dqkv
 }
@@ -165,11 +194,12 @@ impl Shape {
     }
 }
 
-/// One matrix per sequence: columns `col..col + cols` of every row of a contiguous `[B, R, W]`
-/// tensor (`[R, cols]` each), read transposed where `transposed`.
+/// One matrix per sequence from sequence `first` on: columns `col..col + cols` of every row of a
+/// contiguous `[B, R, W]` tensor (`[R, cols]` each), read transposed where `transposed`.
 #[derive(Clone, Copy)]
 struct Part<'a> {
     x: &'a CubeTensor,
+    first: usize,
     col: usize,
     cols: usize,
     transposed: bool,
@@ -179,10 +209,16 @@ impl<'a> Part<'a> {
     fn cols(x: &'a CubeTensor, col: usize, cols: usize) -> Self {
         Part {
             x,
+            first: 0,
             col,
             cols,
             transposed: false,
         }
+    }
+
+    /// From sequence `first` on.
+    fn from(self, first: usize) -> Self {
+        Part { first, ..self }
     }
 
     /// Every column.
@@ -217,7 +253,7 @@ impl<'a> Part<'a> {
     fn strided(&self) -> Strided {
         let [_, rows, width] = self.dims();
         Strided {
-            offset: self.col,
+            offset: self.first * rows * width + self.col,
             stride: rows * width,
             layout: match self.transposed {
                 false => Layout::RowMajor { ld: width },
@@ -227,41 +263,55 @@ impl<'a> Part<'a> {
     }
 }
 
-/// The strided batched call of `out[s, :, col..] = a_s @ b_s` for each sequence `s`, `out` a
-/// contiguous `[B, R, W]` tensor.
+/// The strided batched call of `out[first + s, :, col..] = a_s @ b_s` for `n` sequences `s`,
+/// `out` a contiguous `[B, R, W]` tensor.
 #[cfg_attr(not(feature = "cublas"), allow(dead_code))] // cuBLAS's, and the tests'
-fn call(a: Part, b: Part, out: &CubeTensor, col: usize) -> Batched {
-    let ([m, k], [_, n]) = (a.read_shape(), b.read_shape());
+fn call(n: usize, a: Part, b: Part, out: &CubeTensor, (first, col): (usize, usize)) -> Batched {
+    let ([m, k], [_, cols]) = (a.read_shape(), b.read_shape());
     let [batch, rows, width] = out.shape().dims::<3>();
+    let fits = |p: &Part| p.first + n <= p.dims()[0];
     assert!(
-        rows == m && col + n <= width && b.read_shape()[0] == k,
-        "attention products: [{m}, {k}] @ {:?} into columns {col}.. of {:?}",
+        rows == m && col + cols <= width && b.read_shape()[0] == k && first + n <= batch,
+        "attention products: {n} x [{m}, {k}] @ {:?} into columns {col}.. of sequences \
+         {first}.. of {:?}",
         b.read_shape(),
         out.shape()
     );
+    assert!(
+        fits(&a) && fits(&b),
+        "attention products: {n} sequences past an operand"
+    );
     let c = Strided {
-        offset: col,
+        offset: first * rows * width + col,
         stride: rows * width,
         layout: Layout::RowMajor { ld: width },
     };
-    Batched::new([m, k, n], a.strided(), b.strided(), c, batch)
+    Batched::new([m, k, cols], a.strided(), b.strided(), c, n)
         .expect("a row-major output is a BLAS output")
 }
 
-/// `out` with `alpha a_s @ b_s` written into its columns `col..` of each sequence `s`: by one
-/// cuBLAS call in place where cuBLAS takes it, else by Burn's `matmul` and `slice_assign`.
-fn product(a: Part, b: Part, alpha: f32, out: CubeTensor, col: usize) -> CubeTensor {
+/// `out` with `alpha a_s @ b_s` written into columns `col..` of its sequence `first + s`, for
+/// `n` sequences `s`: by one cuBLAS call in place where cuBLAS takes it, else by Burn's `matmul`
+/// and `slice_assign`.
+fn product(
+    n: usize,
+    a: Part,
+    b: Part,
+    alpha: f32,
+    out: CubeTensor,
+    (first, col): (usize, usize),
+) -> CubeTensor {
     #[cfg(feature = "cublas")]
-    if super::cublas::batched_product(&call(a, b, &out, col), [a.x, b.x, &out], alpha) {
+    if super::cublas::batched_product(&call(n, a, b, &out, (first, col)), [a.x, b.x, &out], alpha) {
         return out;
     }
     type Ops = CubeBackend;
     let view = |p: Part| {
-        let [bs, rows, _] = p.dims();
+        let rows = p.dims()[1];
         let x = <Ops as FloatTensorOps<Ops>>::float_slice(
             p.x.clone(),
             &[
-                Slice::from(0..bs),
+                Slice::from(p.first..p.first + n),
                 Slice::from(0..rows),
                 Slice::from(p.col..p.col + p.cols),
             ],
@@ -275,23 +325,24 @@ fn product(a: Part, b: Part, alpha: f32, out: CubeTensor, col: usize) -> CubeTen
     if alpha != 1.0 {
         c = <Ops as FloatTensorOps<Ops>>::float_mul_scalar(c, alpha.into());
     }
-    let [bs, rows, _] = out.shape().dims::<3>();
-    let n = b.read_shape()[1];
+    let rows = out.shape()[1];
+    let cols = b.read_shape()[1];
     <Ops as FloatTensorOps<Ops>>::float_slice_assign(
         out,
         &[
-            Slice::from(0..bs),
+            Slice::from(first..first + n),
             Slice::from(0..rows),
-            Slice::from(col..col + n),
+            Slice::from(col..col + cols),
         ],
         c,
     )
 }
 
-/// The kernels between the products, over one head `h` of `H`: rows `r = s * T + i` of the
-/// head's `[B, T, T]` buffers (sequence `s`, query `i`, key `j` along the row). Weight `(i, j)`
-/// of that head is element `((s * H + h) * T + i) * T + j` of the dropout mask, as in the fused
-/// kernels, and `L` is read from and written to `lse[(s * H + h) * T + i]`.
+/// The kernels between the products, over one head `h` of `H` and the sequences from `first` on:
+/// rows `r = s * T + i` of the call's `[n, T, T]` buffers (query `i` of sequence `first + s`,
+/// key `j` along the row; `rows` or `elements` of them in this call). Weight `(i, j)` of that
+/// head is element `(((first + s) * H + h) * T + i) * T + j` of the dropout mask, as in the fused
+/// kernels, and `L` is read from and written to `lse[((first + s) * H + h) * T + i]`.
 mod kernels {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
@@ -310,17 +361,19 @@ mod kernels {
         seed: &Tensor<F>,
         threshold: u32,
         keep_scale: f32,
+        rows: usize,
+        first: usize,
         h: usize,
         heads: usize,
         #[comptime] dropout: bool,
     ) {
         let t = s.shape(1);
         let r = cube_row();
-        if r >= s.shape(0) * t {
+        if r >= rows {
             terminate!();
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
-        let (seq, i) = (r / t, r % t);
+        let (seq, i) = (first + r / t, r % t);
         let at = r * t;
         let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
         let mut max = F::min_value();
@@ -359,17 +412,19 @@ mod kernels {
         w: &mut Tensor<F>,
         threshold: u32,
         keep_scale: f32,
+        elements: usize,
+        first: usize,
         h: usize,
         heads: usize,
         #[comptime] dropout: bool,
     ) {
         let e = ABSOLUTE_POS;
-        if e >= w.len() {
+        if e >= elements {
             terminate!();
         }
         let t = s.shape(1);
         let (r, j) = (e / t, e % t);
-        let (seq, i) = (r / t, r % t);
+        let (seq, i) = (first + r / t, r % t);
         let row = (seq * heads + h) * t + i;
         let mut value = F::new(0.0);
         if j <= i {
@@ -391,17 +446,19 @@ mod kernels {
         g: &mut Tensor<F>,
         threshold: u32,
         keep_scale: f32,
+        rows: usize,
+        first: usize,
         h: usize,
         heads: usize,
         #[comptime] dropout: bool,
     ) {
         let t = s.shape(1);
         let r = cube_row();
-        if r >= s.shape(0) * t {
+        if r >= rows {
             terminate!();
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
-        let (seq, i) = (r / t, r % t);
+        let (seq, i) = (first + r / t, r % t);
         let at = r * t;
         let row = (seq * heads + h) * t + i;
         let l = lse[row];
@@ -425,7 +482,7 @@ mod kernels {
 }
 
 #[cfg(all(test, feature = "wgpu"))]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use burn::backend::{BackendTensor, DispatchTensorKind};
     use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
@@ -440,13 +497,19 @@ mod tests {
         }
     }
 
-    /// Every product the two passes make, with each head's columns: the call handed to cuBLAS,
-    /// computed on the host as BLAS computes it ([`Batched::reference`]), writes each sequence's
-    /// product of the right matrices into the right columns and nothing else; and the path
+    thread_local! {
+        /// Sequences per call of this thread's products when set (0: the rule).
+        pub(crate) static SEQUENCES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// Every product the two passes make, with each head's columns, for all sequences in one
+    /// call and for the second sequence alone: the call handed to cuBLAS, computed on the host
+    /// as BLAS computes it ([`Batched::reference`]), writes each sequence's product of the right
+    /// matrices into the right columns of the right sequence and nothing else; and the path
     /// taken without cuBLAS (Burn's `matmul`, on wgpu) gives the same tensor.
     #[test]
     fn each_call_reads_and_writes_a_heads_matrices_where_they_lie() {
-        let (b, t, heads, k) = (2, 5, 2, 3);
+        let (b, t, heads, k) = (3, 5, 2, 3);
         let d = heads * k;
         let values = |n: usize, seed: usize| -> Vec<f32> {
             (0..n)
@@ -474,59 +537,61 @@ mod tests {
         let at = |p: &Part, s: usize, i: usize, j: usize| {
             let [_, rows, width] = p.dims();
             let (r, c) = if p.transposed { (j, i) } else { (i, j) };
-            host(p.x)[s * rows * width + r * width + p.col + c]
+            host(p.x)[(p.first + s) * rows * width + r * width + p.col + c]
         };
-        for h in 0..heads {
-            let (q, keys, values_h, dout) = (
-                Part::cols(&qkv, h * k, k),
-                Part::cols(&qkv, d + h * k, k),
-                Part::cols(&qkv, 2 * d + h * k, k),
-                Part::cols(&grad, h * k, k),
-            );
-            let sq = Part::all(&square);
-            // (a, b, alpha, output's width, output's column)
-            let products = [
-                (q, keys.t(), 0.5, t, 0),
-                (sq, values_h, 1.0, d, h * k),
-                (sq.t(), dout, 1.0, 3 * d, 2 * d + h * k),
-                (dout, values_h.t(), 1.0, t, 0),
-                (sq, keys, 0.5, 3 * d, h * k),
-                (sq.t(), q, 0.5, 3 * d, d + h * k),
-            ];
-            for (n, (a, bb, alpha, width, col)) in products.into_iter().enumerate() {
-                let out = cube(&vec![0.0; b * t * width], [b, t, width]);
-                let batched = call(a, bb, &out, col);
-                let mut blas = vec![f32::NAN; b * t * width];
-                batched.reference(host(a.x), host(bb.x), &mut blas, alpha);
-                let ([m, inner], [_, cols]) = (a.read_shape(), bb.read_shape());
-                for s in 0..b {
-                    for i in 0..m {
-                        for j in 0..width {
-                            let got = blas[(s * t + i) * width + j];
-                            if !(col..col + cols).contains(&j) {
-                                assert!(
-                                    got.is_nan(),
-                                    "head {h}, product {n}: wrote ({s}, {i}, {j})"
-                                );
-                                continue;
+        for (first, n) in [(0, b), (1, 1)] {
+            for h in 0..heads {
+                let (q, keys, values_h, dout) = (
+                    Part::cols(&qkv, h * k, k).from(first),
+                    Part::cols(&qkv, d + h * k, k).from(first),
+                    Part::cols(&qkv, 2 * d + h * k, k).from(first),
+                    Part::cols(&grad, h * k, k).from(first),
+                );
+                // The square buffers hold the call's sequences from their first one.
+                let sq = Part::all(&square);
+                // (a, b, alpha, output's width, output's first sequence and column)
+                let products = [
+                    (q, keys.t(), 0.5, t, (0, 0)),
+                    (sq, values_h, 1.0, d, (first, h * k)),
+                    (sq.t(), dout, 1.0, 3 * d, (first, 2 * d + h * k)),
+                    (dout, values_h.t(), 1.0, t, (0, 0)),
+                    (sq, keys, 0.5, 3 * d, (first, h * k)),
+                    (sq.t(), q, 0.5, 3 * d, (first, d + h * k)),
+                ];
+                for (p, (a, bb, alpha, width, (to, col))) in products.into_iter().enumerate() {
+                    let what = format!("sequences {first}.. ({n}), head {h}, product {p}");
+                    let out = cube(&vec![0.0; b * t * width], [b, t, width]);
+                    let batched = call(n, a, bb, &out, (to, col));
+                    let mut blas = vec![f32::NAN; b * t * width];
+                    batched.reference(host(a.x), host(bb.x), &mut blas, alpha);
+                    let ([m, inner], [_, cols]) = (a.read_shape(), bb.read_shape());
+                    for s in 0..b {
+                        for i in 0..m {
+                            for j in 0..width {
+                                let got = blas[(s * t + i) * width + j];
+                                if !(to..to + n).contains(&s) || !(col..col + cols).contains(&j) {
+                                    assert!(got.is_nan(), "{what}: wrote ({s}, {i}, {j})");
+                                    continue;
+                                }
+                                let want: f32 = alpha
+                                    * (0..inner)
+                                        .map(|x| at(&a, s - to, i, x) * at(&bb, s - to, x, j - col))
+                                        .sum::<f32>();
+                                assert_eq!(got, want, "{what}: ({s}, {i}, {j})");
                             }
-                            let want: f32 = alpha
-                                * (0..inner)
-                                    .map(|p| at(&a, s, i, p) * at(&bb, s, p, j - col))
-                                    .sum::<f32>();
-                            assert_eq!(got, want, "head {h}, product {n}: ({s}, {i}, {j})");
                         }
                     }
-                }
-                let burn = burn_cubecl::ops::into_data_sync(product(a, bb, alpha, out, col))
-                    .try_to_vec::<f32>()
-                    .unwrap();
-                for (e, (x, y)) in burn.iter().zip(&blas).enumerate() {
-                    let y = if y.is_nan() { 0.0 } else { *y };
-                    assert!(
-                        (x - y).abs() <= 1e-4 * y.abs().max(1.0),
-                        "head {h}, product {n}, element {e}: Burn's {x}, BLAS's {y}"
-                    );
+                    let burn = product(n, a, bb, alpha, out, (to, col));
+                    let burn = burn_cubecl::ops::into_data_sync(burn)
+                        .try_to_vec::<f32>()
+                        .unwrap();
+                    for (e, (x, y)) in burn.iter().zip(&blas).enumerate() {
+                        let y = if y.is_nan() { 0.0 } else { *y };
+                        assert!(
+                            (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                            "{what}, element {e}: Burn's {x}, BLAS's {y}"
+                        );
+                    }
                 }
             }
         }
