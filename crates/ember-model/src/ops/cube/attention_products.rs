@@ -5,13 +5,13 @@
 //!
 //! On CUDA the products are cuBLAS's (TF32 tensor cores, as PyTorch's attention uses for `f32`),
 //! which ember's own kernels do not reach: on an H200, the fused backward pass took 1057 µs per
-//! layer of nanoGPT's GPU config against about 250 µs computed for these products and kernels
-//! (docs/benchmarks.md). Each head's matrices are read and written where they lie in the
+//! layer of nanoGPT's GPU config against about 290 µs computed for these products and kernels
+//! (docs/benchmarks.md; not measured yet). Each head's matrices are read and written where they lie in the
 //! projection `[B, T, 3D]`, its gradient and the output `[B, T, D]` (rows `3D` or `D` apart,
 //! sequences `T` rows apart: one strided batched call per product and head, batched over the
 //! sequences), so nothing is copied; one head's scores `[B, T, T]` are the only extra memory
 //! (two such buffers in the backward pass: 32 MiB for nanoGPT's GPU config in `f32`), reused
-//! for every head.
+//! for every head, and taken a few sequences at a time where one would pass 64 MiB.
 //!
 //! Per head `h`, with `S = scale Q K^T` (scaled scores), `L` each row's log-sum-exp over the keys
 //! it sees, `P = exp(S - L)` below the diagonal (0 above) and `M` the dropout factors (the
