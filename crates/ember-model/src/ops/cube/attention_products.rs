@@ -18,9 +18,9 @@
 //! fused kernels' hashed mask, the same element for element):
 //!
 //! - forward: `S`; kernel: `L`, and `P M` in place of `S`; `O = (P M) V`;
-//! - backward: `S` again; kernel: `P M`; `dV = (P M)^T dO`; `dG = dO V^T`; kernel: `dS = P (dG M
-//!   - delta)` in place of `dG`, `delta_i = sum_j (P M)_ij dG_ij`; `dQ = scale dS K`, `dK =
-//!   scale dS^T Q`.
+//! - backward: `S` again; kernel: `P M`; `dV = (P M)^T dO`; `dG = dO V^T`; kernel:
+//!   `dS = P (dG M - delta)` in place of `dG`, `delta_i = sum_j (P M)_ij dG_ij`;
+//!   `dQ = scale dS K`, `dK = scale dS^T Q`.
 //!
 //! Elsewhere than CUDA (and for a product cuBLAS does not take) the products are Burn's
 //! `matmul` on the same views: how the tests run this path on wgpu against the op's reference.
