@@ -72,7 +72,7 @@ pub(super) fn forward(
             );
             scores = product(n, q, keys.t(), shape.scale, scores, (0, 0));
             let (count, dim) = row_cubes(n * t);
-            kernels::weights_forward::launch::<f32>(
+            kernels::attention_weights::launch::<f32>(
                 &qkv.client,
                 count,
                 dim,
@@ -127,7 +127,7 @@ pub(super) fn backward(
             );
             scores = product(n, q, keys.t(), shape.scale, scores, (0, 0));
             let (count, dim) = launch_size(qkv, n * t * t);
-            kernels::weights_backward::launch::<f32>(
+            kernels::attention_weights_backward::launch::<f32>(
                 &qkv.client,
                 count,
                 dim,
@@ -147,7 +147,7 @@ pub(super) fn backward(
             dqkv = product(n, Part::all(&work).t(), dout, 1.0, dqkv, v_at);
             work = product(n, dout, values.t(), 1.0, work, (0, 0));
             let (count, dim) = row_cubes(n * t);
-            kernels::scores_backward::launch::<f32>(
+            kernels::attention_scores_backward::launch::<f32>(
                 &qkv.client,
                 count,
                 dim,
@@ -355,7 +355,7 @@ mod kernels {
     /// `exp(s - L)` times the dropout factor in place of `s` (0 past `i`).
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn weights_forward<F: Float>(
+    pub(super) fn attention_weights<F: Float>(
         s: &mut Tensor<F>,
         lse: &mut Tensor<F>,
         seed: &Tensor<F>,
@@ -405,7 +405,7 @@ mod kernels {
     /// the diagonal) into `w`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn weights_backward<F: Float>(
+    pub(super) fn attention_weights_backward<F: Float>(
         s: &Tensor<F>,
         lse: &Tensor<F>,
         seed: &Tensor<F>,
@@ -439,7 +439,7 @@ mod kernels {
     /// diagonal), `delta = sum_j P_j M_j g_j`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn scores_backward<F: Float>(
+    pub(super) fn attention_scores_backward<F: Float>(
         s: &Tensor<F>,
         lse: &Tensor<F>,
         seed: &Tensor<F>,
