@@ -31,7 +31,9 @@
 # kernel's part, `f32:-cublas,-split-k` for cubek's products in one piece, `f32:-cublas:4
 # f32:-cublas:16` for cubek's weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
-# the precision of `full` (f32 or bf16, default f32); PROFILE_STEPS the steps `profile` times
+# the precision of `full` and `memory` (f32 or bf16, default f32); MEMORY_RUNS the runs of `memory`,
+# each EMBER_GPU_KERNELS:persistent_memory (cubecl's setting; default `on:enabled on:size-match
+# -attention-products:enabled`); PROFILE_STEPS the steps `profile` times
 # (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and PyTorch run on an
 # NVIDIA GPU also prints the most GPU memory its process held (nvidia-smi, polled every 0.2 s:
 # the same yardstick for both, CUDA context included). STAGES the stages of `all`, each
@@ -323,23 +325,31 @@ kernels() {
 # PyTorch's run with its two figures. The run starts in its own folder, where a cubecl.toml
 # turns the memory log on (the log slows the run: its times are not speeds).
 memory() {
-    local root dir
+    # Each of MEMORY_RUNS (default `on:enabled on:size-match -attention-products:enabled`), as
+    # EMBER_GPU_KERNELS:cubecl's persistent_memory setting (`size-match` serves allocations of a
+    # weight's size, the recurring ones of training, from exact-sized pools), then PyTorch.
+    local root dir run kernels pools
     root=$(pwd)
     absolute() { case $1 in /*) echo "$1" ;; *) echo "$root/$1" ;; esac }
-    dir="$RUNS/memory"
-    rm -rf "$dir"
-    mkdir -p "$dir"
-    # The config's data paths are relative to the repository.
-    ln -s "$root/data" "$dir/data"
-    printf '[memory.logger]\nlevel = "full"\nfile = "cubecl-memory.log"\n' >"$dir/cubecl.toml"
-    (
-        cd "$dir"
-        logged train.log "$(absolute "$EMBER")" train --config "$(absolute "$CONFIG")" \
-            --device "$DEVICE" --out run --stop-after "${STEPS_MEMORY:-10}" \
-            --set "training.precision=\"${PRECISION:-f32}\""
-        grep -E "^(peak|GPU memory)" train.log
-        "$PYTHON" "$root/scripts/memory-log.py" cubecl-memory.log
-    )
+    for run in ${MEMORY_RUNS:-on:enabled on:size-match -attention-products:enabled}; do
+        IFS=: read -r kernels pools <<<"$run"
+        echo "== memory: EMBER_GPU_KERNELS=$kernels, persistent_memory=${pools:-enabled}"
+        dir="$RUNS/memory"
+        rm -rf "$dir"
+        mkdir -p "$dir"
+        # The config's data paths are relative to the repository.
+        ln -s "$root/data" "$dir/data"
+        printf '[memory]\npersistent_memory = "%s"\n\n[memory.logger]\nlevel = "full"\nfile = "cubecl-memory.log"\n' \
+            "${pools:-enabled}" >"$dir/cubecl.toml"
+        (
+            cd "$dir"
+            EMBER_GPU_KERNELS=$kernels logged train.log "$(absolute "$EMBER")" train \
+                --config "$(absolute "$CONFIG")" --device "$DEVICE" --out run \
+                --stop-after "${STEPS_MEMORY:-10}" --set "training.precision=\"${PRECISION:-f32}\""
+            grep -E "^(peak|GPU memory)" train.log
+            "$PYTHON" "$root/scripts/memory-log.py" cubecl-memory.log
+        ) || echo "FAILED: memory run $run"
+    done
     precision=$(torch_f32)
     [ "${PRECISION:-f32}" = bf16 ] && precision=bf16
     torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384

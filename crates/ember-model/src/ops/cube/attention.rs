@@ -2393,23 +2393,12 @@ mod tests {
             (1, 40, 1, 128, 0.0, 0),
         ] {
             SEQUENCES.set(per_call);
-            let d = heads * k;
-            let draw = |dims: [usize; 3]| {
-                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
-            };
-            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
             let seed = 0.125_f32;
-            let factors = dropout_factors(b, heads, t, seed, p);
-            agrees_on(
+            agrees_with_the_masked_reference(
                 &device,
-                &x,
-                &g,
-                |qkv| {
-                    let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
-                    seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
-                },
-                |qkv| masked_reference(qkv, heads, &factors),
-                1e-4,
+                [b, t, heads, k],
+                seed,
+                p,
                 &format!(
                     "products, dropout {p}, {b}x{t}, {heads} heads of {k}, {per_call} per call"
                 ),
@@ -2448,23 +2437,12 @@ mod tests {
             FORCED_GROUP.store(group, Ordering::Relaxed);
             for (b, t, heads, k, p) in [(2, 9, 3, 4, 0.0), (1, 45, 2, 16, 0.0), (1, 70, 2, 8, 0.25)]
             {
-                let d = heads * k;
-                let draw = |dims: [usize; 3]| {
-                    Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
-                };
-                let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
                 let seed = 0.25_f32;
-                let factors = dropout_factors(b, heads, t, seed, p);
-                agrees_on(
+                agrees_with_the_masked_reference(
                     &device,
-                    &x,
-                    &g,
-                    |qkv| {
-                        let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
-                        seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
-                    },
-                    |qkv| masked_reference(qkv, heads, &factors),
-                    1e-4,
+                    [b, t, heads, k],
+                    seed,
+                    p,
                     &format!("groups of {group}, dropout {p}, {b}x{t}, {heads} heads of {k}"),
                 );
             }
@@ -2507,23 +2485,12 @@ mod tests {
             (2, 150, 2, 64, 0.0),
             (1, 200, 1, 64, 0.25),
         ] {
-            let d = heads * k;
-            let draw = |dims: [usize; 3]| {
-                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
-            };
-            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
             let seed = 0.75_f32;
-            let factors = dropout_factors(b, heads, t, seed, p);
-            agrees_on(
+            agrees_with_the_masked_reference(
                 &device,
-                &x,
-                &g,
-                |qkv| {
-                    let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
-                    seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
-                },
-                |qkv| masked_reference(qkv, heads, &factors),
-                1e-4,
+                [b, t, heads, k],
+                seed,
+                p,
                 &format!("tiled, dropout {p}, {b}x{t}, {heads} heads of {k}"),
             );
         }
@@ -2542,6 +2509,37 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The op with dropout `p` by the mask of `seed` (0 for none) against the reference with
+    /// the same mask applied to its weights (rebuilt on the host from the kernels' hash), on
+    /// random `[B, T, 3D]` inputs of `heads` heads of `k`: output and gradient, plain, under
+    /// autodiff and with checkpointing ([`agrees_on`], to 1e-4 of the largest value).
+    fn agrees_with_the_masked_reference(
+        device: &Device,
+        [b, t, heads, k]: [usize; 4],
+        seed: f32,
+        p: f32,
+        what: &str,
+    ) {
+        let d = heads * k;
+        let draw = |dims: [usize; 3]| {
+            Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), device).into_data()
+        };
+        let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+        let factors = dropout_factors(b, heads, t, seed, p);
+        agrees_on(
+            device,
+            &x,
+            &g,
+            |qkv| {
+                let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
+                seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
+            },
+            |qkv| masked_reference(qkv, heads, &factors),
+            1e-4,
+            what,
+        );
     }
 
     /// The reference attention of `qkv` `[B, T, 3D]` with each weight multiplied by its
@@ -2665,22 +2663,11 @@ mod tests {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
         let (seed, p) = (0.6180339_f32, 0.25_f32);
         for (b, t, heads, k) in [(2, 9, 3, 4), (1, 45, 2, 16), (1, 70, 2, 8)] {
-            let d = heads * k;
-            let draw = |dims: [usize; 3]| {
-                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
-            };
-            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
-            let factors = dropout_factors(b, heads, t, seed, p);
-            agrees_on(
+            agrees_with_the_masked_reference(
                 &device,
-                &x,
-                &g,
-                |qkv| {
-                    let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
-                    seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
-                },
-                |qkv| masked_reference(qkv, heads, &factors),
-                1e-4,
+                [b, t, heads, k],
+                seed,
+                p,
                 &format!("dropout {p}, {b}x{t}, {heads} heads of {k}"),
             );
         }
