@@ -250,7 +250,34 @@ fn op(transposed: bool) -> sys::cublasOperation_t {
 /// and the device addresses of `out`'s and `inputs`' buffers; false where the buffers are not
 /// CUDA's, the driver refuses, or `call` does. With [`crate::ops::external_launches`] observing,
 /// the call is timed on the stream as one launch named `name`.
+///
+/// It runs on CubeCL's device thread, in one blocking round trip: the kernels launched before
+/// it (queued for that thread) are on the stream first, so the call runs after them in the
+/// stream's order, and the three buffers' lookups run there at once (each is a blocking round
+/// trip of its own from another thread).
 fn enqueue(
+    name: &'static str,
+    out: &CubeTensor,
+    inputs: [&CubeTensor; 2],
+    call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool + Send,
+) -> bool {
+    let client = out.client.clone();
+    // The call is handed back where the device thread could not be taken (it ran nothing), and
+    // then runs here, each lookup a round trip.
+    let call = std::sync::Mutex::new(Some(call));
+    let on_device = client.exclusive(|| {
+        let call = call.lock().unwrap_or_else(|e| e.into_inner()).take();
+        call.map(|call| enqueue_here(name, out, inputs, call))
+    });
+    match (on_device, call.into_inner().unwrap_or_else(|e| e.into_inner())) {
+        (Ok(Some(done)), _) => done,
+        (_, Some(call)) => enqueue_here(name, out, inputs, call),
+        _ => false,
+    }
+}
+
+/// [`enqueue`] on the calling thread.
+fn enqueue_here(
     name: &'static str,
     out: &CubeTensor,
     inputs: [&CubeTensor; 2],
