@@ -131,12 +131,14 @@ check() {
         grep -E "^(step .*val|done)" "$RUNS/tiny-$dev.log"
     done
     if [ "$DEVICE" = cuda ]; then
-        # The same run with cubek's products in place of cuBLAS's (both TF32): the same initial
-        # weights and batches, so the losses differ only by the products' rounding.
+        # The same run with cubek's products in place of cuBLAS's and the fused attention kernels
+        # in place of the attention's cuBLAS products (all TF32 but the fused kernels' plain f32):
+        # the same initial weights and batches, so the losses differ only by rounding. A warning
+        # line with "cuBLAS" (a failed start-up check) is printed below.
         rm -rf "$RUNS/tiny-cubek"
         EMBER_GPU_KERNELS=-cublas logged "$RUNS/tiny-cubek.log" \
             "$EMBER" train --config configs/tiny.toml --device cuda --out "$RUNS/tiny-cubek"
-        echo "the cuda run again with cubek's products (EMBER_GPU_KERNELS=-cublas):"
+        echo "the cuda run again with cubek's products and the fused attention (EMBER_GPU_KERNELS=-cublas):"
         grep -E "^(step .*val|done)" "$RUNS/tiny-cubek.log"
         grep -i "cublas" "$RUNS/tiny-cuda.log" || true
     fi
