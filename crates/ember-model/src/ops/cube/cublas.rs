@@ -269,7 +269,10 @@ fn enqueue(
         let call = call.lock().unwrap_or_else(|e| e.into_inner()).take();
         call.map(|call| enqueue_here(name, out, inputs, call))
     });
-    match (on_device, call.into_inner().unwrap_or_else(|e| e.into_inner())) {
+    match (
+        on_device,
+        call.into_inner().unwrap_or_else(|e| e.into_inner()),
+    ) {
         (Ok(Some(done)), _) => done,
         (_, Some(call)) => enqueue_here(name, out, inputs, call),
         _ => false,
