@@ -63,8 +63,8 @@ pub enum GpuKernel {
     /// of its output) for head sizes 32 and 64; off, or for other sizes, one row per unit.
     AttentionTiles,
     /// Not a kernel of its own: on CUDA with cuBLAS (and `cublas` on), the training attention's
-    /// forward and backward passes as cuBLAS's batched products over one head's stored scores, with two
-    /// small kernels between them (`ops/cube/attention_products`); off, the fused kernels.
+    /// forward and backward passes as cuBLAS's batched products over one head's stored scores,
+    /// with small kernels between them (`ops/cube/attention_products`); off, the fused kernels.
     AttentionProducts,
 }
 

@@ -1,5 +1,5 @@
 //! The training attention's two passes (the op of [`super::attention`]) as batched matrix
-//! products, one head at a time, with two small kernels over that head's scores between them:
+//! products, one head at a time, with small kernels over that head's scores between them:
 //! the textbook `softmax(Q K^T / sqrt(K)) V` with its `[T, T]` scores stored, where the fused
 //! kernels never store them.
 //!
