@@ -774,17 +774,17 @@ fn cast_to<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
 const CACHED_UNITS: usize = 128;
 
 /// The sizes of one call of the training kernels.
-struct Dims {
-    b: usize,
-    t: usize,
-    d: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) t: usize,
+    pub(super) d: usize,
     heads: usize,
 }
 
 impl Dims {
-    fn of(qkv: &CubeTensor, heads: usize) -> Self {
+    pub(super) fn of(qkv: &CubeTensor, heads: usize) -> Self {
         let [b, t, d3] = qkv.shape().dims::<3>();
-        assert_eq!(qkv.dtype(), DType::F32, "fused attention kernels: f32 only");
+        assert_eq!(qkv.dtype(), DType::F32, "attention kernels: f32 only");
         Dims {
             b,
             t,
@@ -793,11 +793,11 @@ impl Dims {
         }
     }
 
-    fn k(&self) -> usize {
+    pub(super) fn k(&self) -> usize {
         self.d / self.heads
     }
 
-    fn scale(&self) -> f32 {
+    pub(super) fn scale(&self) -> f32 {
         1.0 / (self.k() as f32).sqrt()
     }
 
@@ -2412,12 +2412,7 @@ mod tests {
     /// products are Burn's.
     #[test]
     fn the_products_check_passes_on_wgpu() {
-        use burn::backend::{BackendTensor, DispatchTensorKind};
-        let device = Device::wgpu(DeviceKind::DefaultDevice);
-        let like = match Tensor::<1>::zeros([1], &device).into_dispatch().kind {
-            DispatchTensorKind::Cube(BackendTensor::Float(x)) => x,
-            _ => panic!("a wgpu tensor is CubeCL's"),
-        };
+        let like = crate::ops::cube::attention_products::tests::cube(&[0.0], [1, 1, 1]);
         products_agree(&like).unwrap();
     }
 

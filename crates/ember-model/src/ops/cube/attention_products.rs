@@ -25,11 +25,12 @@
 //! Elsewhere than CUDA (and for a product cuBLAS does not take) the products are Burn's
 //! `matmul` on the same views: how the tests run this path on wgpu against the op's reference.
 
+use super::attention::Dims;
 use crate::ops::blas::{Batched, Layout, Strided};
 use crate::ops::cube::{ROW_UNITS, launch_size, row_cubes};
 use burn::backend::TensorMetadata;
 use burn::backend::ops::FloatTensorOps;
-use burn::tensor::{DType, Slice};
+use burn::tensor::Slice;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 
@@ -56,21 +57,21 @@ pub(super) fn forward(
     heads: usize,
     dropout: f32,
 ) -> (CubeTensor, CubeTensor) {
-    let shape = Shape::of(qkv, heads);
-    let (d, k, t) = (shape.d, shape.k, shape.t);
-    let mut out = super::empty(qkv, [shape.b, t, d]);
-    let lse = super::empty(qkv, [shape.b, heads, t]);
-    let per_call = sequences_per_call(shape.b, t);
+    let dims = Dims::of(qkv, heads);
+    let (d, k, t, scale) = (dims.d, dims.k(), dims.t, dims.scale());
+    let mut out = super::empty(qkv, [dims.b, t, d]);
+    let lse = super::empty(qkv, [dims.b, heads, t]);
+    let per_call = sequences_per_call(dims.b, t);
     let mut scores = super::empty(qkv, [per_call, t, t]);
-    for first in (0..shape.b).step_by(per_call) {
-        let n = per_call.min(shape.b - first);
+    for first in (0..dims.b).step_by(per_call) {
+        let n = per_call.min(dims.b - first);
         for h in 0..heads {
             let (q, keys, values) = (
                 Part::cols(qkv, h * k, k).from(first),
                 Part::cols(qkv, d + h * k, k).from(first),
                 Part::cols(qkv, 2 * d + h * k, k).from(first),
             );
-            scores = product(n, q, keys.t(), shape.scale, scores, (0, 0));
+            scores = product(n, q, keys.t(), scale, scores, (0, 0));
             let (count, dim) = row_cubes(n * t);
             kernels::attention_weights::launch::<f32>(
                 &qkv.client,
@@ -104,11 +105,11 @@ pub(super) fn backward(
     heads: usize,
     dropout: f32,
 ) -> CubeTensor {
-    let shape = Shape::of(qkv, heads);
-    let (d, k, t) = (shape.d, shape.k, shape.t);
-    let per_call = sequences_per_call(shape.b, t);
+    let dims = Dims::of(qkv, heads);
+    let (d, k, t, scale) = (dims.d, dims.k(), dims.t, dims.scale());
+    let per_call = sequences_per_call(dims.b, t);
     let square = || super::empty(qkv, [per_call, t, t]);
-    let mut dqkv = super::empty(qkv, [shape.b, t, 3 * d]);
+    let mut dqkv = super::empty(qkv, [dims.b, t, 3 * d]);
     // The scores, and one buffer for the dropped weights, then their gradient `dG`, then the
     // scores' gradient: two `[B, T, T]` buffers for every head.
     let (mut scores, mut work) = (square(), square());
@@ -116,8 +117,8 @@ pub(super) fn backward(
         super::hashed_mask::threshold(dropout),
         1.0 / (1.0 - dropout),
     );
-    for first in (0..shape.b).step_by(per_call) {
-        let n = per_call.min(shape.b - first);
+    for first in (0..dims.b).step_by(per_call) {
+        let n = per_call.min(dims.b - first);
         for h in 0..heads {
             let (q, keys, values, dout) = (
                 Part::cols(qkv, h * k, k).from(first),
@@ -125,7 +126,7 @@ pub(super) fn backward(
                 Part::cols(qkv, 2 * d + h * k, k).from(first),
                 Part::cols(grad, h * k, k).from(first),
             );
-            scores = product(n, q, keys.t(), shape.scale, scores, (0, 0));
+            scores = product(n, q, keys.t(), scale, scores, (0, 0));
             let (count, dim) = launch_size(qkv, n * t * t);
             kernels::attention_weights_backward::launch::<f32>(
                 &qkv.client,
@@ -163,35 +164,11 @@ pub(super) fn backward(
                 heads,
                 dropout > 0.0,
             );
-            dqkv = product(n, Part::all(&work), keys, shape.scale, dqkv, q_at);
-            dqkv = product(n, Part::all(&work).t(), q, shape.scale, dqkv, k_at);
+            dqkv = product(n, Part::all(&work), keys, scale, dqkv, q_at);
+            dqkv = product(n, Part::all(&work).t(), q, scale, dqkv, k_at);
         }
     }
     dqkv
-}
-
-/// The sizes of one call.
-struct Shape {
-    b: usize,
-    t: usize,
-    d: usize,
-    k: usize,
-    scale: f32,
-}
-
-impl Shape {
-    fn of(qkv: &CubeTensor, heads: usize) -> Self {
-        let [b, t, d3] = qkv.shape().dims::<3>();
-        assert_eq!(qkv.dtype(), DType::F32, "attention products: f32 only");
-        let (d, k) = (d3 / 3, d3 / 3 / heads);
-        Shape {
-            b,
-            t,
-            d,
-            k,
-            scale: 1.0 / (k as f32).sqrt(),
-        }
-    }
 }
 
 /// One matrix per sequence from sequence `first` on: columns `col..col + cols` of every row of a
@@ -351,6 +328,13 @@ mod kernels {
     use crate::ops::cube::hashed_mask::Mask;
     use crate::ops::cube::{cube_row, reduce_cube};
 
+    /// The index among every sequence's and head's query rows, `(s * H + h) * T + i`, of row
+    /// `r` of the call (the dropout mask's row and `lse`'s element).
+    #[cube]
+    fn head_row(r: usize, t: usize, first: usize, h: usize, heads: usize) -> usize {
+        ((first + r / t) * heads + h) * t + r % t
+    }
+
     /// One cube per row: its log-sum-exp `L` over keys `0..=i` of the scaled scores `s`, and
     /// `exp(s - L)` times the dropout factor in place of `s` (0 past `i`).
     #[cube(launch)]
@@ -373,8 +357,7 @@ mod kernels {
             terminate!();
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
-        let (seq, i) = (first + r / t, r % t);
-        let at = r * t;
+        let (i, at, row) = (r % t, r * t, head_row(r, t, first, h, heads));
         let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
         let mut max = F::min_value();
         for j in range_stepped(u, i + 1, units) {
@@ -387,7 +370,6 @@ mod kernels {
         }
         let sum = reduce_cube::<F>(&mut scratch, sum, false);
         let l = max + F::ln(sum);
-        let row = (seq * heads + h) * t + i;
         if u == 0 {
             lse[row] = l;
         }
@@ -424,8 +406,7 @@ mod kernels {
         }
         let t = s.shape(1);
         let (r, j) = (e / t, e % t);
-        let (seq, i) = (first + r / t, r % t);
-        let row = (seq * heads + h) * t + i;
+        let (i, row) = (r % t, head_row(r, t, first, h, heads));
         let mut value = F::new(0.0);
         if j <= i {
             let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
@@ -458,9 +439,7 @@ mod kernels {
             terminate!();
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
-        let (seq, i) = (first + r / t, r % t);
-        let at = r * t;
-        let row = (seq * heads + h) * t + i;
+        let (i, at, row) = (r % t, r * t, head_row(r, t, first, h, heads));
         let l = lse[row];
         let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
         let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
@@ -488,7 +467,7 @@ pub(crate) mod tests {
     use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
 
     /// A wgpu tensor of `shape` holding `values`, as the backend's tensor.
-    fn cube(values: &[f32], shape: [usize; 3]) -> CubeTensor {
+    pub(crate) fn cube(values: &[f32], shape: [usize; 3]) -> CubeTensor {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
         let x = Tensor::<3>::from_data(TensorData::new(values.to_vec(), shape), &device);
         match x.into_dispatch().kind {

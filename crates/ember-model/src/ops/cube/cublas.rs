@@ -262,17 +262,14 @@ fn enqueue(
     call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool + Send,
 ) -> bool {
     let client = out.client.clone();
-    // The call is handed back where the device thread could not be taken (it ran nothing), and
-    // then runs here, each lookup a round trip.
-    let call = std::sync::Mutex::new(Some(call));
-    let on_device = client.exclusive(|| {
-        let call = call.lock().unwrap_or_else(|e| e.into_inner()).take();
-        call.map(|call| enqueue_here(name, out, inputs, call))
+    // Where the device thread could not be taken, it ran nothing: the call is still here, and
+    // runs on this thread, each lookup a round trip.
+    let mut call = Some(call);
+    let done = client.exclusive(|| {
+        call.take()
+            .map(|call| enqueue_here(name, out, inputs, call))
     });
-    match (
-        on_device,
-        call.into_inner().unwrap_or_else(|e| e.into_inner()),
-    ) {
+    match (done, call) {
         (Ok(Some(done)), _) => done,
         (_, Some(call)) => enqueue_here(name, out, inputs, call),
         _ => false,
