@@ -26,8 +26,9 @@
 # without its GPU kernels (EMBER_GPU_KERNELS=on/off) and with bf16 products, alternating
 # (default 1); SPEED_RUNS those runs, each PRECISION:EMBER_GPU_KERNELS[:EMBER_SPLIT_K]
 # (default `f32:on f32:-attention-products f32:-attention-products,-attention-tiles f32:-cublas
-# bf16:on bf16:-cublas`: the attention as cuBLAS's products, as the fused tiled kernels, as the
-# one-row kernels; e.g. `f32:-layer-norm f32:-norm` to time one
+# bf16:on bf16:-attention-products bf16:-cublas`: the attention as cuBLAS's products, as the
+# fused tiled kernels, as the one-row kernels, and in bf16 as products of the bf16 projection
+# or as the fused kernels on its widened copy; e.g. `f32:-layer-norm f32:-norm` to time one
 # kernel's part, `f32:-cublas,-split-k` for cubek's products in one piece, `f32:-cublas:4
 # f32:-cublas:16` for cubek's weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
@@ -200,7 +201,7 @@ speed() {
     # (ember's bf16 counterpart). A device without bf16 refuses that run in one line.
     rm -rf "$RUNS/speed"
     for round in $(seq "${ROUNDS:-1}"); do
-        for run in ${SPEED_RUNS:-f32:on f32:-attention-products f32:-attention-products,-attention-tiles f32:-cublas bf16:on bf16:-cublas}; do
+        for run in ${SPEED_RUNS:-f32:on f32:-attention-products f32:-attention-products,-attention-tiles f32:-cublas bf16:on bf16:-attention-products bf16:-cublas}; do
             IFS=: read -r precision kernels split <<<"$run"
             split=${split:-auto}
             # The first run's checkpoint stays for sampling below (a later run may be refused:

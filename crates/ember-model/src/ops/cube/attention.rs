@@ -264,7 +264,11 @@ impl AttentionKernels for CubeBackend {
         if by_products(&qkv) {
             return super::attention_products::forward(&qkv, &seed, heads, dropout);
         }
-        fused_forward(qkv, seed, heads, dropout)
+        // Mixed precision's bf16 (or f16) projection: the fused kernels read it widened (a
+        // copy that lives for the call), and the output is rounded once to its type.
+        let dtype = qkv.dtype();
+        let (out, lse) = fused_forward(wide::<Self>(qkv), seed, heads, dropout);
+        (cast_to::<Self>(out, dtype), lse)
     }
 
     fn causal_self_attention_backward(
@@ -277,10 +281,15 @@ impl AttentionKernels for CubeBackend {
         dropout: f32,
     ) -> CubeTensor {
         let [qkv, lse, grad] = [qkv, lse, grad].map(into_contiguous);
+        let dtype = qkv.dtype();
         if by_products(&qkv) {
+            let grad = cast_to::<Self>(grad, dtype);
             return super::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout);
         }
-        fused_backward(qkv, seed, into_contiguous(out), lse, grad, heads, dropout)
+        // In the projection's type, computed in f32 (widened copies for the call).
+        let [qkv, out, grad] = [qkv, into_contiguous(out), grad].map(wide::<Self>);
+        let dqkv = fused_backward(qkv, seed, out, lse, grad, heads, dropout);
+        cast_to::<Self>(dqkv, dtype)
     }
 
     fn cached_causal_attention(
@@ -332,8 +341,14 @@ fn by_products(qkv: &CubeTensor) -> bool {
 /// so once on stderr, and the fused kernels run.
 #[cfg(feature = "cublas")]
 fn products_agree_on(like: &CubeTensor) -> bool {
-    static AGREES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AGREES.get_or_init(|| match products_agree(like) {
+    // Once for each float type: f32, bf16, f16.
+    static AGREES: [std::sync::OnceLock<bool>; 3] = [const { std::sync::OnceLock::new() }; 3];
+    let slot = match like.dtype() {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        _ => 2,
+    };
+    *AGREES[slot].get_or_init(|| match products_agree(like) {
         Ok(()) => true,
         Err(why) => {
             eprintln!(
@@ -345,35 +360,44 @@ fn products_agree_on(like: &CubeTensor) -> bool {
     })
 }
 
-/// The attention as batched products against the fused kernels on `like`'s device: output,
-/// log-sum-exps and the projection's gradient of 3 sequences of 45 positions, 2 heads of 32,
-/// with dropout, within 1% of the largest value (TF32 products round to 11 bits; a wrong matrix
-/// or dropout mask is off by its whole size). The error names the first value that differs, or
-/// the failure to read one.
+/// The attention as batched products against the fused kernels on `like`'s device, in
+/// `like`'s float type: output, log-sum-exps and the projection's gradient of 3 sequences of 45
+/// positions, 2 heads of 32, with dropout, within 1% of the largest value in f32 (TF32 products
+/// round to 11 bits), 2% in bf16 or f16 (weights and outputs rounded to 8 or 11 bits, about
+/// 0.05% of the largest value in f16 on lavapipe; the fused kernels compute from the same
+/// rounded values in f32); a wrong matrix or dropout mask is off by its whole size. The error names the first value that differs, or the failure to read one.
 #[cfg_attr(not(feature = "cublas"), allow(dead_code))] // run by CUDA builds and tests
 pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
     use burn::backend::ops::FloatTensorOps;
     use burn::tensor::TensorData;
     let (b, t, heads, k, dropout) = (3, 45, 2, 32, 0.25_f32);
     let d = heads * k;
+    let dtype = like.dtype();
+    let tolerance = match dtype {
+        DType::F32 => 0.01,
+        _ => 0.02,
+    };
+    // Values of the check's type, and the same values in f32 for the fused kernels.
     let load = |n: usize, seed: usize, shape: Vec<usize>| {
         let values: Vec<f32> = (0..n)
             .map(|i| ((i * 7919 + seed) % 61) as f32 / 60.0 - 0.5)
             .collect();
-        CubeBackend::float_from_data(TensorData::new(values, shape), &like.device)
+        let x = CubeBackend::float_from_data(TensorData::new(values, shape), &like.device);
+        let narrow = cast_to::<CubeBackend>(x, dtype);
+        (narrow.clone(), wide::<CubeBackend>(narrow))
     };
-    let qkv = load(b * t * 3 * d, 1, vec![b, t, 3 * d]);
-    let grad = load(b * t * d, 2, vec![b, t, d]);
+    let (qkv, wide_qkv) = load(b * t * 3 * d, 1, vec![b, t, 3 * d]);
+    let (grad, wide_grad) = load(b * t * d, 2, vec![b, t, d]);
     let seed = CubeBackend::float_from_data(TensorData::new(vec![0.375_f32], [1]), &like.device);
     let (out, lse) = super::attention_products::forward(&qkv, &seed, heads, dropout);
     let dqkv = super::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout);
-    let (fused_out, fused_lse) = fused_forward(qkv.clone(), seed.clone(), heads, dropout);
+    let (fused_out, fused_lse) = fused_forward(wide_qkv.clone(), seed.clone(), heads, dropout);
     let fused_dqkv = fused_backward(
-        qkv,
+        wide_qkv,
         seed,
         fused_out.clone(),
         fused_lse.clone(),
-        grad,
+        wide_grad,
         heads,
         dropout,
     );
@@ -383,17 +407,19 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
         ("gradient", dqkv, fused_dqkv),
     ] {
         let read = |x: CubeTensor| {
-            burn_cubecl::ops::into_data_sync(x)
+            burn_cubecl::ops::into_data_sync(wide::<CubeBackend>(x))
                 .try_to_vec::<f32>()
                 .map_err(|e| format!("reading the {what} back: {e:?}"))
         };
         let (ours, fused) = (read(ours)?, read(fused)?);
         let scale = fused.iter().fold(1f32, |m, v| m.max(v.abs()));
         for (i, (p, q)) in ours.iter().zip(&fused).enumerate() {
-            let close = (p - q).abs() <= 0.01 * scale;
+            let close = (p - q).abs() <= tolerance * scale;
             // A NaN is never close.
             if !close {
-                return Err(format!("{what} value {i} is {p}, the fused kernels' {q}"));
+                return Err(format!(
+                    "{dtype:?} {what} value {i} is {p}, the fused kernels' {q}"
+                ));
             }
         }
     }
@@ -407,6 +433,7 @@ fn fused_forward(
     heads: usize,
     dropout: f32,
 ) -> (CubeTensor, CubeTensor) {
+    assert_eq!(qkv.dtype(), DType::F32, "fused attention kernels: f32 only");
     let dims = Dims::of(&qkv, heads);
     let out = super::empty(&qkv, [dims.b, dims.t, dims.d]);
     let lse = super::empty(&qkv, [dims.b, heads, dims.t]);
@@ -468,6 +495,7 @@ fn fused_backward(
     heads: usize,
     dropout: f32,
 ) -> CubeTensor {
+    assert_eq!(qkv.dtype(), DType::F32, "fused attention kernels: f32 only");
     let dims = Dims::of(&qkv, heads);
     let dqkv = super::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
     let delta = super::empty(&qkv, [dims.b, heads, dims.t]);
@@ -646,11 +674,11 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
         heads: usize,
         dropout: f32,
     ) -> FloatTensor<Self> {
-        // A bf16 (or f16) projection, mixed precision's: the kernels read it widened to f32
-        // (a copy that lives for the call), and the op keeps it and its output in its own type,
-        // the output rounded once, as PyTorch's autocast keeps them.
+        // A bf16 (or f16) projection, mixed precision's: the op keeps it and its output in its
+        // own type (the output rounded once), as PyTorch's autocast keeps them; the passes
+        // compute in f32 (the batched products from the narrow matrices, the fused kernels from
+        // widened copies).
         let seed = Self::inner(seed);
-        let dtype = qkv.dtype();
         match FusedAttention
             .prepare::<C>([qkv.node()])
             .compute_bound()
@@ -658,19 +686,14 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
         {
             OpsKind::Tracked(prep) => {
                 let qkv = qkv.into_primitive();
-                let (out, lse) = B::causal_self_attention_forward(
-                    wide::<B>(qkv.clone()),
-                    seed.clone(),
-                    heads,
-                    dropout,
-                );
-                let out = cast_to::<B>(out, dtype);
+                let (out, lse) =
+                    B::causal_self_attention_forward(qkv.clone(), seed.clone(), heads, dropout);
                 prep.finish((qkv, seed, out.clone(), lse, heads, dropout), out)
             }
             OpsKind::UnTracked(prep) => {
-                let qkv = wide::<B>(qkv.into_primitive());
-                let out = B::causal_self_attention_forward(qkv, seed, heads, dropout).0;
-                prep.finish(cast_to::<B>(out, dtype))
+                let out =
+                    B::causal_self_attention_forward(qkv.into_primitive(), seed, heads, dropout).0;
+                prep.finish(out)
             }
         }
     }
@@ -748,11 +771,8 @@ impl<B: AttentionKernels> Backward<B, 1> for FusedAttention {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (qkv, seed, out, lse, heads, dropout) = ops.state;
         // In the projection's type (f32, or mixed precision's bf16), computed in f32.
-        let dtype = qkv.dtype();
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            let [qkv, out, grad] = [qkv, out, grad].map(wide::<B>);
-            let dqkv = B::causal_self_attention_backward(qkv, seed, out, lse, grad, heads, dropout);
-            cast_to::<B>(dqkv, dtype)
+            B::causal_self_attention_backward(qkv, seed, out, lse, grad, heads, dropout)
         });
     }
 }
@@ -784,7 +804,11 @@ pub(super) struct Dims {
 impl Dims {
     pub(super) fn of(qkv: &CubeTensor, heads: usize) -> Self {
         let [b, t, d3] = qkv.shape().dims::<3>();
-        assert_eq!(qkv.dtype(), DType::F32, "attention kernels: f32 only");
+        assert!(
+            matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16),
+            "attention kernels: f32, bf16 or f16, not {:?}",
+            qkv.dtype()
+        );
         Dims {
             b,
             t,
@@ -2409,11 +2433,74 @@ mod tests {
     }
 
     /// The check CUDA runs before the attention takes the products passes on wgpu, where the
-    /// products are Burn's.
+    /// products are Burn's: in f32, and in f16 (lavapipe has no bf16).
     #[test]
     fn the_products_check_passes_on_wgpu() {
         let like = crate::ops::cube::attention_products::tests::cube(&[0.0], [1, 1, 1]);
         products_agree(&like).unwrap();
+        let narrow = cast_to::<CubeBackend>(like, DType::F16);
+        products_agree(&narrow).unwrap();
+    }
+
+    /// Mixed precision's f16 projection (lavapipe has no bf16; the path is the same) through the
+    /// batched products under autodiff, with dropout and without, all sequences per call and
+    /// one: the output stays f16, and output and gradient are near the reference's in f32 on
+    /// the same values with the same mask (the weights and outputs rounded to f16, the rest
+    /// computed in f32). A wrong matrix, mask or type is off by far more.
+    #[test]
+    fn narrow_products_stay_narrow_near_the_reference_on_wgpu() {
+        use crate::ops::cube::attention_products::tests::SEQUENCES;
+        use burn::tensor::FloatDType;
+        let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        let normal = Distribution::Normal(0.0, 1.0);
+        PRODUCTS.set(true);
+        for (b, t, heads, k, p, per_call) in [
+            (2, 45, 3, 8, 0.0, 0),
+            (3, 37, 2, 16, 0.25, 1),
+            (1, 70, 1, 64, 0.25, 0),
+        ] {
+            SEQUENCES.set(per_call);
+            let what = format!("f16 products, dropout {p}, {b}x{t}, {heads} heads of {k}");
+            let d = heads * k;
+            // Values f16 holds exactly, so both sides start from the same numbers.
+            let exact = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, normal, &device)
+                    .cast(FloatDType::F16)
+                    .cast(FloatDType::F32)
+                    .into_data()
+            };
+            let (x, g) = (exact([b, t, 3 * d]), exact([b, t, d]));
+            let seed = 0.125_f32;
+            let factors = dropout_factors(b, heads, t, seed, p);
+            let leaf = |data| Tensor::<3>::from_data(data, &device).require_grad();
+            let (narrow_in, wide_in) = (leaf(x.clone()), leaf(x));
+            let narrow = seeded(
+                narrow_in.clone().cast(FloatDType::F16),
+                heads,
+                p as f64,
+                |on| Tensor::<1>::from_floats([seed], on),
+            )
+            .unwrap_or_else(|_| panic!("{what}: the kernels take an f16 projection"));
+            assert_eq!(narrow.dtype(), DType::F16, "{what}");
+            let narrow = narrow.cast(FloatDType::F32);
+            let wide = masked_reference(wide_in.clone(), heads, &factors);
+            let weights = Tensor::<3>::from_data(g, &device);
+            let near = |a: Tensor<3>, r: Tensor<3>, part: &str| {
+                let scale = r.clone().abs().max().into_scalar::<f32>();
+                let diff = (a - r).abs().max().into_scalar::<f32>();
+                assert!(
+                    diff < 5e-3 * scale,
+                    "{what}: {part} off by {diff} (scale {scale})"
+                );
+            };
+            near(narrow.clone().inner(), wide.clone().inner(), "output");
+            let loss = |y: Tensor<3>| (y * weights.clone()).sum();
+            let (gn, gw) = (loss(narrow).backward(), loss(wide).backward());
+            let (gn, gw) = (narrow_in.grad(&gn).unwrap(), wide_in.grad(&gw).unwrap());
+            near(gn, gw, "gradient");
+        }
+        SEQUENCES.set(0);
+        PRODUCTS.set(false);
     }
 
     /// Keys per rescale of the forward pass when set (0: the default).

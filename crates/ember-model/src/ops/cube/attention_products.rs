@@ -9,9 +9,18 @@
 //! (docs/benchmarks.md; not measured yet). Each head's matrices are read and written where they lie in the
 //! projection `[B, T, 3D]`, its gradient and the output `[B, T, D]` (rows `3D` or `D` apart,
 //! sequences `T` rows apart: one strided batched call per product and head, batched over the
-//! sequences), so nothing is copied; one head's scores `[B, T, T]` are the only extra memory
-//! (two such buffers in the backward pass: 32 MiB for nanoGPT's GPU config in `f32`), reused
-//! for every head, and taken a few sequences at a time where one would pass 64 MiB.
+//! sequences), so nothing is copied; one head's scores `[B, T, T]` are the only extra memory,
+//! reused for every head and taken a few sequences at a time where one would pass 64 MiB: the
+//! scores (and in the backward pass their gradient `dG`) in `f32`, and the dropped weights (then
+//! the scores' gradient) in the projection's type, what the products after them read. For
+//! nanoGPT's GPU config that is 32 MiB forward and 48 MiB backward in `f32`, 24 and 40 MiB in
+//! bf16.
+//!
+//! Mixed precision's bf16 (or f16) projection is read as it is: its products accumulate in
+//! `f32` (cuBLAS's `CUBLAS_COMPUTE_32F`, twice TF32's rate on tensor cores), the scores, their
+//! log-sum-exps and `dG` are `f32`, and the weights, `dS`, the output and the gradient are
+//! rounded once to the projection's type, as FlashAttention rounds them in bf16. No widened
+//! copy of the projection, the output or their gradients is made.
 //!
 //! Per head `h`, with `S = scale Q K^T` (scaled scores), `L` each row's log-sum-exp over the keys
 //! it sees, `P = exp(S - L)` below the diagonal (0 above) and `M` the dropout factors (the
@@ -30,7 +39,7 @@ use crate::ops::blas::{Batched, Layout, Strided};
 use crate::ops::cube::{ROW_UNITS, launch_size, row_cubes};
 use burn::backend::TensorMetadata;
 use burn::backend::ops::FloatTensorOps;
-use burn::tensor::Slice;
+use burn::tensor::{DType, Slice, bf16, f16};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 
@@ -48,9 +57,22 @@ fn sequences_per_call(b: usize, t: usize) -> usize {
     (BUFFER_BYTES / (t * t * size_of::<f32>()).max(1)).clamp(1, b.max(1))
 }
 
-/// The forward pass: the output `[B, T, D]` and each query row's log-sum-exp `[B, H, T]` of the
-/// contiguous projection `qkv` `[B, T, 3D]`, weights dropped with probability `dropout` by the
-/// mask of `seed`.
+/// `kernels::$kernel::launch::<N>(args)`, `N` the Rust type of the float type `dtype`.
+macro_rules! launch_as {
+    ($dtype:expr, $kernel:ident, $($arg:expr),* $(,)?) => {
+        match $dtype {
+            DType::F32 => kernels::$kernel::launch::<f32>($($arg),*),
+            DType::BF16 => kernels::$kernel::launch::<bf16>($($arg),*),
+            DType::F16 => kernels::$kernel::launch::<f16>($($arg),*),
+            other => unreachable!("attention products: {other:?} (Dims::of checks the type)"),
+        }
+    };
+}
+
+/// The forward pass: the output `[B, T, D]` (in the projection's type) and each query row's
+/// log-sum-exp `[B, H, T]` (`f32`) of the contiguous projection `qkv` `[B, T, 3D]` (`f32`, or
+/// mixed precision's bf16 or f16), weights dropped with probability `dropout` by the mask of
+/// `seed`.
 pub(super) fn forward(
     qkv: &CubeTensor,
     seed: &CubeTensor,
@@ -59,10 +81,15 @@ pub(super) fn forward(
 ) -> (CubeTensor, CubeTensor) {
     let dims = Dims::of(qkv, heads);
     let (d, k, t, scale) = (dims.d, dims.k(), dims.t, dims.scale());
-    let mut out = super::empty(qkv, [dims.b, t, d]);
+    let dtype = qkv.dtype();
+    let mut out = super::empty_of(qkv, [dims.b, t, d], dtype);
     let lse = super::empty(qkv, [dims.b, heads, t]);
     let per_call = sequences_per_call(dims.b, t);
+    // The scores in `f32`, the dropped weights in the projection's type (what the product
+    // with `V` reads).
     let mut scores = super::empty(qkv, [per_call, t, t]);
+    let weights = super::empty_of(qkv, [per_call, t, t], dtype);
+    let mask = Dropout::of(dropout);
     for first in (0..dims.b).step_by(per_call) {
         let n = per_call.min(dims.b - first);
         for h in 0..heads {
@@ -73,30 +100,33 @@ pub(super) fn forward(
             );
             scores = product(n, q, keys.t(), scale, scores, (0, 0));
             let (count, dim) = row_cubes(n * t);
-            kernels::attention_weights::launch::<f32>(
+            launch_as!(
+                dtype,
+                attention_weights,
                 &qkv.client,
                 count,
                 dim,
                 scores.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
                 seed.clone().into_tensor_arg(),
-                super::hashed_mask::threshold(dropout),
-                1.0 / (1.0 - dropout),
+                weights.clone().into_tensor_arg(),
+                mask.threshold,
+                mask.keep,
                 n * t,
                 first,
                 h,
                 heads,
-                dropout > 0.0,
+                mask.on,
             );
-            out = product(n, Part::all(&scores), values, 1.0, out, (first, h * k));
+            out = product(n, Part::all(&weights), values, 1.0, out, (first, h * k));
         }
     }
     (out, lse)
 }
 
-/// The backward pass: the gradient `[B, T, 3D]` of the contiguous projection `qkv` from the
-/// forward pass's seed and log-sum-exp `lse` and the output's contiguous gradient `grad`
-/// `[B, T, D]`.
+/// The backward pass: the gradient `[B, T, 3D]` (in the projection's type) of the contiguous
+/// projection `qkv` `[B, T, 3D]` from the forward pass's seed and log-sum-exp `lse` and the
+/// output's contiguous gradient `grad` `[B, T, D]` (in the projection's type).
 pub(super) fn backward(
     qkv: &CubeTensor,
     seed: &CubeTensor,
@@ -107,16 +137,23 @@ pub(super) fn backward(
 ) -> CubeTensor {
     let dims = Dims::of(qkv, heads);
     let (d, k, t, scale) = (dims.d, dims.k(), dims.t, dims.scale());
-    let per_call = sequences_per_call(dims.b, t);
-    let square = || super::empty(qkv, [per_call, t, t]);
-    let mut dqkv = super::empty(qkv, [dims.b, t, 3 * d]);
-    // The scores, and one buffer for the dropped weights, then their gradient `dG`, then the
-    // scores' gradient: two `[B, T, T]` buffers for every head.
-    let (mut scores, mut work) = (square(), square());
-    let (threshold, keep) = (
-        super::hashed_mask::threshold(dropout),
-        1.0 / (1.0 - dropout),
+    let dtype = qkv.dtype();
+    assert_eq!(
+        grad.dtype(),
+        dtype,
+        "attention products: the output's gradient in the projection's type"
     );
+    let per_call = sequences_per_call(dims.b, t);
+    let mut dqkv = super::empty_of(qkv, [dims.b, t, 3 * d], dtype);
+    // For every head: the scores and the dropped weights' gradient `dG` in `f32`; the dropped
+    // weights in the projection's type (what the product for `dV` reads), then the scores'
+    // gradient in their place (what the products for `dQ` and `dK` read).
+    let (mut scores, mut dg, work) = (
+        super::empty(qkv, [per_call, t, t]),
+        super::empty(qkv, [per_call, t, t]),
+        super::empty_of(qkv, [per_call, t, t], dtype),
+    );
+    let mask = Dropout::of(dropout);
     for first in (0..dims.b).step_by(per_call) {
         let n = per_call.min(dims.b - first);
         for h in 0..heads {
@@ -128,7 +165,9 @@ pub(super) fn backward(
             );
             scores = product(n, q, keys.t(), scale, scores, (0, 0));
             let (count, dim) = launch_size(qkv, n * t * t);
-            kernels::attention_weights_backward::launch::<f32>(
+            launch_as!(
+                dtype,
+                attention_weights_backward,
                 &qkv.client,
                 count,
                 dim,
@@ -136,39 +175,60 @@ pub(super) fn backward(
                 lse.clone().into_tensor_arg(),
                 seed.clone().into_tensor_arg(),
                 work.clone().into_tensor_arg(),
-                threshold,
-                keep,
+                mask.threshold,
+                mask.keep,
                 n * t * t,
                 first,
                 h,
                 heads,
-                dropout > 0.0,
+                mask.on,
             );
             let (q_at, k_at, v_at) = ((first, h * k), (first, d + h * k), (first, 2 * d + h * k));
             dqkv = product(n, Part::all(&work).t(), dout, 1.0, dqkv, v_at);
-            work = product(n, dout, values.t(), 1.0, work, (0, 0));
+            dg = product(n, dout, values.t(), 1.0, dg, (0, 0));
             let (count, dim) = row_cubes(n * t);
-            kernels::attention_scores_backward::launch::<f32>(
+            launch_as!(
+                dtype,
+                attention_scores_backward,
                 &qkv.client,
                 count,
                 dim,
                 scores.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
                 seed.clone().into_tensor_arg(),
+                dg.clone().into_tensor_arg(),
                 work.clone().into_tensor_arg(),
-                threshold,
-                keep,
+                mask.threshold,
+                mask.keep,
                 n * t,
                 first,
                 h,
                 heads,
-                dropout > 0.0,
+                mask.on,
             );
             dqkv = product(n, Part::all(&work), keys, scale, dqkv, q_at);
             dqkv = product(n, Part::all(&work).t(), q, scale, dqkv, k_at);
         }
     }
     dqkv
+}
+
+/// The dropout arguments of the kernels: the mask's threshold, the kept weights' factor, and
+/// whether anything is dropped.
+struct Dropout {
+    threshold: u32,
+    keep: f32,
+    on: bool,
+}
+
+impl Dropout {
+    fn of(p: f32) -> Self {
+        Dropout {
+            threshold: super::hashed_mask::threshold(p),
+            keep: 1.0 / (1.0 - p),
+            on: p > 0.0,
+        }
+    }
 }
 
 /// One matrix per sequence from sequence `first` on: columns `col..col + cols` of every row of a
@@ -269,7 +329,9 @@ fn call(n: usize, a: Part, b: Part, out: &CubeTensor, (first, col): (usize, usiz
 
 /// `out` with `alpha a_s @ b_s` written into columns `col..` of its sequence `first + s`, for
 /// `n` sequences `s`: by one cuBLAS call in place where cuBLAS takes it, else by Burn's `matmul`
-/// and `slice_assign`.
+/// and `slice_assign`. `a` and `b` are of one type, `out` of theirs or `f32`; the products of
+/// bf16 or f16 operands accumulate in `f32` (Burn's on operands widened exactly), rounded once
+/// to `out`'s type.
 fn product(
     n: usize,
     a: Part,
@@ -293,15 +355,17 @@ fn product(
                 Slice::from(p.col..p.col + p.cols),
             ],
         );
-        match p.transposed {
+        let x = match p.transposed {
             true => <Ops as FloatTensorOps<Ops>>::float_swap_dims(x, 1, 2),
             false => x,
-        }
+        };
+        cast(x, DType::F32)
     };
     let mut c = <Ops as FloatTensorOps<Ops>>::float_matmul(view(a), view(b));
     if alpha != 1.0 {
         c = <Ops as FloatTensorOps<Ops>>::float_mul_scalar(c, alpha.into());
     }
+    let c = cast(c, out.dtype());
     let rows = out.shape()[1];
     let cols = b.read_shape()[1];
     <Ops as FloatTensorOps<Ops>>::float_slice_assign(
@@ -313,6 +377,14 @@ fn product(
         ],
         c,
     )
+}
+
+/// `x` in `dtype` (itself when it is).
+fn cast(x: CubeTensor, dtype: DType) -> CubeTensor {
+    match x.dtype() == dtype {
+        true => x,
+        false => <CubeBackend as FloatTensorOps<CubeBackend>>::float_cast(x, dtype.into()),
+    }
 }
 
 /// The kernels between the products, over one head `h` of `H` and the sequences from `first` on:
@@ -336,13 +408,15 @@ mod kernels {
     }
 
     /// One cube per row: its log-sum-exp `L` over keys `0..=i` of the scaled scores `s`, and
-    /// `exp(s - L)` times the dropout factor in place of `s` (0 past `i`).
+    /// `exp(s - L)` times the dropout factor into `w` (0 past `i`), computed in `f32` and
+    /// stored in the weights' type `N`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attention_weights<F: Float>(
-        s: &mut Tensor<F>,
-        lse: &mut Tensor<F>,
-        seed: &Tensor<F>,
+    pub(super) fn attention_weights<N: Float>(
+        s: &Tensor<f32>,
+        lse: &mut Tensor<f32>,
+        seed: &Tensor<f32>,
+        w: &mut Tensor<N>,
         threshold: u32,
         keep_scale: f32,
         rows: usize,
@@ -358,40 +432,40 @@ mod kernels {
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
         let (i, at, row) = (r % t, r * t, head_row(r, t, first, h, heads));
-        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
-        let mut max = F::min_value();
+        let mut scratch = Shared::<[f32]>::new_slice(ROW_UNITS);
+        let mut max = f32::min_value();
         for j in range_stepped(u, i + 1, units) {
-            max = F::max(max, s[at + j]);
+            max = f32::max(max, s[at + j]);
         }
-        let max = reduce_cube::<F>(&mut scratch, max, true);
-        let mut sum = F::new(0.0);
+        let max = reduce_cube::<f32>(&mut scratch, max, true);
+        let mut sum = 0.0f32;
         for j in range_stepped(u, i + 1, units) {
-            sum += F::exp(s[at + j] - max);
+            sum += f32::exp(s[at + j] - max);
         }
-        let sum = reduce_cube::<F>(&mut scratch, sum, false);
-        let l = max + F::ln(sum);
+        let sum = reduce_cube::<f32>(&mut scratch, sum, false);
+        let l = max + f32::ln(sum);
         if u == 0 {
             lse[row] = l;
         }
-        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
+        let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
         for j in range_stepped(u, t, units) {
-            let mut w = F::new(0.0);
+            let mut value = 0.0f32;
             if j <= i {
-                w = F::exp(s[at + j] - l) * mask.factor(row * t + j, dropout);
+                value = f32::exp(s[at + j] - l) * mask.factor(row * t + j, dropout);
             }
-            s[at + j] = w;
+            w[at + j] = N::cast_from(value);
         }
     }
 
     /// One unit per element: the dropped weights `exp(s - L)` times the dropout factor (0 past
-    /// the diagonal) into `w`.
+    /// the diagonal) into `w`, in its type `N`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attention_weights_backward<F: Float>(
-        s: &Tensor<F>,
-        lse: &Tensor<F>,
-        seed: &Tensor<F>,
-        w: &mut Tensor<F>,
+    pub(super) fn attention_weights_backward<N: Float>(
+        s: &Tensor<f32>,
+        lse: &Tensor<f32>,
+        seed: &Tensor<f32>,
+        w: &mut Tensor<N>,
         threshold: u32,
         keep_scale: f32,
         elements: usize,
@@ -407,24 +481,25 @@ mod kernels {
         let t = s.shape(1);
         let (r, j) = (e / t, e % t);
         let (i, row) = (r % t, head_row(r, t, first, h, heads));
-        let mut value = F::new(0.0);
+        let mut value = 0.0f32;
         if j <= i {
-            let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
-            value = F::exp(s[e] - lse[row]) * mask.factor(row * t + j, dropout);
+            let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
+            value = f32::exp(s[e] - lse[row]) * mask.factor(row * t + j, dropout);
         }
-        w[e] = value;
+        w[e] = N::cast_from(value);
     }
 
     /// One cube per row: from the scaled scores `s`, `L` and the dropped weights' gradient
-    /// `g = dO V^T`, the scores' gradient `P (g M - delta)` in place of `g` (0 past the
-    /// diagonal), `delta = sum_j P_j M_j g_j`.
+    /// `g = dO V^T` (all `f32`), the scores' gradient `P (g M - delta)` into `ds` in its type
+    /// `N` (0 past the diagonal), `delta = sum_j P_j M_j g_j`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attention_scores_backward<F: Float>(
-        s: &Tensor<F>,
-        lse: &Tensor<F>,
-        seed: &Tensor<F>,
-        g: &mut Tensor<F>,
+    pub(super) fn attention_scores_backward<N: Float>(
+        s: &Tensor<f32>,
+        lse: &Tensor<f32>,
+        seed: &Tensor<f32>,
+        g: &Tensor<f32>,
+        ds: &mut Tensor<N>,
         threshold: u32,
         keep_scale: f32,
         rows: usize,
@@ -441,21 +516,21 @@ mod kernels {
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
         let (i, at, row) = (r % t, r * t, head_row(r, t, first, h, heads));
         let l = lse[row];
-        let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
-        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
-        let mut delta = F::new(0.0);
+        let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
+        let mut scratch = Shared::<[f32]>::new_slice(ROW_UNITS);
+        let mut delta = 0.0f32;
         for j in range_stepped(u, i + 1, units) {
-            let p = F::exp(s[at + j] - l);
+            let p = f32::exp(s[at + j] - l);
             delta += p * mask.factor(row * t + j, dropout) * g[at + j];
         }
-        let delta = reduce_cube::<F>(&mut scratch, delta, false);
+        let delta = reduce_cube::<f32>(&mut scratch, delta, false);
         for j in range_stepped(u, t, units) {
-            let mut ds = F::new(0.0);
+            let mut value = 0.0f32;
             if j <= i {
-                let p = F::exp(s[at + j] - l);
-                ds = p * (g[at + j] * mask.factor(row * t + j, dropout) - delta);
+                let p = f32::exp(s[at + j] - l);
+                value = p * (g[at + j] * mask.factor(row * t + j, dropout) - delta);
             }
-            g[at + j] = ds;
+            ds[at + j] = N::cast_from(value);
         }
     }
 }

@@ -176,14 +176,18 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
 }
 
 /// `call` (its matrices in the buffers of `a`, `b` and `c`, in that order) with `alpha`, one
-/// `cublasGemmStridedBatchedEx` enqueued as [`product`]'s call is, all three `f32` (TF32
-/// products, as [`product`]'s); false where cuBLAS does not take it (as for [`product`]: not
-/// CUDA, no cuBLAS, a graph being recorded, a size past `i32`), and then nothing was written.
-/// The caller owns `c`'s buffer (nothing else reads it meanwhile) and every matrix of the
-/// batch lies inside its tensor's buffer.
+/// `cublasGemmStridedBatchedEx` enqueued as [`product`]'s call is: `a` and `b` of one type, `c`
+/// of theirs or `f32` (`f32` products on TF32 tensor cores, as [`product`]'s; bf16 and f16 ones
+/// accumulated in `f32` and rounded once to `c`'s type); false where cuBLAS does not take it (as
+/// for [`product`]: not CUDA, no cuBLAS, other types, a graph being recorded, a size past
+/// `i32`), and then nothing was written. The caller owns `c`'s buffer (nothing else reads it
+/// meanwhile) and every matrix of the batch lies inside its tensor's buffer.
 pub(crate) fn batched_product(call: &Batched, [a, b, c]: [&CubeTensor; 3], alpha: f32) -> bool {
-    let all_f32 = [a, b, c].iter().all(|t| t.dtype() == DType::F32);
-    if !all_f32 || !loadable() || a.client.is_capturing() {
+    let (Some((ab_type, compute)), Some((c_type, _))) = (types(a.dtype()), types(c.dtype())) else {
+        return false;
+    };
+    let taken = b.dtype() == a.dtype() && (c.dtype() == a.dtype() || c.dtype() == DType::F32);
+    if !taken || !loadable() || a.client.is_capturing() {
         return false;
     }
     let g = call.gemm;
@@ -196,9 +200,13 @@ pub(crate) fn batched_product(call: &Batched, [a, b, c]: [&CubeTensor; 3], alpha
         return true;
     }
     let strides = [call.b.stride, call.a.stride, call.c.stride].map(|s| s as i64);
-    let offsets =
-        [call.c.offset, call.a.offset, call.b.offset].map(|o| (o * size_of::<f32>()) as u64);
-    let (beta, (data_type, compute)) = (0f32, types(DType::F32).expect("f32 is a cuBLAS type"));
+    let bytes = |x: &CubeTensor, offset: usize| (offset * x.dtype().size()) as u64;
+    let offsets = [
+        bytes(c, call.c.offset),
+        bytes(a, call.a.offset),
+        bytes(b, call.b.offset),
+    ];
+    let beta = 0f32;
     enqueue(
         "cublasGemmStridedBatchedEx",
         c,
@@ -216,16 +224,16 @@ pub(crate) fn batched_product(call: &Batched, [a, b, c]: [&CubeTensor; 3], alpha
                     ck,
                     &alpha as *const f32 as *const c_void,
                     pb as *const c_void,
-                    data_type,
+                    ab_type,
                     lda,
                     strides[0],
                     pa as *const c_void,
-                    data_type,
+                    ab_type,
                     ldb,
                     strides[1],
                     &beta as *const f32 as *const c_void,
                     pc as *mut c_void,
-                    data_type,
+                    c_type,
                     ldc,
                     strides[2],
                     count,

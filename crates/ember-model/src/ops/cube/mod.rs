@@ -90,11 +90,16 @@ pub(crate) fn kernels_take_plain<const D: usize>(kernel: GpuKernel, x: &Tensor<D
 
 /// A new contiguous `f32` tensor of `shape` on `like`'s device.
 pub(crate) fn empty(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
+    empty_of(like, shape, DType::F32)
+}
+
+/// A new contiguous tensor of `shape` and `dtype` on `like`'s device.
+pub(crate) fn empty_of(like: &CubeTensor, shape: impl Into<Shape>, dtype: DType) -> CubeTensor {
     empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         shape.into(),
-        DType::F32,
+        dtype,
     )
 }
 
