@@ -14,7 +14,9 @@
 //! - except the MLP's hidden layer ([`crate::ops::linear_gelu`]) and the fused attention's
 //!   projection and output ([`crate::ops::linear_in_products`],
 //!   [`crate::ops::causal_self_attention`]), which stay in the products' type: biases added
-//!   there, the GELU and the attention computed in `f32` and rounded once. A training step keeps
+//!   there, the GELU and the attention computed in `f32` and rounded once (on CUDA, where the
+//!   attention runs as cuBLAS's products, its weights and their gradient are rounded too before
+//!   the products that read them, as FlashAttention rounds them). A training step keeps
 //!   them for its backward pass; in bf16 that is half the bytes, and the values are the ones the
 //!   next product rounded them to anyway.
 //!

@@ -365,7 +365,8 @@ fn products_agree_on(like: &CubeTensor) -> bool {
 /// positions, 2 heads of 32, with dropout, within 1% of the largest value in f32 (TF32 products
 /// round to 11 bits), 2% in bf16 or f16 (weights and outputs rounded to 8 or 11 bits, about
 /// 0.05% of the largest value in f16 on lavapipe; the fused kernels compute from the same
-/// rounded values in f32); a wrong matrix or dropout mask is off by its whole size. The error names the first value that differs, or the failure to read one.
+/// rounded values in f32); a wrong matrix or dropout mask is off by its whole size. The error
+/// names the first value that differs, or the failure to read one.
 #[cfg_attr(not(feature = "cublas"), allow(dead_code))] // run by CUDA builds and tests
 pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
     use burn::backend::ops::FloatTensorOps;
