@@ -2453,7 +2453,6 @@ mod tests {
         use crate::ops::cube::attention_products::tests::SEQUENCES;
         use burn::tensor::FloatDType;
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-        let normal = Distribution::Normal(0.0, 1.0);
         PRODUCTS.set(true);
         for (b, t, heads, k, p, per_call) in [
             (2, 45, 3, 8, 0.0, 0),
@@ -2463,14 +2462,10 @@ mod tests {
             SEQUENCES.set(per_call);
             let what = format!("f16 products, dropout {p}, {b}x{t}, {heads} heads of {k}");
             let d = heads * k;
-            // Values f16 holds exactly, so both sides start from the same numbers.
-            let exact = |dims: [usize; 3]| {
-                Tensor::<3>::random(dims, normal, &device)
-                    .cast(FloatDType::F16)
-                    .cast(FloatDType::F32)
-                    .into_data()
-            };
-            let (x, g) = (exact([b, t, 3 * d]), exact([b, t, d]));
+            let (x, g) = (
+                f16_exact([b, t, 3 * d], &device),
+                f16_exact([b, t, d], &device),
+            );
             let seed = 0.125_f32;
             let factors = dropout_factors(b, heads, t, seed, p);
             let leaf = |data| Tensor::<3>::from_data(data, &device).require_grad();
@@ -2695,17 +2690,12 @@ mod tests {
     fn a_narrow_projection_stays_narrow_and_is_computed_in_f32_on_wgpu() {
         use burn::tensor::FloatDType;
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-        let normal = Distribution::Normal(0.0, 1.0);
         let (b, t, heads, k) = (2, 45, 3, 8);
         let d = heads * k;
-        // Values f16 holds exactly, so both sides start from the same numbers.
-        let exact = |dims: [usize; 3]| {
-            Tensor::<3>::random(dims, normal, &device)
-                .cast(FloatDType::F16)
-                .cast(FloatDType::F32)
-                .into_data()
-        };
-        let (x, g) = (exact([b, t, 3 * d]), exact([b, t, d]));
+        let (x, g) = (
+            f16_exact([b, t, 3 * d], &device),
+            f16_exact([b, t, d], &device),
+        );
         let leaf = |data| Tensor::<3>::from_data(data, &device).require_grad();
         let (narrow_in, wide_in) = (leaf(x.clone()), leaf(x));
         let narrow = causal_self_attention(narrow_in.clone().cast(FloatDType::F16), heads, 0.0)
@@ -2732,7 +2722,17 @@ mod tests {
         );
     }
 
-    /// The kernels' dropout factors `[B, H, T, T]`    /// The kernels' dropout factors `[B, H, T, T]` (0 or `1 / (1 - p)`), computed on the host.
+    /// Normal random values that f16 holds exactly, so that an f16 path and an f32 one start
+    /// from the same numbers.
+    fn f16_exact(dims: [usize; 3], device: &Device) -> burn::tensor::TensorData {
+        use burn::tensor::FloatDType;
+        Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), device)
+            .cast(FloatDType::F16)
+            .cast(FloatDType::F32)
+            .into_data()
+    }
+
+    /// The kernels' dropout factors `[B, H, T, T]` (0 or `1 / (1 - p)`), computed on the host.
     fn dropout_factors(b: usize, heads: usize, t: usize, seed: f32, p: f32) -> Vec<f32> {
         crate::ops::cube::hashed_mask::host_factors(seed, p, b * heads * t * t)
     }
