@@ -262,7 +262,10 @@ impl AttentionKernels for CubeBackend {
     ) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
         if by_products(&qkv) {
-            return super::attention_products::forward(&qkv, &seed, heads, dropout);
+            let client = qkv.client.clone();
+            return on_device_thread(&client, || {
+                super::attention_products::forward(&qkv, &seed, heads, dropout)
+            });
         }
         // Mixed precision's bf16 (or f16) projection: the fused kernels read it widened (a
         // copy that lives for the call), and the output is rounded once to its type.
@@ -284,7 +287,10 @@ impl AttentionKernels for CubeBackend {
         let dtype = qkv.dtype();
         if by_products(&qkv) {
             let grad = cast_to::<Self>(grad, dtype);
-            return super::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout);
+            let client = qkv.client.clone();
+            return on_device_thread(&client, || {
+                super::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout)
+            });
         }
         // In the projection's type, computed in f32 (widened copies for the call).
         let [qkv, out, grad] = [qkv, into_contiguous(out), grad].map(wide::<Self>);
@@ -308,6 +314,23 @@ impl AttentionKernels for CubeBackend {
         position: CubeTensor,
     ) -> CubeTensor {
         cached_attention(q, k, v, CachedStart::Device(super::ids_i32(position)))
+    }
+}
+
+/// `pass` (one of the attention's passes as batched products) run on CubeCL's device thread in
+/// one round trip: its cuBLAS calls and kernel launches are then enqueued there in order, where
+/// each cuBLAS call from another thread is a blocking round trip of its own (42 a layer for the
+/// two passes, against 2). Where the device thread cannot be taken, `pass` runs here.
+fn on_device_thread<R: Send + 'static>(
+    client: &burn_cubecl::cubecl::client::Client,
+    pass: impl FnOnce() -> R + Send,
+) -> R {
+    let mut pass = Some(pass);
+    match client.exclusive(|| pass.take().map(|pass| pass())) {
+        Ok(Some(done)) => done,
+        // Taken, run, and failed there (a panic inside): no second run.
+        Err(why) if pass.is_none() => panic!("attention products on the device thread: {why:?}"),
+        _ => pass.take().expect("not taken")(),
     }
 }
 

@@ -262,7 +262,8 @@ fn op(transposed: bool) -> sys::cublasOperation_t {
 /// It runs on CubeCL's device thread, in one blocking round trip: the kernels launched before
 /// it (queued for that thread) are on the stream first, so the call runs after them in the
 /// stream's order, and the three buffers' lookups run there at once (each is a blocking round
-/// trip of its own from another thread).
+/// trip of its own from another thread). Called on the device thread itself (the attention's
+/// passes run there whole), it runs at once.
 fn enqueue(
     name: &'static str,
     out: &CubeTensor,
