@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use ember_infer::{GenerateOptions, Sampling, generate, generate_batch};
+use ember_infer::{Decoding, GenerateOptions, Sampling, generate_batch, generate_reporting};
 
 use crate::stream::Stream;
 
@@ -181,25 +181,31 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     let start = Instant::now();
     let mut total_tokens = 0;
+    // How the last sample streamed one at a time was decoded (batches say nothing).
+    let mut decoding: Option<Decoding> = None;
     for (n, chunk) in rows.chunks(args.batch_size).enumerate() {
         if n > 0 {
             println!("\n---------------");
         }
         total_tokens += if chunk.len() == 1 {
-            stream_one(&lm, &chunk[0], &args, &options, end_of_text)
+            let (tokens, how) = stream_one(&lm, &chunk[0], &args, &options, end_of_text);
+            decoding = Some(how);
+            tokens
         } else {
+            decoding = None;
             print_batch(&lm, chunk, &args, &options, end_of_text)
         };
     }
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
-        "{total_tokens} tokens in {secs:.2}s ({:.0} tokens/s, {})",
+        "{total_tokens} tokens in {secs:.2}s ({:.0} tokens/s, {}{})",
         total_tokens as f64 / secs.max(1e-9),
         if args.no_cache {
             "no KV cache"
         } else {
             "KV cache"
-        }
+        },
+        decoding.map_or(String::new(), |how| format!("; {how}"))
     );
     Ok(())
 }
@@ -233,14 +239,15 @@ fn encode(tokenizer: &ember_data::Tokenizer, prompt: &str, context: usize) -> Re
     Ok(encoded.ids)
 }
 
-/// Generates one sample, printing it as it comes; returns the tokens generated.
+/// Generates one sample, printing it as it comes; returns the tokens generated and how they
+/// were decoded.
 fn stream_one(
     lm: &ember_train::LoadedLm,
     row: &Row,
     args: &GenerateArgs,
     options: &GenerateOptions,
     end_of_text: Option<u32>,
-) -> usize {
+) -> (usize, Decoding) {
     if !args.no_echo {
         print!("{}", row.prompt);
     }
@@ -249,12 +256,12 @@ fn stream_one(
         seed: row.seed,
         ..*options
     };
-    let ids = generate(&lm.model, &row.ids, &opts, |id| {
+    let (ids, decoding) = generate_reporting(&lm.model, &row.ids, &opts, |id| {
         Some(id) != end_of_text && stream.push(id)
     });
     stream.finish();
     println!();
-    ids.len()
+    (ids.len(), decoding)
 }
 
 /// Generates several samples as one batch and prints each whole, separated; returns the tokens

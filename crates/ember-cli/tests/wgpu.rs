@@ -38,12 +38,25 @@ fn eval_loss(run: &Path, device: &str, text: &Path) -> f64 {
     json["loss"].as_f64().unwrap()
 }
 
-/// 80 greedy tokens (the context is 32: the cache is rebuilt on the way).
-fn greedy(run: &Path, device: &str) -> String {
+/// 80 greedy tokens (the context is 32: the cache is rebuilt on the way), and the summary line
+/// of stderr.
+fn greedy(run: &Path, device: &str) -> (String, String) {
     let mut args = vec!["generate", "--checkpoint", run.to_str().unwrap()];
     args.extend(["--prompt", "ROMEO:", "--greedy", "--max-tokens", "80"]);
     args.extend(["--device", device]);
-    String::from_utf8(ember_ok(&args).stdout).unwrap()
+    let out = ember_ok(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let summary = stderr.lines().last().unwrap_or_default().to_string();
+    (String::from_utf8(out.stdout).unwrap(), summary)
+}
+
+/// The steps replayed and captured that `ember generate`'s summary line reports.
+fn replays(summary: &str) -> Option<(usize, usize)> {
+    let (_, rest) = summary.split_once("tokens chosen on the device, ")?;
+    let mut words = rest.split_whitespace();
+    let replays = words.next()?.parse().ok()?;
+    let captures = words.nth(3)?.parse().ok()?;
+    Some((replays, captures))
 }
 
 #[test]
@@ -126,7 +139,12 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     assert!((x - y).abs() < 1e-5, "eval loss flex {x} vs wgpu {y}");
     // (On the GPU the greedy tokens are chosen on the device and read in bursts: ember-infer's
     // wgpu tests hold that path to the host's on varied text; this one's is mostly spaces.)
-    assert_eq!(greedy(&cpu, "flex"), greedy(&cpu, "wgpu"));
+    let ((host, _), (device, summary)) = (greedy(&cpu, "flex"), greedy(&cpu, "wgpu"));
+    assert_eq!(host, device);
+    // Most of the 80 steps replay a captured one: one capture per window of the cache (the
+    // context is 32) and per growth of its buffers, and the steps before each capture run.
+    let (replayed, captured) = replays(&summary).unwrap_or_else(|| panic!("{summary}"));
+    assert!(replayed >= 40 && captured >= 1, "{summary}");
     // bf16 products: trained where the adapter has bf16, else refused in one line (lavapipe).
     let mixed = dir.join("bf16");
     let out = tune_on(&mixed, "wgpu", &["--set", "training.precision=\"bf16\""]);

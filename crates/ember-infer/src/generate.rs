@@ -40,6 +40,42 @@ pub fn generate(
     options: &GenerateOptions,
     on_token: impl FnMut(u32) -> bool,
 ) -> Vec<u32> {
+    generate_reporting(model, prompt, options, on_token).0
+}
+
+/// Where [`generate_reporting`] chose the tokens, and how the device ran its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decoding {
+    /// On the host, from each step's logits read back.
+    Host,
+    /// On the device, every step's kernels launched one by one; the ids read back in bursts.
+    Device,
+    /// On the device, `replays` steps run by replaying a captured step (`captures` of them were
+    /// captured); the other steps launched their kernels. No replay at all where the backend
+    /// records no graph.
+    Replayed { captures: usize, replays: usize },
+}
+
+impl std::fmt::Display for Decoding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Decoding::Host => write!(f, "tokens chosen on the host"),
+            Decoding::Device => write!(f, "tokens chosen on the device, steps launched"),
+            Decoding::Replayed { captures, replays } => write!(
+                f,
+                "tokens chosen on the device, {replays} steps replayed from {captures} captured"
+            ),
+        }
+    }
+}
+
+/// [`generate`], and which way it decoded (for benchmarks and `ember generate`'s summary).
+pub fn generate_reporting(
+    model: &DecoderOnly,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_token: impl FnMut(u32) -> bool,
+) -> (Vec<u32>, Decoding) {
     assert!(
         !prompt.is_empty(),
         "generation needs at least one prompt token"
@@ -60,12 +96,18 @@ pub fn generate(
                 (choice, rng.clone()),
                 on_token,
             ) {
-                Ok(replays) => return replays.produced,
+                Ok(replays) => {
+                    let decoding = Decoding::Replayed {
+                        captures: replays.captures,
+                        replays: replays.replays,
+                    };
+                    return (replays.produced, decoding);
+                }
                 Err(on_token) => on_token,
             },
             false => on_token,
         };
-        return decode_on_device(
+        let ids = decode_on_device(
             model,
             prompt,
             options.max_new_tokens,
@@ -73,8 +115,10 @@ pub fn generate(
             (choice, rng),
             on_token,
         );
+        return (ids, Decoding::Device);
     }
-    generate_on_host(model, prompt, options, ctx, on_token)
+    let ids = generate_on_host(model, prompt, options, ctx, on_token);
+    (ids, Decoding::Host)
 }
 
 /// [`generate`] choosing each token on the host from its logits, read back one token at a time.

@@ -9,7 +9,7 @@ mod replayed;
 pub mod sampling;
 
 pub use batch::generate_batch;
-pub use generate::{GenerateOptions, generate};
+pub use generate::{Decoding, GenerateOptions, generate, generate_reporting};
 pub use sampling::{Sampling, argmax, distribution, sample};
 pub mod beam_search;
 pub use beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search, greedy};
