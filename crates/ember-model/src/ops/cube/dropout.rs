@@ -74,16 +74,21 @@ impl DropoutKernels for CubeBackend {
         let x = into_contiguous(x);
         assert_eq!(x.dtype(), DType::F32, "dropout kernel: f32 only");
         let y = super::empty(&x, x.shape());
-        let (count, dim) = super::launch_size(&x, x.shape().num_elements());
+        let n = x.shape().num_elements();
+        let w = super::elementwise_lanes(&x, n);
+        let (count, dim) = super::launch_size(&x, n / w);
         kernel::dropout::launch::<f32>(
             &x.client.clone(),
             count,
             dim,
+            w,
             x.into_tensor_arg(),
             seed.into_tensor_arg(),
             y.clone().into_tensor_arg(),
             super::hashed_mask::threshold(p),
             1.0 / (1.0 - p),
+            n / w,
+            w,
         );
         y
     }
@@ -128,21 +133,29 @@ mod kernel {
 
     use crate::ops::cube::hashed_mask::Mask;
 
-    /// One unit per element: `y[i] = x[i] * factor(i)`.
+    /// One unit per vector of `w` elements (`vectors` of them): `y[e] = x[e] * factor(e)`.
     #[cube(launch)]
-    pub(super) fn dropout<F: Float>(
-        x: &Tensor<F>,
+    pub(super) fn dropout<F: Float, N: Size>(
+        x: &Tensor<Vector<F, N>>,
         seed: &Tensor<F>,
-        y: &mut Tensor<F>,
+        y: &mut Tensor<Vector<F, N>>,
         threshold: u32,
         keep_scale: f32,
+        vectors: usize,
+        #[comptime] w: usize,
     ) {
         let i = ABSOLUTE_POS;
-        if i >= x.len() {
+        if i >= vectors {
             terminate!();
         }
         let mask = Mask::<F>::new(seed, threshold, keep_scale, true);
-        y[i] = x[i] * mask.factor(i, true);
+        let v = x[i];
+        let mut out = v;
+        #[unroll]
+        for l in 0..w {
+            out.insert(l, v.extract(l) * mask.factor(i * w + l, true));
+        }
+        y[i] = out;
     }
 }
 

@@ -60,13 +60,21 @@ impl GeluKernels for CubeBackend {
         let x = into_contiguous(x);
         let y = empty_like(&x);
         let n = x.shape().num_elements();
-        let (count, dim) = super::launch_size(&x, n);
+        let w = super::elementwise_lanes(&x, n);
+        let (count, dim) = super::launch_size(&x, n / w);
         let client = x.client.clone();
         let (xa, ya) = (x.clone().into_tensor_arg(), y.clone().into_tensor_arg());
+        let vectors = n / w;
         match x.dtype() {
-            DType::F32 => kernels::gelu_forward::launch::<f32>(&client, count, dim, xa, ya, tanh),
-            DType::BF16 => kernels::gelu_forward::launch::<bf16>(&client, count, dim, xa, ya, tanh),
-            DType::F16 => kernels::gelu_forward::launch::<f16>(&client, count, dim, xa, ya, tanh),
+            DType::F32 => kernels::gelu_forward::launch::<f32>(
+                &client, count, dim, w, xa, ya, vectors, w, tanh,
+            ),
+            DType::BF16 => kernels::gelu_forward::launch::<bf16>(
+                &client, count, dim, w, xa, ya, vectors, w, tanh,
+            ),
+            DType::F16 => kernels::gelu_forward::launch::<f16>(
+                &client, count, dim, w, xa, ya, vectors, w, tanh,
+            ),
             other => panic!("GELU kernel: f32, bf16 or f16, not {other:?}"),
         }
         y
@@ -81,7 +89,8 @@ impl GeluKernels for CubeBackend {
         );
         let dx = empty_like(&x);
         let n = x.shape().num_elements();
-        let (count, dim) = super::launch_size(&x, n);
+        let w = super::elementwise_lanes(&x, n);
+        let (count, dim) = super::launch_size(&x, n / w);
         let client = x.client.clone();
         let args = (
             x.clone().into_tensor_arg(),
@@ -89,16 +98,17 @@ impl GeluKernels for CubeBackend {
             dx.clone().into_tensor_arg(),
         );
         let (xa, ga, da) = args;
+        let vectors = n / w;
         match x.dtype() {
-            DType::F32 => {
-                kernels::gelu_backward::launch::<f32>(&client, count, dim, xa, ga, da, tanh)
-            }
-            DType::BF16 => {
-                kernels::gelu_backward::launch::<bf16>(&client, count, dim, xa, ga, da, tanh)
-            }
-            DType::F16 => {
-                kernels::gelu_backward::launch::<f16>(&client, count, dim, xa, ga, da, tanh)
-            }
+            DType::F32 => kernels::gelu_backward::launch::<f32>(
+                &client, count, dim, w, xa, ga, da, vectors, w, tanh,
+            ),
+            DType::BF16 => kernels::gelu_backward::launch::<bf16>(
+                &client, count, dim, w, xa, ga, da, vectors, w, tanh,
+            ),
+            DType::F16 => kernels::gelu_backward::launch::<f16>(
+                &client, count, dim, w, xa, ga, da, vectors, w, tanh,
+            ),
             other => panic!("GELU kernel: f32, bf16 or f16, not {other:?}"),
         }
         dx
@@ -171,14 +181,30 @@ pub(crate) mod kernels {
     const CUBIC: f32 = 0.044_715;
 
     /// `y = GELU(x)`, computed in `f32` whatever `F` stores (a bf16 hidden layer's GELU is
-    /// rounded once, as PyTorch computes it).
+    /// rounded once, as PyTorch computes it); one vector of `w` elements per unit, `vectors`
+    /// of them.
     #[cube(launch)]
-    pub(super) fn gelu_forward<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[comptime] tanh: bool) {
+    pub(super) fn gelu_forward<F: Float, N: Size>(
+        x: &Tensor<Vector<F, N>>,
+        y: &mut Tensor<Vector<F, N>>,
+        vectors: usize,
+        #[comptime] w: usize,
+        #[comptime] tanh: bool,
+    ) {
         let i = ABSOLUTE_POS;
-        if i >= x.len() {
+        if i >= vectors {
             terminate!();
         }
-        y[i] = F::cast_from(gelu_of::<f32>(f32::cast_from(x[i]), tanh));
+        let v = x[i];
+        let mut out = v;
+        #[unroll]
+        for l in 0..w {
+            out.insert(
+                l,
+                F::cast_from(gelu_of::<f32>(f32::cast_from(v.extract(l)), tanh)),
+            );
+        }
+        y[i] = out;
     }
 
     /// GELU of one value (the tanh approximation when `tanh`); also the few-row linear
@@ -194,21 +220,29 @@ pub(crate) mod kernels {
         }
     }
 
-    /// `dx = grad * GELU'(x)`, computed in `f32` whatever `F` stores.
+    /// `dx = grad * GELU'(x)`, computed in `f32` whatever `F` stores; one vector of `w`
+    /// elements per unit, `vectors` of them.
     #[cube(launch)]
-    pub(super) fn gelu_backward<F: Float>(
-        x: &Tensor<F>,
-        grad: &Tensor<F>,
-        dx: &mut Tensor<F>,
+    pub(super) fn gelu_backward<F: Float, N: Size>(
+        x: &Tensor<Vector<F, N>>,
+        grad: &Tensor<Vector<F, N>>,
+        dx: &mut Tensor<Vector<F, N>>,
+        vectors: usize,
+        #[comptime] w: usize,
         #[comptime] tanh: bool,
     ) {
         let i = ABSOLUTE_POS;
-        if i >= x.len() {
+        if i >= vectors {
             terminate!();
         }
-        let v = f32::cast_from(x[i]);
-        let g = f32::cast_from(grad[i]);
-        dx[i] = F::cast_from(g * gelu_slope::<f32>(v, tanh));
+        let (v, g) = (x[i], grad[i]);
+        let mut out = v;
+        #[unroll]
+        for l in 0..w {
+            let slope = gelu_slope::<f32>(f32::cast_from(v.extract(l)), tanh);
+            out.insert(l, F::cast_from(f32::cast_from(g.extract(l)) * slope));
+        }
+        dx[i] = out;
     }
 
     /// GELU's derivative at `v`.
@@ -244,15 +278,26 @@ mod tests {
 
     /// Output and input gradient of the tanh GELU against Burn's (built from tensor ops, so
     /// autodiff differentiates that very formula) on wgpu, plain, under autodiff and with
-    /// checkpointing, with a length no cube divides.
+    /// checkpointing, with a length no cube divides: odd (one value per unit) and a multiple of
+    /// 8 (vectors of 4).
     #[test]
     fn tanh_gelu_equals_burns_on_wgpu() {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
         let normal = Distribution::Normal(0.0, 1.0);
-        let x = Tensor::<3>::random([3, 37, 41], normal, &device).into_data();
-        let g = Tensor::<3>::random([3, 37, 41], normal, &device).into_data();
-        let (ours, burns) = (|x| gelu_tanh(spread(x)), |x| gelu_tanh_reference(spread(x)));
-        agrees_on(&device, &x, &g, ours, burns, 1e-5, "tanh GELU");
+        for dims in [[3, 37, 41], [3, 37, 40]] {
+            let x = Tensor::<3>::random(dims, normal, &device).into_data();
+            let g = Tensor::<3>::random(dims, normal, &device).into_data();
+            let (ours, burns) = (|x| gelu_tanh(spread(x)), |x| gelu_tanh_reference(spread(x)));
+            agrees_on(
+                &device,
+                &x,
+                &g,
+                ours,
+                burns,
+                1e-5,
+                &format!("tanh GELU {dims:?}"),
+            );
+        }
     }
 
     /// The exact GELU's output against Burn's, and its gradient against `Phi(x) + x phi(x)` in
@@ -261,9 +306,17 @@ mod tests {
     /// override), up to 0.008 off (docs/burn-findings.md).
     #[test]
     fn exact_gelu_equals_burns_and_its_derivative_on_wgpu() {
+        for n in [4001, 4000] {
+            exact_gelu_on_wgpu(n);
+        }
+    }
+
+    /// [`exact_gelu_equals_burns_and_its_derivative_on_wgpu`] with `n` values (odd: one per
+    /// unit; a multiple of 4: vectors).
+    fn exact_gelu_on_wgpu(n: usize) {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
         let normal = Distribution::Normal(-1.0, 3.0);
-        let x = Tensor::<1>::random([4001], normal, &device);
+        let x = Tensor::<1>::random([n], normal, &device);
         let want = gelu_reference(x.clone())
             .into_data()
             .try_to_vec::<f32>()
@@ -306,10 +359,18 @@ mod tests {
     /// the gradient `Phi(x) + x phi(x)` times the incoming one, rounded once to f16.
     #[test]
     fn a_narrow_input_is_computed_in_f32_and_rounded_once_on_wgpu() {
+        // One value per unit, and vectors (of 4 on lavapipe, 8 on CUDA).
+        for n in [4001, 4000] {
+            narrow_gelu_on_wgpu(n);
+        }
+    }
+
+    /// [`a_narrow_input_is_computed_in_f32_and_rounded_once_on_wgpu`] with `n` values.
+    fn narrow_gelu_on_wgpu(n: usize) {
         use burn::tensor::{DType, FloatDType};
         let device = Device::wgpu(DeviceKind::DefaultDevice);
         let normal = Distribution::Normal(-1.0, 3.0);
-        let x = Tensor::<1>::random([4001], normal, &device).cast(FloatDType::F16);
+        let x = Tensor::<1>::random([n], normal, &device).cast(FloatDType::F16);
         assert!(
             super::gelu(x.clone(), false).is_ok(),
             "the kernel takes f16"

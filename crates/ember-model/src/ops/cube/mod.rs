@@ -119,6 +119,16 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
     (calculate_cube_count_elemwise(&like.client, units, dim), dim)
 }
 
+/// Elements per vector of an elementwise kernel over the `n` elements of `x`: the widest size
+/// the device reads and writes at once in `x`'s type (16 bytes on CUDA: 4 `f32`, 8 bf16) that
+/// divides `n`, else 1. A unit then moves one vector per access instead of one value.
+pub(crate) fn elementwise_lanes(x: &CubeTensor, n: usize) -> usize {
+    x.client
+        .io_optimized_vector_sizes(x.dtype().size())
+        .find(|&w| n.is_multiple_of(w))
+        .unwrap_or(1)
+}
+
 /// Units of a cube that works on one row ([`row_cubes`]): a warp. Wider cubes (up to 128 for
 /// rows of 128 or more) made LayerNorm 3x slower on lavapipe, which runs a cube's units one
 /// after another and pays for every synchronisation of the reductions.
