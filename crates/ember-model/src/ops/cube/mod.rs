@@ -119,10 +119,15 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
     (calculate_cube_count_elemwise(&like.client, units, dim), dim)
 }
 
-/// Elements per vector of an elementwise kernel over the `n` elements of `x`: the widest size
-/// the device reads and writes at once in `x`'s type (16 bytes on CUDA: 4 `f32`, 8 bf16) that
-/// divides `n`, else 1. A unit then moves one vector per access instead of one value.
+/// Elements per vector of an elementwise kernel over the `n` elements of `x`: for `f32`, the
+/// widest size the device reads and writes at once (16 bytes, 4 values, on CUDA and lavapipe)
+/// that divides `n`, else 1. A unit then moves one vector per access instead of one value.
+/// bf16 and f16 keep one value per unit: their vectors have not run on a GPU yet (`f32`
+/// vectors have, in the attention kernels).
 pub(crate) fn elementwise_lanes(x: &CubeTensor, n: usize) -> usize {
+    if x.dtype() != DType::F32 {
+        return 1;
+    }
     x.client
         .io_optimized_vector_sizes(x.dtype().size())
         .find(|&w| n.is_multiple_of(w))
