@@ -311,6 +311,30 @@ mod tests {
         }
     }
 
+    /// A view starting 64 values into its buffer (contiguous, so read where it lies, in
+    /// vectors): Burn's values, forward and backward.
+    #[test]
+    fn a_view_starting_mid_buffer_equals_burns_on_wgpu() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let normal = Distribution::Normal(-1.0, 3.0);
+        let x = Tensor::<1>::random([4064], normal, &device).slice([64..4064]);
+        let want = gelu_tanh_reference(x.clone()).into_data();
+        gelu_tanh(x.clone())
+            .into_data()
+            .assert_approx_eq::<f32>(&want, burn::tensor::Tolerance::absolute(1e-5));
+        let tracked = device.autodiff();
+        let grad = |op: fn(Tensor<1>) -> Tensor<1>| {
+            let whole = Tensor::<1>::from_data(x.to_data(), &tracked).require_grad();
+            let input = Tensor::cat(vec![whole.clone(), whole.clone()], 0).slice([64..4064]);
+            let grads = op(input).sum().backward();
+            whole.grad(&grads).unwrap().into_data()
+        };
+        grad(gelu_tanh).assert_approx_eq::<f32>(
+            &grad(gelu_tanh_reference),
+            burn::tensor::Tolerance::absolute(1e-5),
+        );
+    }
+
     /// [`exact_gelu_equals_burns_and_its_derivative_on_wgpu`] with `n` values (odd: one per
     /// unit; a multiple of 4: vectors).
     fn exact_gelu_on_wgpu(n: usize) {

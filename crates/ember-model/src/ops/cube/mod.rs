@@ -119,18 +119,22 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
     (calculate_cube_count_elemwise(&like.client, units, dim), dim)
 }
 
-/// Elements per vector of an elementwise kernel over the `n` elements of `x`: for `f32`, the
-/// widest size the device reads and writes at once (16 bytes, 4 values, on CUDA and lavapipe)
-/// that divides `n`, else 1. A unit then moves one vector per access instead of one value.
-/// bf16 and f16 keep one value per unit: their vectors have not run on a GPU yet (`f32`
+/// Elements per vector of an elementwise kernel over the `n` elements of the contiguous `x`: for
+/// `f32`, the widest size the device reads and writes at once (16 bytes, 4 values, on CUDA and
+/// lavapipe) that divides `n` and whose bytes divide where `x` starts in its buffer (Burn makes
+/// a view that starts mid-allocation only at the device's memory alignment, 256 bytes on
+/// lavapipe; the check keeps any other start correct), else 1. A unit then moves one vector per access instead of one
+/// value. bf16 and f16 keep one value per unit: their vectors have not run on a GPU yet (`f32`
 /// vectors have, in the attention kernels).
 pub(crate) fn elementwise_lanes(x: &CubeTensor, n: usize) -> usize {
     if x.dtype() != DType::F32 {
         return 1;
     }
+    let start = x.handle.offset_start.unwrap_or(0);
+    let size = x.dtype().size();
     x.client
-        .io_optimized_vector_sizes(x.dtype().size())
-        .find(|&w| n.is_multiple_of(w))
+        .io_optimized_vector_sizes(size)
+        .find(|&w| n.is_multiple_of(w) && start.is_multiple_of((w * size) as u64))
         .unwrap_or(1)
 }
 
