@@ -262,8 +262,7 @@ impl AttentionKernels for CubeBackend {
     ) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
         if by_products(&qkv) {
-            let client = qkv.client.clone();
-            return on_device_thread(&client, || {
+            return on_device_thread(&qkv.client, || {
                 super::attention_products::forward(&qkv, &seed, heads, dropout)
             });
         }
@@ -287,8 +286,7 @@ impl AttentionKernels for CubeBackend {
         let dtype = qkv.dtype();
         if by_products(&qkv) {
             let grad = cast_to::<Self>(grad, dtype);
-            let client = qkv.client.clone();
-            return on_device_thread(&client, || {
+            return on_device_thread(&qkv.client, || {
                 super::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout)
             });
         }
@@ -317,21 +315,16 @@ impl AttentionKernels for CubeBackend {
     }
 }
 
-/// `pass` (one of the attention's passes as batched products) run on CubeCL's device thread in
-/// one round trip: its cuBLAS calls and kernel launches are then enqueued there in order, where
-/// each cuBLAS call from another thread is a blocking round trip of its own (42 a layer for the
-/// two passes, against 2). Where the device thread cannot be taken, `pass` runs here.
+/// `pass` (one of the attention's passes as batched products) run on CubeCL's device thread
+/// ([`super::on_device_thread`]): its cuBLAS calls and kernel launches are then enqueued there
+/// in order, where each cuBLAS call from another thread is a blocking round trip of its own (42
+/// a layer for the two passes, against 2).
 fn on_device_thread<R: Send + 'static>(
     client: &burn_cubecl::cubecl::client::Client,
     pass: impl FnOnce() -> R + Send,
 ) -> R {
-    let mut pass = Some(pass);
-    match client.exclusive(|| pass.take().map(|pass| pass())) {
-        Ok(Some(done)) => done,
-        // Taken, run, and failed there (a panic inside): no second run.
-        Err(why) if pass.is_none() => panic!("attention products on the device thread: {why:?}"),
-        _ => pass.take().expect("not taken")(),
-    }
+    super::on_device_thread(client, pass)
+        .unwrap_or_else(|| panic!("attention products failed on the device thread"))
 }
 
 /// Whether the training attention runs as batched products ([`super::attention_products`]):
@@ -802,12 +795,12 @@ impl<B: AttentionKernels> Backward<B, 1> for FusedAttention {
 }
 
 /// `x` in f32 (itself when it is).
-fn wide<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+pub(super) fn wide<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     cast_to::<B>(x, DType::F32)
 }
 
 /// `x` in `dtype` (itself when it is).
-fn cast_to<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
+pub(super) fn cast_to<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
     match x.dtype() == dtype {
         true => x,
         false => B::float_cast(x, burn::tensor::FloatDType::from(dtype)),

@@ -34,7 +34,7 @@
 //! Elsewhere than CUDA (and for a product cuBLAS does not take) the products are Burn's
 //! `matmul` on the same views: how the tests run this path on wgpu against the op's reference.
 
-use super::attention::Dims;
+use super::attention::{Dims, cast_to, wide};
 use crate::ops::blas::{Batched, Layout, Strided};
 use crate::ops::cube::{ROW_UNITS, launch_size, row_cubes};
 use burn::backend::TensorMetadata;
@@ -359,13 +359,13 @@ fn product(
             true => <Ops as FloatTensorOps<Ops>>::float_swap_dims(x, 1, 2),
             false => x,
         };
-        cast(x, DType::F32)
+        wide::<Ops>(x)
     };
     let mut c = <Ops as FloatTensorOps<Ops>>::float_matmul(view(a), view(b));
     if alpha != 1.0 {
         c = <Ops as FloatTensorOps<Ops>>::float_mul_scalar(c, alpha.into());
     }
-    let c = cast(c, out.dtype());
+    let c = cast_to::<Ops>(c, out.dtype());
     let rows = out.shape()[1];
     let cols = b.read_shape()[1];
     <Ops as FloatTensorOps<Ops>>::float_slice_assign(
@@ -377,14 +377,6 @@ fn product(
         ],
         c,
     )
-}
-
-/// `x` in `dtype` (itself when it is).
-fn cast(x: CubeTensor, dtype: DType) -> CubeTensor {
-    match x.dtype() == dtype {
-        true => x,
-        false => <CubeBackend as FloatTensorOps<CubeBackend>>::float_cast(x, dtype.into()),
-    }
 }
 
 /// The kernels between the products, over one head `h` of `H` and the sequences from `first` on:

@@ -270,19 +270,9 @@ fn enqueue(
     inputs: [&CubeTensor; 2],
     call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool + Send,
 ) -> bool {
-    let client = out.client.clone();
-    // Where the device thread could not be taken, it ran nothing: the call is still here, and
-    // runs on this thread, each lookup a round trip.
-    let mut call = Some(call);
-    let done = client.exclusive(|| {
-        call.take()
-            .map(|call| enqueue_here(name, out, inputs, call))
-    });
-    match (done, call) {
-        (Ok(Some(done)), _) => done,
-        (_, Some(call)) => enqueue_here(name, out, inputs, call),
-        _ => false,
-    }
+    // Where the device thread cannot be taken, the call runs on this thread, each lookup a
+    // round trip.
+    super::on_device_thread(&out.client, || enqueue_here(name, out, inputs, call)).unwrap_or(false)
 }
 
 /// [`enqueue`] on the calling thread.

@@ -88,6 +88,21 @@ pub(crate) fn kernels_take_plain<const D: usize>(kernel: GpuKernel, x: &Tensor<D
     kernels_take(kernel, x) && !x.device().is_autodiff()
 }
 
+/// `task` run on CubeCL's device thread of `client` in one blocking round trip, where client
+/// calls inside it (launches, allocations, buffer lookups) run at once instead of each being
+/// queued or waited for. Where the device thread cannot be taken, `task` runs here; `None`
+/// where it was taken and failed there (a panic inside), and was not run again.
+pub(crate) fn on_device_thread<R: Send + 'static>(
+    client: &burn_cubecl::cubecl::client::Client,
+    task: impl FnOnce() -> R + Send,
+) -> Option<R> {
+    let mut task = Some(task);
+    match client.exclusive(|| task.take().map(|task| task())) {
+        Ok(Some(done)) => Some(done),
+        _ => task.take().map(|task| task()),
+    }
+}
+
 /// A new contiguous `f32` tensor of `shape` on `like`'s device.
 pub(crate) fn empty(like: &CubeTensor, shape: impl Into<Shape>) -> CubeTensor {
     empty_of(like, shape, DType::F32)
