@@ -33,7 +33,7 @@ pub enum GpuKernel {
     Dropout,
     /// The AdamW update of one parameter and its moments.
     AdamW,
-    /// The sum of squares of a gradient, for global-norm clipping.
+    /// The sum of squares of all gradients, for global-norm clipping.
     Norm,
     /// A linear layer's rows as one product (training, prompts), and its product and bias for
     /// a few rows in one kernel (decoding).

@@ -29,3 +29,25 @@ pub fn sum_of_squares_reference(xs: Vec<Tensor<1>>) -> Option<Tensor<1>> {
         .map(|x| x.powi_scalar(2).sum())
         .reduce(|total, squares| total + squares)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    /// By hand: 1 + 4 + 9 + 0.25, over tensors of two, one and no values; nothing for no tensors.
+    #[test]
+    fn sums_every_square_of_every_tensor() {
+        let device = Device::flex();
+        let xs = vec![
+            Tensor::<1>::from_floats([1.0, -2.0], &device),
+            Tensor::<1>::from_floats([3.0], &device),
+            Tensor::<1>::from_floats([0.5], &device),
+            Tensor::<1>::empty([0], &device),
+        ];
+        let sum = sum_of_squares(xs).expect("four tensors");
+        assert_eq!(sum.dims(), [1]);
+        assert_eq!(sum.into_scalar::<f32>(), 14.25);
+        assert!(sum_of_squares(Vec::new()).is_none());
+    }
+}
