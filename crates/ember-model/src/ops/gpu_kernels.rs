@@ -66,11 +66,15 @@ pub enum GpuKernel {
     /// forward and backward passes as cuBLAS's batched products over one head's stored scores,
     /// with small kernels between them (`ops/cube/attention_products`); off, the fused kernels.
     AttentionProducts,
+    /// Not a kernel of its own: the elementwise kernels (GELU, dropout) on bf16 and f16 tensors
+    /// read and write vectors (8 values on CUDA) instead of one value per unit (`f32` tensors
+    /// always do).
+    NarrowVectors,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 17] = [
+    pub const ALL: [GpuKernel; 18] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -88,6 +92,7 @@ impl GpuKernel {
         GpuKernel::Cublas,
         GpuKernel::AttentionTiles,
         GpuKernel::AttentionProducts,
+        GpuKernel::NarrowVectors,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -110,6 +115,7 @@ impl GpuKernel {
             GpuKernel::Cublas => "cublas",
             GpuKernel::AttentionTiles => "attention-tiles",
             GpuKernel::AttentionProducts => "attention-products",
+            GpuKernel::NarrowVectors => "narrow-vectors",
         }
     }
 }

@@ -383,7 +383,8 @@ mod tests {
     /// the gradient `Phi(x) + x phi(x)` times the incoming one, rounded once to f16.
     #[test]
     fn a_narrow_input_is_computed_in_f32_and_rounded_once_on_wgpu() {
-        // One value per unit whatever the length (f16 is not read in vectors).
+        // One value per unit at an odd length; vectors of the device's widest size (4 on
+        // lavapipe) at a multiple of 8.
         for n in [4001, 4000] {
             narrow_gelu_on_wgpu(n);
         }

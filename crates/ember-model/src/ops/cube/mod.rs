@@ -134,15 +134,20 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
     (calculate_cube_count_elemwise(&like.client, units, dim), dim)
 }
 
-/// Elements per vector of an elementwise kernel over the `n` elements of the contiguous `x`: for
-/// `f32`, the widest size the device reads and writes at once (16 bytes, 4 values, on CUDA and
-/// lavapipe) that divides `n` and whose bytes divide where `x` starts in its buffer (Burn makes
-/// a view that starts mid-allocation only at the device's memory alignment, 256 bytes on
-/// lavapipe; the check keeps any other start correct), else 1. A unit then moves one vector per access instead of one
-/// value. bf16 and f16 keep one value per unit: their vectors have not run on a GPU yet (`f32`
-/// vectors have, in the attention kernels).
+/// Elements per vector of an elementwise kernel over the `n` elements of the contiguous `x`: the
+/// widest size the device reads and writes at once (16 bytes: 4 `f32` or 8 bf16 values on CUDA;
+/// lavapipe's widest is 4 values of either) that divides `n` and whose bytes divide where `x`
+/// starts in its buffer (Burn makes a view that starts mid-allocation only at the device's
+/// memory alignment, 256 bytes on lavapipe; the check keeps any other start correct), else 1. A
+/// unit then moves one vector per access instead of one value. bf16 and f16 tensors take vectors
+/// only while `narrow-vectors` is on ([`GpuKernel::NarrowVectors`]).
 pub(crate) fn elementwise_lanes(x: &CubeTensor, n: usize) -> usize {
-    if x.dtype() != DType::F32 {
+    let vectors = match x.dtype() {
+        DType::F32 => true,
+        DType::BF16 | DType::F16 => gpu_kernels::uses(GpuKernel::NarrowVectors),
+        _ => false,
+    };
+    if !vectors {
         return 1;
     }
     let start = x.handle.offset_start.unwrap_or(0);
