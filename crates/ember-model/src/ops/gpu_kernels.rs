@@ -269,7 +269,8 @@ mod tests {
                 "split-k",
                 "cublas",
                 "attention-tiles",
-                "attention-products"
+                "attention-products",
+                "narrow-vectors",
             ]
         );
         assert_eq!(
