@@ -65,6 +65,8 @@ mod sum_of_squares;
 pub(crate) mod check;
 #[cfg(feature = "cube")]
 pub(crate) mod cube;
+#[cfg(any(test, feature = "cudnn"))]
+pub(crate) mod cudnn;
 #[cfg(feature = "flex")]
 pub mod flex;
 pub mod kernels;
