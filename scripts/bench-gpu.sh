@@ -11,6 +11,8 @@
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #   DEVICE=vulkan bash scripts/bench-gpu.sh host    # where a sampled token's host time goes
 #   DEVICE=cuda bash scripts/bench-gpu.sh kernels   # what limits each attention kernel (ncu)
+#   DEVICE=cuda bash scripts/bench-gpu.sh cudnn     # cuDNN's flash attention: found, checked, run
+#   DEVICE=cuda bash scripts/bench-gpu.sh gpt2      # GPT-2 124M's body: ember and PyTorch, ms/step
 #   DEVICE=cuda BUDGET=550 bash scripts/bench-gpu.sh all  # speed, check, profile, memory, full
 #                                                   # in BUDGET seconds (for a GPU available briefly)
 #
@@ -60,6 +62,13 @@ PYTHON=${PYTHON:-python3}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 CONFIG=${CONFIG:-configs/shakespeare-char-gpu.toml}
 mkdir -p "$RUNS"
+# ember's cuDNN: the one PyTorch's wheels bring (nvidia/cudnn/lib beside torch), so that both
+# run the same flash attention, unless CUDNN_PATH names another (ember's own default is the
+# system's, then PyTorch's: README, Devices).
+if [ -z "${CUDNN_PATH:-}" ]; then
+    CUDNN_PATH=$("$PYTHON" -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cudnn", "lib"))' 2>/dev/null) || true
+    [ -n "$CUDNN_PATH" ] && [ -e "$CUDNN_PATH/libcudnn.so.9" ] && export CUDNN_PATH || unset CUDNN_PATH
+fi
 if [ -n "${ENV_ARCHIVE:-}" ]; then
     if [ -f "$ENV_ARCHIVE" ]; then
         tar -xJf "$ENV_ARCHIVE" && echo "cubecl environment from $ENV_ARCHIVE"
@@ -444,6 +453,55 @@ thread_times() {
     done
 }
 
+# cuDNN's flash attention on DEVICE=cuda: which cuDNN PyTorch's environment brings (ember finds
+# the same `nvidia/cudnn/lib` through the `python3` on PATH, or CUDNN_PATH), ember's start-up
+# check of it against its own kernels (the `attention:` line: output, log-sum-exps and gradient,
+# and the dropout masks of both passes), and a short bf16 run of the GPU config with cuDNN's own
+# error log on (CUDNN_LOGERR_DBG), the first lines of which are printed where it says anything.
+cudnn() {
+    "$PYTHON" -c 'import torch; print("PyTorch", torch.__version__, "runs cuDNN", torch.backends.cudnn.version())' || true
+    echo "CUDNN_PATH=${CUDNN_PATH:-} (unset: the system's cuDNN, else PyTorch's)"
+    rm -rf "$RUNS/cudnn"
+    EMBER_CUDNN_ATTENTION=1 EMBER_CUDNN_CHECK=${EMBER_CUDNN_CHECK:-report} CUDNN_LOGERR_DBG=1 CUDNN_LOGDEST_DBG=stderr logged "$RUNS/cudnn.log" "$EMBER" train \
+        --config "$CONFIG" --device "$DEVICE" --out "$RUNS/cudnn" --stop-after "${CUDNN_STEPS:-40}" \
+        --set 'training.precision="bf16"' --set training.log_interval=10 || true
+    grep -E "^(attention|warning|peak|GPU memory|cuDNN check|    )" "$RUNS/cudnn.log" || true
+    grep -iE "cudnn|error" "$RUNS/cudnn.log" | grep -vE "^(attention|warning)" | head -20 || true
+    [ -f "$RUNS/cudnn/metrics.jsonl" ] && ms_per_step "$RUNS/cudnn"
+}
+
+# GPT-2 124M's body (12 layers of 768, 12 heads, context 1024, batch 16; the GPU config's
+# character vocabulary, dropout and optimizer) in ember and PyTorch eager, GPT2_STEPS steps each
+# (default 40): GPT2_RUNS are ember's runs, each PRECISION:EMBER_GPU_KERNELS[:cudnn] (default
+# `bf16:on:cudnn bf16:on f32:on`: cuDNN's flash attention (EMBER_CUDNN_ATTENTION=1), the
+# attention as products, f32 with TF32), GPT2_TORCH PyTorch's precisions (default `bf16 tf32`;
+# `bf16-compile` adds torch.compile).
+gpt2() {
+    local size=(--set model.d_model=768 --set model.n_heads=12 --set model.n_layers=12
+        --set model.context_len=1024 --set training.batch_size=16 --set training.log_interval=5)
+    local run precision kernels cudnn
+    for run in ${GPT2_RUNS:-bf16:on:cudnn bf16:on f32:on}; do
+        IFS=: read -r precision kernels cudnn <<<"$run"
+        echo "GPT-2 body, ember, precision $precision, EMBER_GPU_KERNELS=$kernels${cudnn:+, with cuDNN flash attention}"
+        rm -rf "$RUNS/gpt2"
+        EMBER_CUDNN_ATTENTION=$([ -n "$cudnn" ] && echo 1 || echo 0) EMBER_GPU_KERNELS=$kernels logged "$RUNS/gpt2.log" "$EMBER" train --config "$CONFIG" \
+            --device "$DEVICE" --out "$RUNS/gpt2" --stop-after "${GPT2_STEPS:-40}" "${size[@]}" \
+            --set "training.precision=\"$precision\"" || continue
+        grep -E "^(attention|warning|peak|GPU memory)" "$RUNS/gpt2.log" || true
+        ms_per_step "$RUNS/gpt2"
+    done
+    local p extra
+    for p in ${GPT2_TORCH:-bf16 tf32}; do
+        extra=()
+        case $p in *-compile) extra=(--compile) p=${p%-compile} ;; esac
+        torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 768
+            --heads 12 --layers 12 --context 1024 --batch 16 --dropout 0.2
+            --steps "${GPT2_STEPS:-40}" --precision "$p" "${extra[@]}")
+        echo "\$ ${torch[*]}"
+        with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch GPT-2 body, $p"
+    done
+}
+
 # Every stage within BUDGET seconds (default 550): speed, check, profile and memory, each
 # stopped at its own cap (300, 90, 110, 70 s) if it runs long, then `full` until the budget is
 # spent (its validation losses so far are printed when it is stopped). Each stage's output also
@@ -492,4 +550,4 @@ all() {
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|all}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|all}"

@@ -88,7 +88,8 @@ fn main() -> ExitCode {
     // Read by the model's GPU ops wherever they run; a bad value is refused here, once.
     let checked = ember_model::ops::GpuKernels::from_env()
         .map(drop)
-        .and(ember_model::ops::gpu_kernels::split_from_env().map(drop));
+        .and(ember_model::ops::gpu_kernels::split_from_env().map(drop))
+        .and(ember_model::ops::gpu_kernels::cudnn_from_env().map(drop));
     if let Err(e) = checked {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;

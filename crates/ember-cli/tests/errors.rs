@@ -676,6 +676,16 @@ const CASES: &[Case] = &[
         "EMBER_SPLIT_K",
         "3",
     ),
+    with_env(
+        case(
+            "device",
+            "a value of `EMBER_CUDNN_ATTENTION` other than on or off",
+            &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
+            &["EMBER_CUDNN_ATTENTION", "\"yes\"", "expected on"],
+        ),
+        "EMBER_CUDNN_ATTENTION",
+        "yes",
+    ),
     // Output and training.
     case(
         "output",

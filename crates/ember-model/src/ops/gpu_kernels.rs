@@ -198,6 +198,40 @@ pub fn uses(kernel: GpuKernel) -> bool {
         .uses(kernel)
 }
 
+/// The environment variable that turns on cuDNN's flash attention for the training attention of
+/// a bf16 (or f16) projection on CUDA (`1` or `on`; unset, `0` or `off`: not used). Off by
+/// default until its start-up check agrees on the GPUs measured (docs/benchmarks.md).
+pub const CUDNN_VARIABLE: &str = "EMBER_CUDNN_ATTENTION";
+
+/// Parses a value of `EMBER_CUDNN_ATTENTION`; the error names the variable, the value and what
+/// is accepted.
+pub fn parse_cudnn(value: &str) -> Result<bool, String> {
+    match value.trim() {
+        "1" | "on" => Ok(true),
+        "" | "0" | "off" => Ok(false),
+        other => Err(format!(
+            "{CUDNN_VARIABLE}={other:?}: expected on (or 1) to use cuDNN's flash attention, off (or 0) not to"
+        )),
+    }
+}
+
+/// [`parse_cudnn`] of the environment's value (off where it is unset).
+pub fn cudnn_from_env() -> Result<bool, String> {
+    match std::env::var(CUDNN_VARIABLE) {
+        Ok(value) => parse_cudnn(&value),
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{CUDNN_VARIABLE} is not UTF-8")),
+    }
+}
+
+/// Whether cuDNN's flash attention is on in this process: [`cudnn_from_env`], read once; a
+/// value that does not parse counts as off (the `ember` binary refuses it at start-up, in one
+/// line).
+pub fn cudnn_attention() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| cudnn_from_env().unwrap_or(false))
+}
+
 /// The environment variable that fixes the number of chunks of rows of [`GpuKernel::SplitK`]
 /// (for benchmarks): `auto` (or unset) for ember's rule, or a power of two from 1 to 64.
 pub const SPLIT_VARIABLE: &str = "EMBER_SPLIT_K";
@@ -292,6 +326,21 @@ mod tests {
         assert!(mixed.contains("mixes"), "{mixed}");
         assert!(!unknown.contains('\n') && !mixed.contains('\n'));
         assert!(GpuKernels::parse("-").is_err());
+    }
+
+    #[test]
+    fn parses_the_cudnn_switch() {
+        for on in ["1", "on", " on "] {
+            assert_eq!(parse_cudnn(on), Ok(true), "{on}");
+        }
+        for off in ["", "0", "off"] {
+            assert_eq!(parse_cudnn(off), Ok(false), "{off}");
+        }
+        let e = parse_cudnn("yes").unwrap_err();
+        assert!(
+            e.starts_with("EMBER_CUDNN_ATTENTION=\"yes\"") && e.contains("expected on"),
+            "{e}"
+        );
     }
 
     #[test]

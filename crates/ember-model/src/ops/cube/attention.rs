@@ -261,6 +261,14 @@ impl AttentionKernels for CubeBackend {
         dropout: f32,
     ) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
+        #[cfg(feature = "cudnn")]
+        if let Some(shape) = super::cudnn_attention::takes(&qkv, heads, dropout)
+            && let Some(done) = on_device_thread(&qkv.client, || {
+                super::cudnn_attention::forward(&qkv, &seed, &shape)
+            })
+        {
+            return done;
+        }
         if by_products(&qkv) {
             return on_device_thread(&qkv.client, || {
                 super::attention_products::forward(&qkv, &seed, heads, dropout)
@@ -284,6 +292,20 @@ impl AttentionKernels for CubeBackend {
     ) -> CubeTensor {
         let [qkv, lse, grad] = [qkv, lse, grad].map(into_contiguous);
         let dtype = qkv.dtype();
+        // cuDNN's backward pass exactly where its forward pass ran (its dropout mask is not the
+        // fused kernels'): the same shape, type and dropout take the same path.
+        #[cfg(feature = "cudnn")]
+        if let Some(shape) = super::cudnn_attention::takes(&qkv, heads, dropout) {
+            let (out, grad) = (
+                into_contiguous(out.clone()),
+                cast_to::<Self>(grad.clone(), dtype),
+            );
+            if let Some(dqkv) = on_device_thread(&qkv.client, || {
+                super::cudnn_attention::backward(&qkv, &seed, &out, &lse, &grad, &shape)
+            }) {
+                return dqkv;
+            }
+        }
         if by_products(&qkv) {
             let grad = cast_to::<Self>(grad, dtype);
             return on_device_thread(&qkv.client, || {
@@ -444,7 +466,7 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
 }
 
 /// The forward pass in ember's fused kernels (contiguous `qkv`).
-fn fused_forward(
+pub(super) fn fused_forward(
     qkv: CubeTensor,
     seed: CubeTensor,
     heads: usize,
@@ -503,7 +525,7 @@ fn fused_forward(
 }
 
 /// The backward pass in ember's fused kernels (contiguous tensors).
-fn fused_backward(
+pub(super) fn fused_backward(
     qkv: CubeTensor,
     seed: CubeTensor,
     out: CubeTensor,

@@ -335,7 +335,7 @@ fn enqueue_here(
 
 /// A CUDA event recorded on `stream` now, or `None` where the driver refuses (the context is
 /// current).
-unsafe fn event_on(stream: driver::CUstream) -> Option<Event> {
+pub(crate) unsafe fn event_on(stream: driver::CUstream) -> Option<Event> {
     let mut event = std::ptr::null_mut();
     // SAFETY: the caller made the stream's context current; the event is destroyed by `Event`.
     unsafe {
@@ -347,7 +347,7 @@ unsafe fn event_on(stream: driver::CUstream) -> Option<Event> {
 }
 
 /// A CUDA event, destroyed when dropped.
-struct Event(driver::CUevent);
+pub(crate) struct Event(driver::CUevent);
 
 // SAFETY: an event is a handle the driver lets any thread use, in its context (made current).
 unsafe impl Send for Event {}
@@ -363,7 +363,7 @@ impl Drop for Event {
 
 /// Reads the device time between `start` and `end` (in `context`) once the device has run
 /// what lies between them.
-fn elapsed_between(
+pub(crate) fn elapsed_between(
     context: driver::CUcontext,
     start: Event,
     end: Event,

@@ -15,6 +15,8 @@ pub(crate) mod cache_write;
 pub(crate) mod cross_entropy;
 #[cfg(feature = "cublas")]
 pub(crate) mod cublas;
+#[cfg(feature = "cudnn")]
+pub(crate) mod cudnn_attention;
 pub(crate) mod draw;
 pub(crate) mod dropout;
 pub(crate) mod embedding;
