@@ -68,8 +68,8 @@ enum Command {
 fn main() -> ExitCode {
     keep_freed_memory();
     // CPU work then runs on this thread and the pool's others, without a hand-over and a
-    // wake-up per parallel operation (ember_model::ops::flex::threads).
-    ember_model::ops::flex::threads::join_global_pool();
+    // wake-up per parallel operation (ember_kernels::flex::threads).
+    ember_kernels::flex::threads::join_global_pool();
     // A bug in ember must still end in one readable line, not a backtrace.
     std::panic::set_hook(Box::new(|info| {
         let message = info
@@ -86,10 +86,10 @@ fn main() -> ExitCode {
     }));
     let cli = Cli::parse();
     // Read by the model's GPU ops wherever they run; a bad value is refused here, once.
-    let checked = ember_model::ops::GpuKernels::from_env()
+    let checked = ember_kernels::GpuKernels::from_env()
         .map(drop)
-        .and(ember_model::ops::gpu_kernels::split_from_env().map(drop))
-        .and(ember_model::ops::gpu_kernels::cudnn_from_env().map(drop));
+        .and(ember_kernels::gpu_kernels::split_from_env().map(drop))
+        .and(ember_kernels::gpu_kernels::cudnn_from_env().map(drop));
     if let Err(e) = checked {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;

@@ -17,8 +17,8 @@ use ember_model::DecoderOnlyConfig;
 const STEPS: usize = 32;
 
 fn main() {
-    // As the `ember` binary does (ember_model::ops::flex::threads).
-    ember_model::ops::flex::threads::join_global_pool();
+    // As the `ember` binary does (ember_kernels::flex::threads).
+    ember_kernels::flex::threads::join_global_pool();
     let device = Device::flex();
     let config = DecoderOnlyConfig {
         vocab_size: 66,

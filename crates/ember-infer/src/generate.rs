@@ -157,7 +157,7 @@ pub(crate) fn generate_on_host(
 /// attention keeps its shapes until the buffer doubles, instead of taking a new shape per token.
 /// CPU backends read only the valid rows, which is less work.
 fn compiles_per_shape(device: &Device) -> bool {
-    ember_model::ops::on_cubecl(device)
+    ember_kernels::on_cubecl(device)
 }
 
 /// How [`decode_on_device`] picks a token from its logits, on the device.
@@ -186,13 +186,13 @@ impl Choice {
 
     /// The token `[1, 1]` chosen from `logits` `[1, V]`; a temperature draw takes the next
     /// uniform number of `rng` (one per token, as the host path does) and draws with
-    /// [`ember_model::ops::draw`] (one kernel on GPUs), which picks the host walk's token up to
+    /// [`ember_kernels::draw`] (one kernel on GPUs), which picks the host walk's token up to
     /// rounding: a `u` within rounding of a boundary could pick the neighbour, about one token
     /// in millions.
     pub(crate) fn pick(self, logits: Tensor<2>, rng: &mut StdRng) -> Tensor<2, Int> {
         match self {
             Choice::Greedy => logits.argmax(1),
-            Choice::Temperature(t) => ember_model::ops::draw(logits, rng.random(), t),
+            Choice::Temperature(t) => ember_kernels::draw(logits, rng.random(), t),
         }
     }
 }

@@ -24,7 +24,7 @@
 
 use burn::backend::{Backend, BackendGraph, Dispatch};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use ember_model::ops::{self, GpuKernel};
+use ember_kernels::{self as ops, GpuKernel};
 use ember_model::positions::StepPosition;
 use ember_model::{DecoderCache, DecoderOnly};
 use rand::Rng;

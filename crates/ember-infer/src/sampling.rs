@@ -64,7 +64,7 @@ pub fn argmax(values: &[f32]) -> u32 {
 /// Tokens filtered out get probability 0.
 pub fn distribution(logits: &[f32], s: &Sampling) -> Vec<f32> {
     // The same floor as the device's draw, so both paths pick alike at a temperature of 0.
-    let t = s.temperature.max(ember_model::ops::MIN_TEMPERATURE);
+    let t = s.temperature.max(ember_kernels::MIN_TEMPERATURE);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut probs: Vec<f32> = logits.iter().map(|&l| ((l - max) / t).exp()).collect();
     let mut order: Vec<usize> = (0..probs.len()).collect();

@@ -26,10 +26,13 @@ pub mod blocks;
 pub mod error;
 pub mod loss;
 pub mod models;
-pub mod ops;
 pub mod positions;
 pub mod precision;
 pub mod summary;
+
+/// The op layer (the `ember-kernels` crate): each op's public function with its reference,
+/// and the kernels behind it.
+pub use ember_kernels as ops;
 
 pub use attention::{
     AttentionOutput, DecoderCache, KvCache, MultiHeadAttention, MultiHeadAttentionConfig,

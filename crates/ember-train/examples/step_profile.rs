@@ -2,7 +2,7 @@
 //! `cargo run --release -p ember-train --example step_profile` (`ACT=relu` or `ACT=tanh` for
 //! that MLP activation instead of exact GELU; `ONLY=forward` to run only the lines whose name
 //! starts with that text, e.g. under `perf record`; `N=200` to time 200 repetitions, not 20;
-//! `OUTSIDE_POOL=1` to run outside rayon's pool, as before `ember_model::ops::flex::threads`).
+//! `OUTSIDE_POOL=1` to run outside rayon's pool, as before `ember_kernels::flex::threads`).
 
 use std::time::{Duration, Instant};
 
@@ -41,7 +41,7 @@ fn time_part<F: FnMut() -> Duration>(name: &str, n: usize, mut f: F) {
 fn main() {
     // As the `ember` binary does, unless OUTSIDE_POOL is set (to see what it changes).
     if std::env::var_os("OUTSIDE_POOL").is_none() {
-        ember_model::ops::flex::threads::join_global_pool();
+        ember_kernels::flex::threads::join_global_pool();
     }
     // SAFETY: sets mimalloc's integer option `mi_option_purge_delay` (15) to "never purge".
     unsafe { libmimalloc_sys::mi_option_set(15, -1) };
@@ -178,7 +178,7 @@ fn main() {
             &format!("  ember matmul {m}x{k}x{n} ({gflop:.3} GFLOP)"),
             50,
             || {
-                let _ = ember_model::ops::matmul(a.clone(), b.clone());
+                let _ = ember_kernels::matmul(a.clone(), b.clone());
             },
         );
     }
@@ -189,16 +189,14 @@ fn main() {
             .into_scalar::<f32>();
     });
     time("  ember gelu [12,64,512]", n, || {
-        let _ = ember_model::ops::gelu(big.clone())
-            .sum()
-            .into_scalar::<f32>();
+        let _ = ember_kernels::gelu(big.clone()).sum().into_scalar::<f32>();
     });
     let xs: Vec<f32> = (0..12 * 64 * 512)
         .map(|i| (i % 1000) as f32 / 250.0 - 2.0)
         .collect();
     let mut ys = vec![0.0f32; xs.len()];
     time("  gelu kernel only, 393216 values", n, || {
-        ember_model::ops::kernels::gelu::forward_into::<ember_model::ops::kernels::gelu::Exact>(
+        ember_kernels::kernels::gelu::forward_into::<ember_kernels::kernels::gelu::Exact>(
             &xs, &mut ys,
         );
     });

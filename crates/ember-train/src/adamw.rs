@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::tensor::{Device, Tensor};
-use ember_model::ops::adamw::scaled;
-use ember_model::ops::{AdamWStep, adamw_step};
+use ember_kernels::adamw::scaled;
+use ember_kernels::{AdamWStep, adamw_step};
 
 /// A factor for the gradients of the next optimizer steps (global-norm clipping's), shared by
 /// the trainer, which sets it, and the [`FusedAdamW`]s it was given to, which apply it: on GPUs

@@ -234,7 +234,7 @@ impl KernelProfiler {
                 start + 1
             )));
         }
-        if !devices.iter().all(ember_model::ops::on_cubecl) {
+        if !devices.iter().all(ember_kernels::on_cubecl) {
             return Err(TrainError::Device(format!(
                 "{key} times GPU kernels; device `{name}` runs on the CPU (profile it with `perf record`)"
             )));
@@ -433,7 +433,7 @@ mod imp {
         LaunchObservation, LaunchObserver, ProfileDuration, TimingMethod, TimingRequest,
     };
 
-    use ember_model::ops::external_launches::{self, Elapsed, ExternalLaunches};
+    use ember_kernels::external_launches::{self, Elapsed, ExternalLaunches};
 
     use super::{Part, StepLaunches};
 

@@ -4,7 +4,7 @@
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
-use ember_model::ops::sum_of_squares;
+use ember_kernels::sum_of_squares;
 
 use crate::adamw::{FusedAdamW, GradScale};
 use crate::config::TrainingConfig;

@@ -1,7 +1,9 @@
 //! Sinusoidal positions (Vaswani et al. 2017): a fixed `sin`/`cos` table added to the
 //! embeddings, and the angles that rotary positions share with it.
 
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, Tensor};
+
+use crate::ops::rotation::angles;
 
 /// The sinusoidal table of Vaswani et al. for positions `start..start + T`:
 /// `PE[pos, 2i] = sin(pos / 10000^(2i/D))`, `PE[pos, 2i+1] = cos(pos / 10000^(2i/D))`.
@@ -25,33 +27,6 @@ pub(crate) fn sinusoidal_table_from(
     // Interleave: stack sin and cos on a last axis, then flatten pairs into the width.
     let table = Tensor::stack::<3>(vec![angles.clone().sin(), angles.cos()], 2); // [T, half, 2]
     table.reshape([t, 2 * half]).slice([0..t, 0..d_model])
-}
-
-/// `angle[p, i] = (start + p) / base^(2i / width)` for `i < half`.
-///
-/// # Shapes
-/// - output: `[T, half]`
-pub(crate) fn angles(
-    start: i64,
-    t: usize,
-    half: usize,
-    base: f64,
-    width: f64,
-    device: &Device,
-) -> Tensor<2> {
-    let positions = Tensor::<1, Int>::arange(start..start + t as i64, device)
-        .float()
-        .reshape([t, 1]);
-    let freqs = frequencies(half, base, width);
-    let freqs = Tensor::<1>::from_floats(freqs.as_slice(), device).reshape([1, half]);
-    positions.mul(freqs)
-}
-
-/// `base^(-2i / width)` for `i < half`, in `f32`: the angle per position of each pair.
-pub(crate) fn frequencies(half: usize, base: f64, width: f64) -> Vec<f32> {
-    (0..half)
-        .map(|i| (1.0 / base.powf(2.0 * i as f64 / width)) as f32)
-        .collect()
 }
 
 #[cfg(test)]

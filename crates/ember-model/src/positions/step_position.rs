@@ -11,7 +11,8 @@
 
 use burn::tensor::{Device, Int, Tensor};
 
-use super::sinusoidal::{angles, sinusoidal_table};
+use super::sinusoidal::sinusoidal_table;
+use crate::ops::rotation::angles;
 
 /// A decoding step's position on the device, with the tables its model's positions read (see
 /// the module's documentation). Made by [`crate::DecoderOnly::step_position`]; handed to a

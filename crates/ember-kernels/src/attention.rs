@@ -1,0 +1,225 @@
+//! Two attention ops: causal self-attention from the fused `[Q | K | V]` projection (training
+//! and a prompt's first pass), and the attention of one query over a KV cache (each decoding
+//! step).
+//!
+//! Kernels (flex `f32`): [`crate::flex::attention`] runs every head of every sequence as
+//! one task that reads its columns where the projection wrote them, with its own backward
+//! pass; [`crate::flex::decode_attention`] loops over the cached keys in place instead of
+//! two one-row matrix multiplies (plain tensors only: decoding is never differentiated).
+
+use burn::nn::Dropout;
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
+
+use super::causal_softmax_reference;
+use crate::masks::MASKED_SCORE;
+
+/// `dropout(softmax(Q K^T / sqrt(K) + causal mask)) V` per head, heads merged, from the fused
+/// projection (no padding); `qkv` back when `dropout` is active (training) and no kernel here
+/// applies it, for the caller's general path (in f32). A bf16 (or f16) `qkv`, mixed precision's
+/// projection, gives its output in its own type.
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
+/// - output: `[B, T, D]`
+pub fn causal_self_attention(
+    qkv: Tensor<3>,
+    heads: usize,
+    dropout: &Dropout,
+) -> Result<Tensor<3>, Tensor<3>> {
+    let drop = applied(dropout, &qkv.device());
+    #[cfg(feature = "cube")]
+    let qkv = match super::cube::attention::causal_self_attention(qkv, heads, drop) {
+        Ok(context) => return Ok(context),
+        Err(qkv) => qkv,
+    };
+    let dtype = qkv.dtype();
+    if dtype != DType::F32 {
+        // Mixed precision's bf16 projection where no kernel keeps it narrow: computed in f32,
+        // the output given back in the projection's type.
+        let context = causal_self_attention(qkv.cast(FloatDType::F32), heads, dropout)?;
+        return Ok(context.cast(FloatDType::from(dtype)));
+    }
+    if drop > 0.0 {
+        return Err(qkv);
+    }
+    #[cfg(feature = "flex")]
+    let qkv = match super::flex::attention::causal_self_attention(qkv, heads) {
+        Ok(context) => return Ok(context),
+        Err(qkv) => qkv,
+    };
+    Ok(causal_self_attention_reference(qkv, heads))
+}
+
+/// [`causal_self_attention`] in Burn's tensor ops, on every backend: split the heads, attend
+/// (as `ember_model::attention::causal_attention` does), merge.
+pub fn causal_self_attention_reference(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    let d = d3 / 3;
+    let scale = 1.0 / ((d / heads) as f64).sqrt();
+    let part = |i: usize| {
+        qkv.clone()
+            .slice([0..b, 0..t, i * d..(i + 1) * d])
+            .reshape([b, t, heads, d / heads])
+            .swap_dims(1, 2) // [B, H, T, K]
+    };
+    let (q, k, v) = (part(0), part(1), part(2));
+    let weights = causal_softmax_reference(q.matmul(k.swap_dims(2, 3)), scale); // [B, H, T, T]
+    weights.matmul(v).swap_dims(1, 2).reshape([b, t, d])
+}
+
+/// `dropout(softmax(Q K^T / sqrt(K) + mask)) V` for `T` queries at positions `start..start + T`
+/// over a KV cache's whole buffer: query `i` sees keys `0..=start + i`, which also hides every
+/// position not written yet. The buffer's shape stays the same from one decoding step to the
+/// next, so GPU kernels keep their shapes.
+///
+/// # Shapes
+/// - q: `[B, H, T, K]`
+/// - k, v: `[B, H, C, K]` (the cache's capacity `C >= start + T`)
+/// - output: `[B, H, T, K]`
+pub fn cached_causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    start: usize,
+    dropout: &Dropout,
+) -> Tensor<4> {
+    // Dropout, where it applies, is left to the reference.
+    #[cfg(feature = "cube")]
+    let (q, k, v) = match applied(dropout, &q.device()) == 0.0 {
+        true => match super::cube::attention::cached_causal_attention(q, k, v, start) {
+            Ok(context) => return context,
+            Err(qkv) => qkv,
+        },
+        false => (q, k, v),
+    };
+    cached_causal_attention_reference(q, k, v, start, Some(dropout))
+}
+
+/// [`cached_causal_attention`] for queries at the position held by `position` `[1]` on the device
+/// (written there between replays of a captured decoding step); the position is not read back
+/// to the host on GPU backends.
+///
+/// # Shapes
+/// - q: `[B, H, T, K]`
+/// - k, v: `[B, H, C, K]` (`C >= position + T`)
+/// - position: `[1]`
+/// - output: `[B, H, T, K]`
+pub fn cached_causal_attention_at(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    position: &Tensor<1, Int>,
+    dropout: &Dropout,
+) -> Tensor<4> {
+    #[cfg(feature = "cube")]
+    let (q, k, v) = match applied(dropout, &q.device()) == 0.0 {
+        true => match super::cube::attention::cached_causal_attention_at(q, k, v, position) {
+            Ok(context) => return context,
+            Err(qkv) => qkv,
+        },
+        false => (q, k, v),
+    };
+    let start = super::read_position(position);
+    cached_causal_attention_reference(q, k, v, start, Some(dropout))
+}
+
+/// The probability with which `dropout` drops on `device`, as `Dropout::forward` decides it:
+/// its own in training mode under autodiff, else 0.
+fn applied(dropout: &Dropout, device: &Device) -> f64 {
+    match dropout.training.is_enabled() && device.is_autodiff() {
+        true => dropout.prob,
+        false => 0.0,
+    }
+}
+
+/// [`cached_causal_attention`] in Burn's tensor ops, on every backend: scores, a mask of the
+/// keys each query may not see, softmax, dropout, values.
+pub fn cached_causal_attention_reference(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    start: usize,
+    dropout: Option<&Dropout>,
+) -> Tensor<4> {
+    let [_, _, t, head] = q.dims();
+    let capacity = k.dims()[2];
+    let hidden = Tensor::<2, Bool>::tril_mask([t, capacity], start as i64, &q.device())
+        .reshape([1, 1, t, capacity]);
+    let scores = q
+        .matmul(k.swap_dims(2, 3))
+        .mul_scalar(1.0 / (head as f64).sqrt());
+    let weights = softmax(scores.mask_fill(hidden, MASKED_SCORE), 3); // [B, H, T, C]
+    let weights = match dropout {
+        Some(dropout) => dropout.forward(weights),
+        None => weights,
+    };
+    weights.matmul(v)
+}
+
+/// `softmax(q K^T / sqrt(K)) V` for one query position that sees every key, with `dropout` on
+/// the weights.
+///
+/// # Shapes
+/// - q: `[B, H, 1, K]`
+/// - k, v: `[B, H, S, K]`
+/// - output: `[B, H, 1, K]`
+pub fn single_query_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    dropout: Option<&Dropout>,
+) -> Tensor<4> {
+    // The kernel takes plain tensors only, on which dropout does nothing.
+    #[cfg(feature = "flex")]
+    if let Some(context) = super::flex::decode_attention::single_query(&q, &k, &v) {
+        return context;
+    }
+    single_query_attention_reference(q, k, v, dropout)
+}
+
+/// [`single_query_attention`] in Burn's tensor ops, on every backend.
+pub fn single_query_attention_reference(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    dropout: Option<&Dropout>,
+) -> Tensor<4> {
+    let scale = 1.0 / (q.dims()[3] as f64).sqrt();
+    let weights = softmax(q.matmul(k.swap_dims(2, 3)).mul_scalar(scale), 3); // [B, H, 1, S]
+    let weights = match dropout {
+        Some(dropout) => dropout.forward(weights),
+        None => weights,
+    };
+    weights.matmul(v)
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use burn::tensor::Distribution;
+
+    /// One query over a cache-like view (the first 37 of 50 positions, as a KV cache returns
+    /// them): the flex loops take it, and equal the op's reference. (Against the model's general
+    /// attention: ember-model's tests/ops_and_concepts.rs.)
+    #[test]
+    fn single_query_equals_its_reference() {
+        let device = Device::flex();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let buffer = |seed| {
+            device.seed(seed);
+            Tensor::<4>::random([2, 3, 50, 32], normal, &device)
+        };
+        let (k, v) = (buffer(1), buffer(2));
+        let (k, v) = (
+            k.slice([0..2, 0..3, 0..37, 0..32]),
+            v.slice([0..2, 0..3, 0..37, 0..32]),
+        );
+        let q = Tensor::<4>::random([2, 3, 1, 32], normal, &device) * 3.0;
+        assert!(crate::flex::decode_attention::single_query(&q, &k, &v).is_some());
+        let fast = single_query_attention(q.clone(), k.clone(), v.clone(), None);
+        let reference = single_query_attention_reference(q, k, v, None);
+        let diff = (fast - reference).abs().max().into_scalar::<f32>();
+        assert!(diff < 1e-5, "differs by {diff}");
+    }
+}

@@ -1,0 +1,247 @@
+//! Dropout on the GPU: one CubeCL kernel that multiplies each element by its factor of a hashed
+//! mask ([`super::hashed_mask`]), with its own autodiff op whose backward pass is the same kernel
+//! on the gradient (dropout is linear in its input), the mask computed again from the seed.
+//!
+//! Burn's `Dropout` draws a Bernoulli tensor from the device's random numbers and multiplies
+//! twice (by the mask, then by `1 / (1 - p)`): three launches forward, two backward, and under
+//! autodiff the `f32` mask and the input are kept for the backward pass. Here: one launch each
+//! way, and nothing kept but the seed. The reference is Burn's `Dropout::forward`
+//! (`crate::dropout_reference`); the masks differ (another random stream), so the tests
+//! hold the kernel to the reference's arithmetic with the kernel's own mask rebuilt on the host.
+
+use crate::GpuKernel;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
+};
+use burn::nn::Dropout;
+use burn::tensor::{DType, Device, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+
+/// `dropout` applied to `x` where it drops at all (in training: its flag on, `x` tracked by
+/// autodiff, a probability above 0) and `x` is an `f32` tensor on a CubeCL device; `x` back
+/// otherwise.
+///
+/// # Shapes
+/// - x: any
+/// - output: same as x
+pub(crate) fn dropout<const D: usize>(
+    dropout: &Dropout,
+    x: Tensor<D>,
+) -> Result<Tensor<D>, Tensor<D>> {
+    if !dropout.training.is_enabled() || !x.device().is_autodiff() {
+        return Err(x);
+    }
+    seeded(x, dropout.prob, super::hashed_mask::draw_seed)
+}
+
+/// [`dropout`] with probability `p` and the seed drawn by `seed` on the tensor's device (a
+/// uniform number in `[0, 1)`), drawn only where the kernel takes the tensor.
+fn seeded<const D: usize>(
+    x: Tensor<D>,
+    p: f64,
+    seed: impl FnOnce(&Device) -> Tensor<1>,
+) -> Result<Tensor<D>, Tensor<D>> {
+    if !(p > 0.0 && p < 1.0)
+        || x.shape().num_elements() == 0
+        || !super::kernels_take(GpuKernel::Dropout, &x)
+    {
+        return Err(x);
+    }
+    let seed = seed(&x.device()).into_dispatch();
+    let y = <Dispatch as DropoutKernels>::dropout_kernel(x.into_dispatch(), seed, p as f32);
+    Ok(Tensor::from_dispatch(y))
+}
+
+/// The dropout op on every backend that has the kernel: CubeCL's, Burn's fusion over it, and
+/// autodiff over either.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
+pub trait DropoutKernels: Backend {
+    /// `x` times the factors of the mask of `seed` (its first element), dropping with
+    /// probability `p`.
+    #[fusion(dtype = x, shape = x)]
+    fn dropout_kernel(x: FloatTensor<Self>, seed: FloatTensor<Self>, p: f32) -> FloatTensor<Self>;
+}
+
+impl DropoutKernels for CubeBackend {
+    fn dropout_kernel(x: CubeTensor, seed: CubeTensor, p: f32) -> CubeTensor {
+        let x = into_contiguous(x);
+        assert_eq!(x.dtype(), DType::F32, "dropout kernel: f32 only");
+        let y = super::empty(&x, x.shape());
+        let n = x.shape().num_elements();
+        let w = super::elementwise_lanes(&x, n);
+        let (count, dim) = super::launch_size(&x, n / w);
+        kernel::dropout::launch::<f32>(
+            &x.client.clone(),
+            count,
+            dim,
+            w,
+            x.into_tensor_arg(),
+            seed.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            super::hashed_mask::threshold(p),
+            1.0 / (1.0 - p),
+            n / w,
+            w,
+        );
+        y
+    }
+}
+
+impl<B: DropoutKernels, C: CheckpointStrategy> DropoutKernels for Autodiff<B, C> {
+    fn dropout_kernel(x: FloatTensor<Self>, seed: FloatTensor<Self>, p: f32) -> FloatTensor<Self> {
+        let seed = Self::inner(seed);
+        match HashedDropout
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::dropout_kernel(x.into_primitive(), seed.clone(), p);
+                prep.finish((seed, p), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::dropout_kernel(x.into_primitive(), seed, p)),
+        }
+    }
+}
+
+/// The autodiff node of the dropout kernel.
+#[derive(Debug)]
+struct HashedDropout;
+
+impl<B: DropoutKernels> Backward<B, 1> for HashedDropout {
+    /// The seed and the probability.
+    type State = (FloatTensor<B>, f32);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (seed, p) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::dropout_kernel(grad, seed, p)
+        });
+    }
+}
+
+mod kernel {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    use crate::cube::hashed_mask::Mask;
+
+    /// One unit per vector of `w` elements (`vectors` of them): `y[e] = x[e] * factor(e)`.
+    #[cube(launch)]
+    pub(super) fn dropout<F: Float, N: Size>(
+        x: &Tensor<Vector<F, N>>,
+        seed: &Tensor<F>,
+        y: &mut Tensor<Vector<F, N>>,
+        threshold: u32,
+        keep_scale: f32,
+        vectors: usize,
+        #[comptime] w: usize,
+    ) {
+        let i = ABSOLUTE_POS;
+        if i >= vectors {
+            terminate!();
+        }
+        let mask = Mask::<F>::new(seed, threshold, keep_scale, true);
+        let v = x[i];
+        let mut out = v;
+        #[unroll]
+        for l in 0..w {
+            out.insert(l, v.extract(l) * mask.factor(i * w + l, true));
+        }
+        y[i] = out;
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use burn::nn::DropoutConfig;
+    use burn::tensor::{DeviceKind, Distribution, TensorData};
+
+    /// Output and input gradient against the reference's arithmetic (`x * mask`) with the
+    /// kernel's mask rebuilt on the host, under autodiff and with checkpointing, through a graph
+    /// (`exp` before); the mask drops about `p`; a plain device is not dropped.
+    #[test]
+    fn equals_the_reference_with_the_same_mask_on_wgpu() {
+        let base = Device::wgpu(DeviceKind::DefaultDevice);
+        let (seed, p) = (0.381_966_f32, 0.2_f32);
+        let dims = [3, 50, 70];
+        let n = dims.iter().product::<usize>();
+        let factors = crate::cube::hashed_mask::host_factors(seed, p, n);
+        let normal = Distribution::Normal(0.0, 1.0);
+        let x = Tensor::<3>::random(dims, normal, &base).into_data();
+        let g = Tensor::<3>::random(dims, normal, &base).into_data();
+        for device in [
+            base.clone().autodiff(),
+            base.clone().autodiff().gradient_checkpointing(),
+        ] {
+            let run = |ours: bool| {
+                let input = Tensor::<3>::from_data(x.clone(), &device).require_grad();
+                let h = input.clone().exp();
+                let out = if ours {
+                    let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
+                    seeded(h, p as f64, seed).expect("a tracked wgpu f32 tensor")
+                } else {
+                    let mask = TensorData::new(factors.clone(), dims);
+                    h * Tensor::<3>::from_data(mask, &device)
+                };
+                let grads = (out.clone() * Tensor::from_data(g.clone(), &device))
+                    .sum()
+                    .backward();
+                (out.inner(), input.grad(&grads).expect("a gradient"))
+            };
+            let ((y, dx), (y_ref, dx_ref)) = (run(true), run(false));
+            for (what, a, b) in [("output", y, y_ref), ("gradient", dx, dx_ref)] {
+                let diff = (a - b).abs().max().into_scalar::<f32>();
+                assert!(diff < 1e-5, "{device:?}, {what}: {diff}");
+            }
+        }
+        let dropped = factors.iter().filter(|&&f| f == 0.0).count() as f32 / n as f32;
+        assert!((dropped - p).abs() < 0.01, "dropped {dropped}, not {p}");
+        let plain = Tensor::<3>::from_data(x, &base);
+        let module = DropoutConfig::new(0.5).init();
+        assert!(
+            dropout(&module, plain).is_err(),
+            "a plain device is not dropped"
+        );
+    }
+
+    /// Through the op layer with a `Dropout` module on an autodiff device: repeatable under
+    /// `Device::seed`, another seed another mask, about `p` of a tensor of ones zeroed and the
+    /// rest scaled to `1 / (1 - p)`; at probability 0 the input comes back unchanged.
+    #[test]
+    fn drops_in_training_repeatably() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        let module = DropoutConfig::new(0.3).init();
+        let run = |seed: u64| {
+            device.seed(seed);
+            let ones = Tensor::<2>::ones([64, 100], &device);
+            crate::dropout(&module, ones).inner().into_data()
+        };
+        let (a, again, other) = (run(1), run(1), run(2));
+        a.assert_eq(&again, true);
+        assert_ne!(a, other, "another seed, the same mask");
+        let values = a.try_to_vec::<f32>().unwrap();
+        let zeroed = values.iter().filter(|&&v| v == 0.0).count() as f32 / values.len() as f32;
+        assert!((zeroed - 0.3).abs() < 0.03, "zeroed {zeroed}");
+        assert!(
+            values
+                .iter()
+                .all(|&v| v == 0.0 || (v - 1.0 / 0.7).abs() < 1e-6),
+            "kept values are scaled by 1 / (1 - p)"
+        );
+        let none = DropoutConfig::new(0.0).init();
+        let x = Tensor::<2>::ones([4, 4], &device);
+        assert!(
+            dropout(&none, x).is_err(),
+            "probability 0 is the reference's"
+        );
+    }
+}

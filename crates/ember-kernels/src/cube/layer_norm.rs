@@ -1,0 +1,461 @@
+//! LayerNorm's normalisation and scale on the GPU: one CubeCL kernel forward, one backward (and
+//! one reduction for the gain's and bias's gradients together), with its own autodiff op. Under autodiff Burn 0.22.1
+//! builds LayerNorm from nine tensor ops (mean, subtraction, square, mean, `+ eps`, square
+//! root, division, scale, shift) and their backward passes: about 25 kernel launches per layer
+//! norm and step on a GPU without fusion, each a buffer written and read back.
+//!
+//! Forward, one cube per row: `mean`, `rstd = 1 / sqrt(mean((x - mean)^2) + eps)`,
+//! `y = (x - mean) rstd gamma + beta` (the bias in the same pass: a separate addition is one
+//! more launch per norm, in training and at every decoding step), and the row's `[mean, rstd]`
+//! kept for the backward pass. Backward, one cube per [`CHUNK`] rows: for each row the cube
+//! reduces `mean(h)` and `mean(h xhat)` (`h = dy gamma`, `xhat = (x - mean) rstd`), then each
+//! unit walks its columns down the chunk, writing `dx = rstd (h - mean(h) - xhat mean(h xhat))`
+//! and adding up `dy xhat` (gamma's gradient) and `dy` (beta's) over the chunk's rows; one
+//! reduction over the chunks' sums gives both gradients. Before, the kernel wrote `dy xhat` for
+//! every element (a buffer as large as the input) and two column sums over all rows followed, a
+//! launch each. The expressions of flex's kernel ([`crate::kernels::layer_norm`]); the
+//! reference is Burn's `LayerNorm`.
+//!
+//! The units of a row's cube split its columns (unit `u` takes `u`, `u + units`, ...:
+//! neighbouring units read neighbouring columns, one memory transaction per warp) and reduce
+//! their sums through shared memory ([`super::reduce_cube`]).
+
+use crate::GpuKernel;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
+};
+use burn::tensor::{DType, Shape, Slice, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+
+/// `(x - mean) * rstd * gamma + beta` over the last axis with epsilon `eps` (no `+ beta` without
+/// one), where `x`, `gamma` and `beta` are `f32` tensors on a CubeCL device, all tracked by
+/// autodiff or none; otherwise all back.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - gamma, beta: `[D]`
+/// - output: `[..., D]`
+#[allow(clippy::type_complexity)]
+pub(crate) fn layer_norm<const N: usize>(
+    x: Tensor<N>,
+    gamma: Tensor<1>,
+    beta: Option<Tensor<1>>,
+    eps: f64,
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>, Option<Tensor<1>>)> {
+    let dims = x.dims();
+    let d = dims[N - 1];
+    let tracked = x.device().is_autodiff();
+    let fits = |p: &Tensor<1>| {
+        super::kernels_take(GpuKernel::LayerNorm, p)
+            && p.device().is_autodiff() == tracked
+            && p.dims()[0] == d
+    };
+    let take = super::kernels_take(GpuKernel::LayerNorm, &x)
+        && fits(&gamma)
+        && beta.as_ref().is_none_or(fits);
+    if !take || d == 0 || x.shape().num_elements() == 0 {
+        return Err((x, gamma, beta));
+    }
+    let rows = x.shape().num_elements() / d;
+    let bias = beta.is_some();
+    // Without a bias the kernel never reads its `beta`: gamma stands in.
+    let beta = beta.unwrap_or_else(|| gamma.clone());
+    let y = <Dispatch as LayerNormKernels>::layer_norm(
+        x.reshape([rows, d]).into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        eps as f32,
+        bias,
+    );
+    Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
+}
+
+/// The LayerNorm op on every backend that has the kernels: CubeCL's, Burn's fusion over it, and
+/// autodiff over either.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
+pub trait LayerNormKernels: Backend {
+    /// `(x - mean) rstd gamma (+ beta with bias)` of the rows of `x` `[R, D]`.
+    #[fusion(default)]
+    fn layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f32,
+        bias: bool,
+    ) -> FloatTensor<Self> {
+        Self::layer_norm_forward(x, gamma, beta, eps, bias).0
+    }
+
+    /// The output `[R, D]` and each row's `[mean, rstd]` (`[R, 2]`).
+    #[fusion(meta = forward_specs)]
+    fn layer_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f32,
+        bias: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradient of `x` `[R, D]`, and those of `gamma` and `beta` as the rows of `[2, D]`,
+    /// from the output's `grad` `[R, D]`.
+    #[fusion(meta = backward_specs)]
+    fn layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+}
+
+#[cfg(feature = "fusion")]
+use burn::backend::fusion::custom::TensorSpec;
+
+/// The shapes of the forward pass's outputs, for fusion (which defers the kernels).
+#[cfg(feature = "fusion")]
+fn forward_specs(
+    x: &TensorSpec,
+    _gamma: &TensorSpec,
+    _beta: &TensorSpec,
+    _eps: &f32,
+    _bias: &bool,
+) -> (TensorSpec, TensorSpec) {
+    let [rows, _] = x.shape.dims::<2>();
+    (x.clone(), TensorSpec::new(Shape::new([rows, 2]), x.dtype))
+}
+
+/// The shapes of the backward pass's outputs: `x`'s, and `gamma`'s and `beta`'s as two rows.
+#[cfg(feature = "fusion")]
+fn backward_specs(
+    x: &TensorSpec,
+    gamma: &TensorSpec,
+    _stats: &TensorSpec,
+    _grad: &TensorSpec,
+) -> (TensorSpec, TensorSpec) {
+    let [d] = gamma.shape.dims::<1>();
+    (x.clone(), TensorSpec::new(Shape::new([2, d]), gamma.dtype))
+}
+
+/// Rows of one cube of the backward kernel: each cube writes one row of gain and bias sums, so
+/// the reduction after it reads `R / CHUNK` rows instead of two passes over `R`, while the launch
+/// keeps `R / CHUNK` cubes (2048 for nanoGPT's GPU config) to fill a GPU.
+const CHUNK: usize = 8;
+
+impl LayerNormKernels for CubeBackend {
+    fn layer_norm_forward(
+        x: CubeTensor,
+        gamma: CubeTensor,
+        beta: CubeTensor,
+        eps: f32,
+        bias: bool,
+    ) -> (CubeTensor, CubeTensor) {
+        let [x, gamma, beta] = [x, gamma, beta].map(into_contiguous);
+        let [rows, d] = x.shape().dims::<2>();
+        assert_eq!(x.dtype(), DType::F32, "LayerNorm kernel: f32 only");
+        let (y, stats) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, 2]));
+        let (count, dim) = super::row_cubes(rows);
+        kernels::layer_norm_forward::launch::<f32>(
+            &x.client.clone(),
+            count,
+            dim,
+            x.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            beta.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            stats.clone().into_tensor_arg(),
+            eps,
+            bias,
+        );
+        (y, stats)
+    }
+
+    fn layer_norm_backward(
+        x: CubeTensor,
+        gamma: CubeTensor,
+        stats: CubeTensor,
+        grad: CubeTensor,
+    ) -> (CubeTensor, CubeTensor) {
+        let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
+        let [rows, d] = x.shape().dims::<2>();
+        let chunks = rows.div_ceil(CHUNK);
+        let (dx, sums) = (
+            super::empty(&x, [rows, d]),
+            super::empty(&x, [chunks, 2 * d]),
+        );
+        let (count, dim) = super::row_cubes(chunks);
+        kernels::layer_norm_backward::launch::<f32>(
+            &x.client.clone(),
+            count,
+            dim,
+            x.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            stats.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            sums.clone().into_tensor_arg(),
+            CHUNK,
+        );
+        // The chunks' sums added by the backend's reduction: `[gamma's | beta's]`.
+        let sums = match chunks {
+            1 => sums,
+            _ => CubeBackend::float_sum_dim(sums, 0),
+        };
+        (dx, CubeBackend::float_reshape(sums, Shape::new([2, d])))
+    }
+}
+
+impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B, C> {
+    fn layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f32,
+        bias: bool,
+    ) -> FloatTensor<Self> {
+        if !bias {
+            return match ScaledNorm
+                .prepare::<C>([x.node(), gamma.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
+                    let (y, stats) =
+                        B::layer_norm_forward(x.clone(), gamma.clone(), gamma.clone(), eps, false);
+                    prep.finish((x, gamma, stats), y)
+                }
+                OpsKind::UnTracked(prep) => {
+                    let gamma = gamma.into_primitive();
+                    let y =
+                        B::layer_norm_forward(x.into_primitive(), gamma.clone(), gamma, eps, false);
+                    prep.finish(y.0)
+                }
+            };
+        }
+        match ShiftedNorm
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
+                let (y, stats) = B::layer_norm_forward(
+                    x.clone(),
+                    gamma.clone(),
+                    beta.into_primitive(),
+                    eps,
+                    true,
+                );
+                prep.finish((x, gamma, stats), y)
+            }
+            OpsKind::UnTracked(prep) => {
+                let [x, gamma, beta] = [x, gamma, beta].map(|t| t.into_primitive());
+                prep.finish(B::layer_norm_forward(x, gamma, beta, eps, true).0)
+            }
+        }
+    }
+
+    // The two passes on their own are not differentiated: only the op above is.
+    fn layer_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f32,
+        bias: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [x, gamma, beta] = [x, gamma, beta].map(Self::inner);
+        let (y, stats) = B::layer_norm_forward(x, gamma, beta, eps, bias);
+        (Self::from_inner(y), Self::from_inner(stats))
+    }
+
+    fn layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(Self::inner);
+        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
+        (Self::from_inner(dx), Self::from_inner(dgamma))
+    }
+}
+
+/// The autodiff node of the LayerNorm kernels without a bias.
+#[derive(Debug)]
+struct ScaledNorm;
+
+/// The autodiff node of the LayerNorm kernels with a bias.
+#[derive(Debug)]
+struct ShiftedNorm;
+
+/// The input, gamma and each row's `[mean, rstd]`.
+type NormState<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+impl<B: LayerNormKernels> Backward<B, 2> for ScaledNorm {
+    type State = NormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, gamma, stats) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad);
+        let [x_node, gamma_node] = ops.parents;
+        for (node, grad) in [(x_node, dx), (gamma_node, param_row::<B>(&params, 0))] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// Row `row` of the backward pass's `[2, D]` parameter gradients (0: gamma's, 1: beta's), as
+/// `[D]`.
+fn param_row<B: Backend>(params: &FloatTensor<B>, row: usize) -> FloatTensor<B> {
+    let [_, d] = params.shape().dims::<2>();
+    let slice = B::float_slice(params.clone(), &[Slice::from(row..row + 1)]);
+    B::float_reshape(slice, Shape::new([d]))
+}
+
+impl<B: LayerNormKernels> Backward<B, 3> for ShiftedNorm {
+    type State = NormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, gamma, stats) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [x_node, gamma_node, beta_node] = ops.parents;
+        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad);
+        let (dgamma, dbeta) = (param_row::<B>(&params, 0), param_row::<B>(&params, 1));
+        for (node, grad) in [(x_node, dx), (gamma_node, dgamma), (beta_node, dbeta)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+mod kernels {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    use crate::cube::{ROW_UNITS, cube_row, reduce_cube};
+
+    /// One cube per row `r` of `x` `[R, D]`: `y` (with `beta` added when `bias`) and
+    /// `stats[r] = [mean, rstd]`.
+    #[cube(launch)]
+    pub(super) fn layer_norm_forward<F: Float>(
+        x: &Tensor<F>,
+        gamma: &Tensor<F>,
+        beta: &Tensor<F>,
+        y: &mut Tensor<F>,
+        stats: &mut Tensor<F>,
+        eps: f32,
+        #[comptime] bias: bool,
+    ) {
+        let r = cube_row();
+        if r >= stats.shape(0) {
+            terminate!();
+        }
+        let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
+        let d = gamma.len();
+        let at = r * d;
+        let n = F::cast_from(d);
+        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
+        let mut sum = F::new(0.0);
+        for j in range_stepped(u, d, units) {
+            sum += x[at + j];
+        }
+        let mean = reduce_cube::<F>(&mut scratch, sum, false) / n;
+        let mut squares = F::new(0.0);
+        for j in range_stepped(u, d, units) {
+            let c = x[at + j] - mean;
+            squares += c * c;
+        }
+        let squares = reduce_cube::<F>(&mut scratch, squares, false);
+        let rstd = F::new(1.0) / F::sqrt(squares / n + F::cast_from(eps));
+        for j in range_stepped(u, d, units) {
+            let mut v = (x[at + j] - mean) * rstd * gamma[j];
+            if bias {
+                v += beta[j];
+            }
+            y[at + j] = v;
+        }
+        if u == 0 {
+            stats[2 * r] = mean;
+            stats[2 * r + 1] = rstd;
+        }
+    }
+
+    /// One cube per `chunk` rows (fewer in the last): `dx` of each row, and in row `c` of
+    /// `sums` `[chunks, 2 D]` the chunk's column sums of `dy xhat` (`0..D`) and `dy` (`D..2 D`).
+    #[cube(launch)]
+    pub(super) fn layer_norm_backward<F: Float>(
+        x: &Tensor<F>,
+        gamma: &Tensor<F>,
+        stats: &Tensor<F>,
+        grad: &Tensor<F>,
+        dx: &mut Tensor<F>,
+        sums: &mut Tensor<F>,
+        #[comptime] chunk: usize,
+    ) {
+        let c = cube_row();
+        if c >= sums.shape(0) {
+            terminate!();
+        }
+        let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
+        let d = gamma.len();
+        let n = F::cast_from(d);
+        let first = c * chunk;
+        let mut last = first + chunk;
+        if last > stats.shape(0) {
+            last = stats.shape(0);
+        }
+        // Each row's a = mean(h) and b = mean(h xhat), h = dy gamma, for the column walk below.
+        let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
+        let mut means = Shared::<[F]>::new_slice(2 * chunk);
+        for r in first..last {
+            let at = r * d;
+            let mean = stats[2 * r];
+            let rstd = stats[2 * r + 1];
+            let mut a = F::new(0.0);
+            let mut b = F::new(0.0);
+            for j in range_stepped(u, d, units) {
+                let xhat = (x[at + j] - mean) * rstd;
+                let h = grad[at + j] * gamma[j];
+                a += h;
+                b += h * xhat;
+            }
+            let a = reduce_cube::<F>(&mut scratch, a, false) / n;
+            let b = reduce_cube::<F>(&mut scratch, b, false) / n;
+            if u == 0 {
+                means[2 * (r - first)] = a;
+                means[2 * (r - first) + 1] = b;
+            }
+        }
+        sync_cube();
+        // Each unit down its columns: dx, and the chunk's sums for gamma and beta.
+        for j in range_stepped(u, d, units) {
+            let g = gamma[j];
+            let mut gain = F::new(0.0);
+            let mut shift = F::new(0.0);
+            for r in first..last {
+                let at = r * d;
+                let rstd = stats[2 * r + 1];
+                let xhat = (x[at + j] - stats[2 * r]) * rstd;
+                let dy = grad[at + j];
+                let a = means[2 * (r - first)];
+                let b = means[2 * (r - first) + 1];
+                dx[at + j] = rstd * (dy * g - a - xhat * b);
+                gain += dy * xhat;
+                shift += dy;
+            }
+            sums[c * 2 * d + j] = gain;
+            sums[c * 2 * d + d + j] = shift;
+        }
+    }
+}

@@ -1,0 +1,321 @@
+//! [`crate::matmul`] on CUDA through cuBLAS, with its own autodiff op, so that the
+//! products of the backward pass (`dY @ W^T`, `X^T @ dY`) take cuBLAS too, reading the
+//! transposed operands in place.
+//!
+//! The op is `op(a) @ op(b)`, `op` a transpose where asked. Forward, a linear layer asks for
+//! none; backward, `C = op(A) op(B)` gives
+//! - `dA = dC op(B)^T`, or with `A` transposed `dA = op(B) dC^T`;
+//! - `dB = op(A)^T dC`, or with `B` transposed `dB = dC^T op(A)`,
+//!
+//! each again one product of the op. On other devices (and for a product cuBLAS does not take:
+//! `cube::cublas::product`) the op runs Burn's `matmul` on the transposed views: the reference
+//! the tests compare it with on wgpu.
+
+use crate::GpuKernel;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+
+/// `a @ b` by cuBLAS (`[M, K] @ [K, N]`, one float type), tracked by autodiff or not, where
+/// cuBLAS is loadable (feature `cublas`) and exact there, `EMBER_GPU_KERNELS` has `cublas`, and
+/// `a` is on a CUDA device (one that reports its multiprocessors) that records no graph; `(a,
+/// b)` back otherwise.
+pub(crate) fn matmul(a: Tensor<2>, b: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>, Tensor<2>)> {
+    let device = a.device();
+    let takes = crate::gpu_kernels::uses(GpuKernel::Cublas)
+        && matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && a.dtype() == b.dtype()
+        && crate::on_cubecl(&device)
+        && super::multiprocessors(&device).is_some()
+        && loadable_or_warn()
+        && !super::capturing(&device)
+        && agrees_on(&device, a.dtype());
+    if !takes {
+        return Err((a, b));
+    }
+    Ok(Tensor::from_dispatch(product(a, b, false, false)))
+}
+
+/// `op(a) @ op(b)` through the op (on any CubeCL device: cuBLAS where it takes the product).
+pub(crate) fn product(a: Tensor<2>, b: Tensor<2>, ta: bool, tb: bool) -> FloatTensor<Dispatch> {
+    <Dispatch as ProductKernels>::product(a.into_dispatch(), b.into_dispatch(), ta, tb)
+}
+
+/// Whether cuBLAS can be loaded (never without the `cublas` feature); where it cannot, says so
+/// once on stderr: the products then run several times slower.
+fn loadable_or_warn() -> bool {
+    #[cfg(feature = "cublas")]
+    let loadable = super::cublas::loadable();
+    #[cfg(not(feature = "cublas"))]
+    let loadable = false;
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if !loadable {
+        WARNED.call_once(|| {
+            eprintln!(
+                "warning: cuBLAS (libcublas.so from the CUDA toolkit) could not be loaded from the \
+                 library path or $CUDA_PATH; matrix products run on cubek's kernels"
+            )
+        });
+    }
+    loadable
+}
+
+/// Whether cuBLAS's products in `dtype` were found exact on `device`: checked on the first
+/// product of that type in the process ([`products_agree`], a few milliseconds); where they were
+/// not, says so once on stderr and the products of that type stay cubek's, so that a wrong product
+/// never trains a model.
+fn agrees_on(device: &Device, dtype: DType) -> bool {
+    use std::sync::OnceLock;
+    static AGREES: [OnceLock<bool>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = match dtype {
+        DType::F32 => &AGREES[0],
+        DType::BF16 => &AGREES[1],
+        _ => &AGREES[2],
+    };
+    *slot.get_or_init(|| match products_agree(device, &[dtype]) {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!(
+                "warning: cuBLAS's {dtype:?} matrix products on this device are wrong ({why}); \
+                 they run on cubek's kernels instead"
+            );
+            false
+        }
+    })
+}
+
+/// The op's products on `device` against exact ones computed on the host, in each of `dtypes`:
+/// each operand plain, transposed by the op, and (the right one) a transposed view, with small
+/// integers whose products and sums every float type here holds exactly (TF32 keeps 11 bits of
+/// mantissa, bf16 8 and f16 11: at most 720 in f32, 180 otherwise), so that any difference is
+/// an error, not rounding. The error names the first wrong value, or the failure to read one.
+pub(crate) fn products_agree(device: &Device, dtypes: &[DType]) -> Result<(), String> {
+    let (m, k, n) = (67, 45, 29);
+    for &dtype in dtypes {
+        let r = if dtype == DType::F32 { 4 } else { 2 };
+        let value = |i: usize, j: usize, seed: usize| {
+            ((i * 7 + j * 13 + seed) % (2 * r + 1)) as f32 - r as f32
+        };
+        // (a transposed by the op, b transposed by the op, b a transposed view)
+        for (ta, tb, view) in [
+            (false, false, false),
+            (true, false, false),
+            (false, true, false),
+            (true, true, false),
+            (false, false, true),
+        ] {
+            let stored = |rows: usize, cols: usize, transposed: bool, seed: usize| {
+                let (sr, sc) = if transposed {
+                    (cols, rows)
+                } else {
+                    (rows, cols)
+                };
+                let data: Vec<f32> = (0..sr * sc)
+                    .map(|x| match transposed {
+                        false => value(x / sc, x % sc, seed),
+                        true => value(x % sc, x / sc, seed),
+                    })
+                    .collect();
+                Tensor::<2>::from_data(TensorData::new(data, [sr, sc]), device)
+                    .cast(FloatDType::from(dtype))
+            };
+            let a = stored(m, k, ta, 1);
+            let b = stored(k, n, tb || view, 5);
+            let c = match view {
+                true => Tensor::<2>::from_dispatch(product(a, b.transpose(), ta, false)),
+                false => Tensor::<2>::from_dispatch(product(a, b, ta, tb)),
+            };
+            let got = c
+                .cast(FloatDType::F32)
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .map_err(|e| format!("reading a product back: {e:?}"))?;
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|p| value(i, p, 1) * value(p, j, 5)).sum();
+                    let at = got[i * n + j];
+                    if at != want {
+                        return Err(format!(
+                            "{dtype:?} [{m}, {k}] @ [{k}, {n}], a transposed {ta}, b transposed \
+                             {tb}, b a view {view}: ({i}, {j}) is {at}, not {want}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The product op on every backend that has it: CubeCL's, Burn's fusion over it, and autodiff
+/// over either.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
+pub trait ProductKernels: Backend {
+    /// `op(a) @ op(b)`, `op` the transpose where `ta` (for `a`) or `tb` (for `b`) is set, the
+    /// identity otherwise: `[M, N]` from `op(a)` `[M, K]` and `op(b)` `[K, N]`.
+    #[fusion(meta = product_spec)]
+    fn product(a: FloatTensor<Self>, b: FloatTensor<Self>, ta: bool, tb: bool)
+    -> FloatTensor<Self>;
+}
+
+/// The output's shape and type, for fusion (which defers the op).
+#[cfg(feature = "fusion")]
+fn product_spec(
+    a: &burn::backend::fusion::custom::TensorSpec,
+    b: &burn::backend::fusion::custom::TensorSpec,
+    ta: &bool,
+    tb: &bool,
+) -> burn::backend::fusion::custom::TensorSpec {
+    let [ar, ac] = a.shape.dims::<2>();
+    let [br, bc] = b.shape.dims::<2>();
+    let m = if *ta { ac } else { ar };
+    let n = if *tb { br } else { bc };
+    burn::backend::fusion::custom::TensorSpec::new(burn::tensor::Shape::new([m, n]), a.dtype)
+}
+
+impl ProductKernels for CubeBackend {
+    fn product(a: CubeTensor, b: CubeTensor, ta: bool, tb: bool) -> CubeTensor {
+        let view = |x: CubeTensor, t: bool| match t {
+            true => <CubeBackend as FloatTensorOps<CubeBackend>>::float_swap_dims(x, 0, 1),
+            false => x,
+        };
+        let (a, b) = (view(a, ta), view(b, tb));
+        #[cfg(feature = "cublas")]
+        if let Some(c) = super::cublas::product(&a, &b) {
+            return c;
+        }
+        <CubeBackend as FloatTensorOps<CubeBackend>>::float_matmul(a, b)
+    }
+}
+
+impl<B: ProductKernels, C: CheckpointStrategy> ProductKernels for Autodiff<B, C> {
+    fn product(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        ta: bool,
+        tb: bool,
+    ) -> FloatTensor<Self> {
+        let node = Product { ta, tb };
+        match node
+            .prepare::<C>([a.node(), b.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (a, b) = (a.into_primitive(), b.into_primitive());
+                prep.finish((a.clone(), b.clone()), B::product(a, b, ta, tb))
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::product(a.into_primitive(), b.into_primitive(), ta, tb))
+            }
+        }
+    }
+}
+
+/// The autodiff node of the product: which operands were transposed.
+#[derive(Debug)]
+struct Product {
+    ta: bool,
+    tb: bool,
+}
+
+impl<B: ProductKernels> Backward<B, 2> for Product {
+    /// The operands, as the op read them (before `op`).
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (a, b) = ops.state;
+        let Product { ta, tb } = self;
+        binary::<B, _, _>(
+            ops.parents,
+            ops.node,
+            grads,
+            |dc| match ta {
+                false => B::product(dc, b, false, !tb),
+                true => B::product(b, dc, tb, true),
+            },
+            |dc| match tb {
+                false => B::product(a, dc, !ta, false),
+                true => B::product(dc, a, true, ta),
+            },
+        );
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::tensor::{Device, DeviceKind, Distribution, Tensor};
+
+    /// The start-up check passes for a correct product (on wgpu the op runs Burn's), plain and
+    /// under autodiff.
+    #[test]
+    fn the_exactness_check_passes_for_burns_products() {
+        let gpu = Device::wgpu(DeviceKind::DefaultDevice);
+        for device in [gpu.clone(), gpu.autodiff()] {
+            super::products_agree(&device, &[burn::tensor::DType::F32]).unwrap();
+        }
+    }
+
+    /// The op, each operand transposed or not, against Burn's `matmul` of the same views:
+    /// output and both gradients, on wgpu with and without checkpointing (where the op runs
+    /// Burn's product: this checks the op's shapes and its backward pass, which cuBLAS's
+    /// products share on CUDA).
+    #[test]
+    fn the_op_and_its_gradients_match_burns_matmul() {
+        let gpu = Device::wgpu(DeviceKind::DefaultDevice);
+        let (m, k, n) = (37, 20, 13);
+        let normal = Distribution::Normal(0.0, 1.0);
+        for device in [
+            gpu.clone().autodiff(),
+            gpu.autodiff().gradient_checkpointing(),
+        ] {
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                let a_shape = if ta { [k, m] } else { [m, k] };
+                let b_shape = if tb { [n, k] } else { [k, n] };
+                let a = Tensor::<2>::random(a_shape, normal, &device);
+                let b = Tensor::<2>::random(b_shape, normal, &device);
+                let weights = Tensor::<2>::random([m, n], normal, &device);
+                let run = |ours: bool| {
+                    let (a, b) = (a.clone().require_grad(), b.clone().require_grad());
+                    let c = match ours {
+                        true => {
+                            Tensor::<2>::from_dispatch(super::product(a.clone(), b.clone(), ta, tb))
+                        }
+                        false => {
+                            let av = if ta { a.clone().transpose() } else { a.clone() };
+                            let bv = if tb { b.clone().transpose() } else { b.clone() };
+                            av.matmul(bv)
+                        }
+                    };
+                    assert_eq!(c.dims(), [m, n], "{ta} {tb}");
+                    let grads = (c.clone() * weights.clone()).sum().backward();
+                    let ga = a.grad(&grads).expect("a's gradient");
+                    let gb = b.grad(&grads).expect("b's gradient");
+                    assert_eq!((ga.dims(), gb.dims()), (a_shape, b_shape), "{ta} {tb}");
+                    [c.inner().into_data(), ga.into_data(), gb.into_data()]
+                        .map(|d| d.try_to_vec::<f32>().unwrap())
+                };
+                let (ours, theirs) = (run(true), run(false));
+                for (what, (x, y)) in ["output", "a's gradient", "b's gradient"]
+                    .iter()
+                    .zip(ours.iter().zip(&theirs))
+                {
+                    for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                        assert!(
+                            (p - q).abs() < 1e-4 * q.abs().max(1.0),
+                            "{what}, {ta} {tb}, value {i}: {p} vs {q}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

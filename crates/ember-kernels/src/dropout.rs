@@ -1,0 +1,29 @@
+//! The dropout op: in training (a module whose flag is on, on an autodiff device), each element
+//! zeroed with probability `p` and the others scaled by `1 / (1 - p)`; otherwise the input.
+//!
+//! Reference: Burn's `Dropout::forward`. Kernel (GPU backends, `f32` tensors tracked by
+//! autodiff): one CubeCL kernel each way whose mask is a hash of a seed and each element's index,
+//! so nothing but the seed is kept for the backward pass (`cube/dropout`). Flex runs the
+//! reference (its random numbers and products are cheap next to a step on the CPU).
+
+use burn::nn::Dropout;
+use burn::tensor::Tensor;
+
+/// `dropout` applied to `x`.
+///
+/// # Shapes
+/// - x: any
+/// - output: same as x
+pub fn dropout<const D: usize>(dropout: &Dropout, x: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    let x = match super::cube::dropout::dropout(dropout, x) {
+        Ok(y) => return y,
+        Err(x) => x,
+    };
+    dropout_reference(dropout, x)
+}
+
+/// [`dropout`] in Burn's tensor ops, on every backend.
+pub fn dropout_reference<const D: usize>(dropout: &Dropout, x: Tensor<D>) -> Tensor<D> {
+    dropout.forward(x)
+}

@@ -1,0 +1,350 @@
+//! Two-dimensional matrix products on Burn's flex backend through `gemm` (the crate flex itself
+//! calls), with their own autodiff op.
+//!
+//! Burn 0.22.1's flex matmul allocates each output zero-filled with a one-byte alignment and then
+//! copies it into an aligned buffer (docs/burn-findings.md, finding 2): 18% of a baby-GPT
+//! training step. Here gemm writes the product straight into a new, unfilled buffer, and the
+//! backward pass reads the transposes of its inputs in place (a transpose is a swap of
+//! strides), so a layer's weight gradient is one product over all rows.
+
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Flex, TensorMetadata};
+use burn::tensor::{Shape, Tensor};
+
+use super::op;
+use super::tensor::{Tracked, from_values};
+
+/// Products with at least this many multiply-adds (`m * n * k`) run on all of rayon's threads;
+/// smaller ones on the calling thread. Flex's own threshold.
+const PARALLEL_WORK: usize = 192 * 192 * 192;
+
+/// `lhs @ rhs`: on flex `f32` tensors (tracked by autodiff or not) by gemm into a new buffer,
+/// reading strided views (a transpose, a slice) in place; elsewhere Burn's `matmul`.
+///
+/// # Shapes
+/// - lhs: `[M, K]`
+/// - rhs: `[K, N]`
+/// - output: `[M, N]`, contiguous
+pub(crate) fn matmul(lhs: Tensor<2>, rhs: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>, Tensor<2>)> {
+    op::binary(lhs, rhs, FlexMatmul)
+}
+
+impl op::Binary for FlexMatmul {
+    fn plain(self, a: FlexTensor, b: FlexTensor) -> FlexTensor {
+        product(&a, &b)
+    }
+
+    fn tracked<C: CheckpointStrategy>(self, a: Tracked, b: Tracked) -> Tracked {
+        tracked::<C>(a, b)
+    }
+}
+
+/// The autodiff op. Like Burn's matmul it keeps `lhs` only when `rhs` needs a gradient, and
+/// `rhs` only when `lhs` does.
+fn tracked<C: CheckpointStrategy>(lhs: Tracked, rhs: Tracked) -> Tracked {
+    let (lhs_tracked, rhs_tracked) = (lhs.is_tracked(), rhs.is_tracked());
+    match FlexMatmul
+        .prepare::<C>([lhs.node(), rhs.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let lhs_state = rhs_tracked.then(|| prep.checkpoint(&lhs));
+            let rhs_state = lhs_tracked.then(|| prep.checkpoint(&rhs));
+            let out = product(lhs.primitive(), rhs.primitive());
+            prep.finish((lhs_state, rhs_state), out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(product(lhs.primitive(), rhs.primitive())),
+    }
+}
+
+#[derive(Debug)]
+struct FlexMatmul;
+
+impl Backward<Flex, 2> for FlexMatmul {
+    /// The nodes of `lhs` and `rhs`, where the other side needs them.
+    type State = (Option<NodeId>, Option<NodeId>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let (lhs, rhs) = ops.state;
+        let lhs: Option<FlexTensor> = lhs.map(|id| checkpointer.retrieve_node_output(id));
+        let rhs: Option<FlexTensor> = rhs.map(|id| checkpointer.retrieve_node_output(id));
+        binary::<Flex, _, _>(
+            ops.parents,
+            ops.node,
+            grads,
+            // d lhs = grad @ rhs^T
+            |grad| {
+                let rhs = rhs.expect("rhs kept for lhs's gradient");
+                gemm_new(Mat::of(&grad), Mat::of(&rhs).transposed())
+            },
+            // d rhs = lhs^T @ grad
+            |grad| {
+                let lhs = lhs.expect("lhs kept for rhs's gradient");
+                gemm_new(Mat::of(&lhs).transposed(), Mat::of(&grad))
+            },
+        );
+    }
+}
+
+/// `a @ b` of two 2-D flex `f32` tensors.
+fn product(a: &FlexTensor, b: &FlexTensor) -> FlexTensor {
+    gemm_new(Mat::of(a), Mat::of(b))
+}
+
+/// A strided 2-D view of an `f32` buffer: element `(i, j)` is `data[offset + i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    rs: isize,
+    cs: isize,
+}
+
+impl<'a> Mat<'a> {
+    /// The view of a 2-D flex `f32` tensor.
+    fn of(t: &'a FlexTensor) -> Self {
+        let shape = t.shape();
+        assert_eq!(shape.num_dims(), 2, "flex matmul takes 2-D tensors");
+        let layout = t.layout();
+        let strides = layout.strides();
+        let mat = Mat {
+            data: t.storage::<f32>(),
+            offset: layout.start_offset(),
+            rows: shape[0],
+            cols: shape[1],
+            rs: strides[0],
+            cs: strides[1],
+        };
+        mat.check();
+        mat
+    }
+
+    fn transposed(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Panics unless every element the view names lies inside its buffer (what makes the raw
+    /// pointer reads in [`gemm_new`] sound).
+    fn check(&self) {
+        if self.rows == 0 || self.cols == 0 {
+            return;
+        }
+        let reach = |n: usize, stride: isize| (n as isize - 1) * stride;
+        let (lo_r, hi_r) = sorted(0, reach(self.rows, self.rs));
+        let (lo_c, hi_c) = sorted(0, reach(self.cols, self.cs));
+        let lo = self.offset as isize + lo_r + lo_c;
+        let hi = self.offset as isize + hi_r + hi_c;
+        assert!(
+            lo >= 0 && (hi as usize) < self.data.len(),
+            "flex matmul: a view outside its buffer"
+        );
+    }
+
+    /// Pointer to element `(0, 0)`.
+    fn origin(&self) -> *const f32 {
+        self.data[self.offset..].as_ptr()
+    }
+}
+
+fn sorted(a: isize, b: isize) -> (isize, isize) {
+    if a <= b { (a, b) } else { (b, a) }
+}
+
+/// `a @ b` into a new contiguous `[a.rows, b.cols]` tensor.
+fn gemm_new(a: Mat, b: Mat) -> FlexTensor {
+    assert_eq!(a.cols, b.rows, "flex matmul: inner sizes differ");
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let shape = Shape::new([m, n]);
+    if m == 0 || n == 0 || k == 0 {
+        return from_values(vec![0.0; m * n], shape);
+    }
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    // SAFETY: both views were bounds-checked by `Mat::check` and outlive the call; `out` has
+    // room for m * n elements, and `mm` writes every one of them without reading any, so all
+    // are initialised when the length is set.
+    unsafe {
+        mm(
+            (m, n, k),
+            (out.as_mut_ptr(), n as isize),
+            (a.origin(), a.rs, a.cs),
+            (b.origin(), b.rs, b.cs),
+            parallelism,
+        );
+        out.set_len(m * n);
+    }
+    from_values(out, shape)
+}
+
+/// `C = A B` by gemm for sizes `(m, n, k)`: `C` `[m, n]` (pointer, row stride; columns
+/// contiguous), `A` `[m, k]` and `B` `[k, n]` (pointer, row stride, column stride). `C` is
+/// written, never read.
+///
+/// # Safety
+/// Every element of the three views must lie inside live allocations, and `C` must not
+/// overlap `A` or `B` or be written by anyone else during the call.
+pub(crate) unsafe fn mm(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: the caller's contract; `read_dst = false` writes C without reading it.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c,
+            1,
+            c_rs,
+            false,
+            a,
+            a_cs,
+            a_rs,
+            b,
+            b_cs,
+            b_rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul;
+    use burn::tensor::{Device, Distribution, TensorData};
+
+    /// `a @ b` in f64 by the definition, from row-major data.
+    fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k)
+                    .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
+                    .sum();
+                out[i * n + j] = s as f32;
+            }
+        }
+        out
+    }
+
+    fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// The product against the f64 definition for shapes on both sides of the threading
+    /// threshold, odd sizes, an inner size of 0, and inputs that are transposed views or
+    /// slices with an offset.
+    #[test]
+    fn products_equal_the_definition() {
+        let device = Device::flex();
+        let normal = Distribution::Normal(0.0, 1.0);
+        for (m, k, n) in [
+            (1, 1, 1),
+            (3, 5, 7),
+            (17, 33, 9),
+            (200, 190, 210),
+            (4, 0, 3),
+        ] {
+            let a = Tensor::<2>::random([m, k], normal, &device);
+            let b = Tensor::<2>::random([k, n], normal, &device);
+            let want = reference(&values(a.clone()), &values(b.clone()), m, k, n);
+            // Plain, transposed views (a = (a^T)^T read through swapped strides), and
+            // slices starting past the buffer's first element.
+            let a_t = Tensor::<2>::from_data(
+                TensorData::new(values(a.clone().transpose()), [k, m]),
+                &device,
+            )
+            .transpose();
+            let padded = Tensor::cat(vec![Tensor::zeros([1, n], &device), b.clone()], 0);
+            let b_off = padded.slice([1..k + 1, 0..n]);
+            for (x, y) in [(a.clone(), b.clone()), (a_t, b.clone()), (a.clone(), b_off)] {
+                assert!(crate::kernels_take(&x));
+                let got = values(matmul(x, y));
+                assert_eq!(got.len(), want.len());
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (g - w).abs() < 1e-4 * (1.0 + w.abs()),
+                        "{m}x{k}x{n}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Gradients of both sides against Burn's matmul, with and without checkpointing, and
+    /// when only one side is tracked; with a transposed right-hand side (the tied output head).
+    #[test]
+    fn gradients_equal_burns() {
+        let draw = |dims: [usize; 2]| {
+            Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &Device::flex()).into_data()
+        };
+        let (a, b, g) = (draw([37, 19]), draw([23, 19]), draw([37, 23]));
+        for device in [
+            Device::flex().autodiff(),
+            Device::flex().autodiff().gradient_checkpointing(),
+        ] {
+            for (track_a, track_b) in [(true, true), (true, false), (false, true)] {
+                let run = |ours: bool| {
+                    let load = |d: &TensorData, track: bool| {
+                        let x = Tensor::<2>::from_data(d.clone(), &device);
+                        if track { x.require_grad() } else { x }
+                    };
+                    let (x, w) = (load(&a, track_a), load(&b, track_b));
+                    let y = if ours {
+                        matmul(x.clone().exp(), w.clone().transpose())
+                    } else {
+                        x.clone().exp().matmul(w.clone().transpose())
+                    };
+                    let weight = Tensor::<2>::from_data(g.clone(), &device);
+                    let grads = (y.clone() * weight).sum().backward();
+                    let mut out = vec![values(y.inner())];
+                    for (t, track) in [(x, track_a), (w, track_b)] {
+                        let grad = t.grad(&grads);
+                        assert_eq!(grad.is_some(), track);
+                        out.extend(grad.map(values));
+                    }
+                    out
+                };
+                let (ours, burns) = (run(true), run(false));
+                assert_eq!(ours.len(), burns.len());
+                for (o, b) in ours.iter().zip(&burns) {
+                    for (x, y) in o.iter().zip(b) {
+                        assert!((x - y).abs() < 1e-3 * (1.0 + y.abs()), "{x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+}
