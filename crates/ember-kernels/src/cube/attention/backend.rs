@@ -1,0 +1,176 @@
+//! The attention op as a backend extension: the trait every backend with the kernels
+//! implements (CubeCL's, Burn's fusion over it, autodiff over either), and its CubeCL
+//! implementation, which picks the pass's path: cuDNN's flash attention (opt-in), the batched
+//! products, or the fused kernels.
+
+use super::dims::{cast_to, wide};
+use super::launch::{CachedStart, cached_attention, fused_backward, fused_forward};
+use super::route::{by_products, on_device_thread};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Backend, TensorMetadata, backend_extension};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+
+/// The attention op on every backend that has the kernels: CubeCL's, Burn's fusion over it,
+/// and autodiff over either.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
+pub trait AttentionKernels: Backend {
+    /// The attention output `[B, T, D]` of the projection `qkv` `[B, T, 3D]`, weights dropped
+    /// with probability `dropout` by the mask that `seed` (its first element) draws.
+    #[fusion(default)]
+    fn causal_self_attention(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> FloatTensor<Self> {
+        Self::causal_self_attention_forward(qkv, seed, heads, dropout).0
+    }
+
+    /// The output `[B, T, D]` and each query row's log-sum-exp of its scaled scores `[B, H, T]`
+    /// (before dropout).
+    #[fusion(meta = forward_specs)]
+    fn causal_self_attention_forward(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradient of the projection `[B, T, 3D]` from the forward pass's input, seed, output
+    /// and log-sum-exp and the output's gradient `grad` `[B, T, D]`.
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = qkv, shape = qkv)]
+    fn causal_self_attention_backward(
+        qkv: FloatTensor<Self>,
+        seed: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        heads: usize,
+        dropout: f32,
+    ) -> FloatTensor<Self>;
+
+    /// Queries `q` `[B, H, T, K]` at positions `start..start + T` over the cache's whole
+    /// buffer `k`, `v` `[B, H, C, K]`: `[B, H, T, K]`.
+    #[fusion(dtype = q, shape = q)]
+    fn cached_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self>;
+
+    /// [`AttentionKernels::cached_causal_attention`] at the position `position` `[1]` holds.
+    #[fusion(dtype = q, shape = q)]
+    fn cached_causal_attention_at(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        position: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
+}
+
+/// The shapes of the forward pass's two outputs, for fusion (which defers the kernels).
+#[cfg(feature = "fusion")]
+pub(super) fn forward_specs(
+    qkv: &burn::backend::fusion::custom::TensorSpec,
+    _seed: &burn::backend::fusion::custom::TensorSpec,
+    heads: &usize,
+    _dropout: &f32,
+) -> (
+    burn::backend::fusion::custom::TensorSpec,
+    burn::backend::fusion::custom::TensorSpec,
+) {
+    use burn::backend::fusion::custom::TensorSpec;
+    let [b, t, d3] = qkv.shape.dims::<3>();
+    (
+        TensorSpec::new(burn::tensor::Shape::new([b, t, d3 / 3]), qkv.dtype),
+        TensorSpec::new(burn::tensor::Shape::new([b, *heads, t]), qkv.dtype),
+    )
+}
+
+impl AttentionKernels for CubeBackend {
+    fn causal_self_attention_forward(
+        qkv: CubeTensor,
+        seed: CubeTensor,
+        heads: usize,
+        dropout: f32,
+    ) -> (CubeTensor, CubeTensor) {
+        let qkv = into_contiguous(qkv);
+        #[cfg(feature = "cudnn")]
+        if let Some(shape) = crate::cube::cudnn_attention::takes(&qkv, heads, dropout)
+            && let Some(done) = on_device_thread(&qkv.client, || {
+                crate::cube::cudnn_attention::forward(&qkv, &seed, &shape)
+            })
+        {
+            return done;
+        }
+        if by_products(&qkv) {
+            return on_device_thread(&qkv.client, || {
+                crate::cube::attention_products::forward(&qkv, &seed, heads, dropout)
+            });
+        }
+        // Mixed precision's bf16 (or f16) projection: the fused kernels read it widened (a
+        // copy that lives for the call), and the output is rounded once to its type.
+        let dtype = qkv.dtype();
+        let (out, lse) = fused_forward(wide::<Self>(qkv), seed, heads, dropout);
+        (cast_to::<Self>(out, dtype), lse)
+    }
+
+    fn causal_self_attention_backward(
+        qkv: CubeTensor,
+        seed: CubeTensor,
+        out: CubeTensor,
+        lse: CubeTensor,
+        grad: CubeTensor,
+        heads: usize,
+        dropout: f32,
+    ) -> CubeTensor {
+        let [qkv, lse, grad] = [qkv, lse, grad].map(into_contiguous);
+        let dtype = qkv.dtype();
+        // cuDNN's backward pass exactly where its forward pass ran (its dropout mask is not the
+        // fused kernels'): the same shape, type and dropout take the same path.
+        #[cfg(feature = "cudnn")]
+        if let Some(shape) = crate::cube::cudnn_attention::takes(&qkv, heads, dropout) {
+            let (out, grad) = (
+                into_contiguous(out.clone()),
+                cast_to::<Self>(grad.clone(), dtype),
+            );
+            if let Some(dqkv) = on_device_thread(&qkv.client, || {
+                crate::cube::cudnn_attention::backward(&qkv, &seed, &out, &lse, &grad, &shape)
+            }) {
+                return dqkv;
+            }
+        }
+        if by_products(&qkv) {
+            let grad = cast_to::<Self>(grad, dtype);
+            return on_device_thread(&qkv.client, || {
+                crate::cube::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout)
+            });
+        }
+        // In the projection's type, computed in f32 (widened copies for the call).
+        let [qkv, out, grad] = [qkv, into_contiguous(out), grad].map(wide::<Self>);
+        let dqkv = fused_backward(qkv, seed, out, lse, grad, heads, dropout);
+        cast_to::<Self>(dqkv, dtype)
+    }
+
+    fn cached_causal_attention(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        start: usize,
+    ) -> CubeTensor {
+        cached_attention(q, k, v, CachedStart::Host(start as u32))
+    }
+
+    fn cached_causal_attention_at(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        position: CubeTensor,
+    ) -> CubeTensor {
+        cached_attention(q, k, v, CachedStart::Device(crate::cube::ids_i32(position)))
+    }
+}

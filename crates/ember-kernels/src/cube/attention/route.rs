@@ -1,0 +1,137 @@
+//! Whether a training pass runs as batched products (`cube::attention_products`: cuBLAS on
+//! CUDA) or as the fused kernels, and the products' start-up check against the fused kernels.
+
+use super::dims::{cast_to, wide};
+use super::launch::{fused_backward, fused_forward};
+use burn::backend::TensorMetadata;
+use burn::tensor::DType;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+
+/// `pass` (one of the attention's passes as batched products) run on CubeCL's device thread
+/// ([`crate::cube::on_device_thread`]): its cuBLAS calls and kernel launches are then enqueued there
+/// in order, where each cuBLAS call from another thread is a blocking round trip of its own (42
+/// a layer for the two passes, against 2).
+pub(super) fn on_device_thread<R: Send + 'static>(
+    client: &burn_cubecl::cubecl::client::Client,
+    pass: impl FnOnce() -> R + Send,
+) -> R {
+    crate::cube::on_device_thread(client, pass)
+        .unwrap_or_else(|| panic!("attention products failed on the device thread"))
+}
+
+/// Whether the training attention runs as batched products ([`crate::cube::attention_products`]):
+/// `attention-products` and `cublas` on, `qkv` on a CUDA device whose cuBLAS loads, no graph being recorded,
+/// and the products found to agree with the fused kernels there ([`products_agree`], once).
+pub(super) fn by_products(qkv: &CubeTensor) -> bool {
+    #[cfg(all(test, feature = "wgpu"))]
+    if super::tests::PRODUCTS.get() {
+        return true;
+    }
+    #[cfg(feature = "cublas")]
+    {
+        use crate::gpu_kernels::uses;
+        uses(crate::GpuKernel::AttentionProducts)
+            && uses(crate::GpuKernel::Cublas)
+            && matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
+            && crate::cube::cublas::loadable()
+            && !qkv.client.is_capturing()
+            && products_agree_on(qkv)
+    }
+    #[cfg(not(feature = "cublas"))]
+    {
+        let _ = qkv;
+        false
+    }
+}
+
+/// Whether [`products_agree`] on `like`'s device, checked on the first call in the process (a
+/// few small launches), so that a wrong call never trains a model: where they do not agree, says
+/// so once on stderr, and the fused kernels run.
+#[cfg(feature = "cublas")]
+pub(super) fn products_agree_on(like: &CubeTensor) -> bool {
+    // Once for each float type: f32, bf16, f16.
+    static AGREES: [std::sync::OnceLock<bool>; 3] = [const { std::sync::OnceLock::new() }; 3];
+    let slot = match like.dtype() {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        _ => 2,
+    };
+    *AGREES[slot].get_or_init(|| match products_agree(like) {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!(
+                "warning: the attention as cuBLAS's batched products disagrees with ember's fused \
+                 kernels on this device ({why}); the attention runs on the fused kernels"
+            );
+            false
+        }
+    })
+}
+
+/// The attention as batched products against the fused kernels on `like`'s device, in
+/// `like`'s float type: output, log-sum-exps and the projection's gradient of 3 sequences of 45
+/// positions, 2 heads of 32, with dropout, within 1% of the largest value in f32 (TF32 products
+/// round to 11 bits), 2% in bf16 or f16 (weights and outputs rounded to 8 or 11 bits, about
+/// 0.05% of the largest value in f16 on lavapipe; the fused kernels compute from the same
+/// rounded values in f32); a wrong matrix or dropout mask is off by its whole size. The error
+/// names the first value that differs, or the failure to read one.
+#[cfg_attr(not(feature = "cublas"), allow(dead_code))] // run by CUDA builds and tests
+pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
+    use burn::backend::ops::FloatTensorOps;
+    use burn::tensor::TensorData;
+    let (b, t, heads, k, dropout) = (3, 45, 2, 32, 0.25_f32);
+    let d = heads * k;
+    let dtype = like.dtype();
+    let tolerance = match dtype {
+        DType::F32 => 0.01,
+        _ => 0.02,
+    };
+    // Values of the check's type, and the same values in f32 for the fused kernels.
+    let load = |n: usize, seed: usize, shape: Vec<usize>| {
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919 + seed) % 61) as f32 / 60.0 - 0.5)
+            .collect();
+        let x = CubeBackend::float_from_data(TensorData::new(values, shape), &like.device);
+        let narrow = cast_to::<CubeBackend>(x, dtype);
+        (narrow.clone(), wide::<CubeBackend>(narrow))
+    };
+    let (qkv, wide_qkv) = load(b * t * 3 * d, 1, vec![b, t, 3 * d]);
+    let (grad, wide_grad) = load(b * t * d, 2, vec![b, t, d]);
+    let seed = CubeBackend::float_from_data(TensorData::new(vec![0.375_f32], [1]), &like.device);
+    let (out, lse) = crate::cube::attention_products::forward(&qkv, &seed, heads, dropout);
+    let dqkv = crate::cube::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout);
+    let (fused_out, fused_lse) = fused_forward(wide_qkv.clone(), seed.clone(), heads, dropout);
+    let fused_dqkv = fused_backward(
+        wide_qkv,
+        seed,
+        fused_out.clone(),
+        fused_lse.clone(),
+        wide_grad,
+        heads,
+        dropout,
+    );
+    for (what, ours, fused) in [
+        ("output", out, fused_out),
+        ("log-sum-exp", lse, fused_lse),
+        ("gradient", dqkv, fused_dqkv),
+    ] {
+        let read = |x: CubeTensor| {
+            burn_cubecl::ops::into_data_sync(wide::<CubeBackend>(x))
+                .try_to_vec::<f32>()
+                .map_err(|e| format!("reading the {what} back: {e:?}"))
+        };
+        let (ours, fused) = (read(ours)?, read(fused)?);
+        let scale = fused.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (i, (p, q)) in ours.iter().zip(&fused).enumerate() {
+            let close = (p - q).abs() <= tolerance * scale;
+            // A NaN is never close.
+            if !close {
+                return Err(format!(
+                    "{dtype:?} {what} value {i} is {p}, the fused kernels' {q}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}

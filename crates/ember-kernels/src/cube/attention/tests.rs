@@ -1,0 +1,443 @@
+//! The attention op's tests on wgpu (Mesa's lavapipe in CI): the fused kernels, the batched
+//! products and the cached attention against the reference, output and gradients.
+
+use super::*;
+use crate::check::agrees_on;
+use burn::tensor::{Device, DeviceKind, Distribution};
+
+/// Output and the projection's gradient against the op's reference (split heads, masked
+/// softmax, merge: what every other backend runs) on wgpu, plain, under autodiff and with
+/// checkpointing: head sizes 4 to 128 (smaller tiles), one position and several, lengths
+/// that are not a multiple of a cube's rows or of a tile (two and three blocks of rows), one
+/// head and several.
+#[test]
+fn equals_the_reference_on_wgpu() {
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let cases = [
+        (2, 9, 3, 4),
+        (1, 1, 2, 7),
+        (3, 37, 2, 16),
+        (2, 70, 1, 32),
+        (1, 150, 2, 64),
+        (1, 40, 1, 128),
+    ];
+    for (b, t, heads, k) in cases {
+        let d = heads * k;
+        let draw = |dims: [usize; 3]| {
+            Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device).into_data()
+        };
+        let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+        for on in [device.clone(), device.clone().autodiff()] {
+            let qkv = Tensor::<3>::from_data(x.clone(), &on);
+            assert!(
+                super::super::kernels_take(GpuKernel::Attention, &qkv),
+                "kernels take wgpu f32"
+            );
+        }
+        agrees_on(
+            &device,
+            &x,
+            &g,
+            |qkv| causal_self_attention(qkv, heads, 0.0).expect("a wgpu f32 tensor"),
+            |qkv| crate::causal_self_attention_reference(qkv, heads),
+            1e-4,
+            &format!("{b}x{t}, {heads} heads of {k}"),
+        );
+    }
+}
+
+thread_local! {
+    /// Whether this thread's training attention runs as batched products (on wgpu, Burn's
+    /// products: the path CUDA takes with cuBLAS).
+    pub(super) static PRODUCTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The attention as batched products, output and gradient, against the reference with the
+/// same dropout mask, plain, under autodiff and with checkpointing: head sizes 4 to 128, one
+/// position and several, lengths that are not a multiple of a cube's units, one head and
+/// several, with dropout and without, all sequences in one call and a few at a time.
+#[test]
+fn products_equal_the_reference_on_wgpu() {
+    use crate::cube::attention_products::tests::SEQUENCES;
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    PRODUCTS.set(true);
+    for (b, t, heads, k, p, per_call) in [
+        (2, 9, 3, 4, 0.0, 0),
+        (1, 1, 1, 8, 0.25, 0),
+        (3, 37, 2, 16, 0.25, 0),
+        (3, 37, 2, 16, 0.25, 2),
+        (1, 70, 1, 32, 0.0, 0),
+        (2, 33, 2, 64, 0.25, 1),
+        (1, 40, 1, 128, 0.0, 0),
+    ] {
+        SEQUENCES.set(per_call);
+        let seed = 0.125_f32;
+        agrees_with_the_masked_reference(
+            &device,
+            [b, t, heads, k],
+            seed,
+            p,
+            &format!("products, dropout {p}, {b}x{t}, {heads} heads of {k}, {per_call} per call"),
+        );
+    }
+    SEQUENCES.set(0);
+    PRODUCTS.set(false);
+}
+
+/// The check CUDA runs before the attention takes the products passes on wgpu, where the
+/// products are Burn's: in f32, and in f16 (lavapipe has no bf16).
+#[test]
+fn the_products_check_passes_on_wgpu() {
+    let like = crate::cube::attention_products::tests::cube(&[0.0], [1, 1, 1]);
+    products_agree(&like).unwrap();
+    let narrow = cast_to::<CubeBackend>(like, DType::F16);
+    products_agree(&narrow).unwrap();
+}
+
+/// Mixed precision's f16 projection (lavapipe has no bf16; the path is the same) through the
+/// batched products under autodiff, with dropout and without, all sequences per call and
+/// one: the output stays f16, and output and gradient are near the reference's in f32 on
+/// the same values with the same mask (the weights and outputs rounded to f16, the rest
+/// computed in f32). A wrong matrix, mask or type is off by far more.
+#[test]
+fn narrow_products_stay_narrow_near_the_reference_on_wgpu() {
+    use crate::cube::attention_products::tests::SEQUENCES;
+    use burn::tensor::FloatDType;
+    let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+    PRODUCTS.set(true);
+    for (b, t, heads, k, p, per_call) in [
+        (2, 45, 3, 8, 0.0, 0),
+        (3, 37, 2, 16, 0.25, 1),
+        (1, 70, 1, 64, 0.25, 0),
+    ] {
+        SEQUENCES.set(per_call);
+        let what = format!("f16 products, dropout {p}, {b}x{t}, {heads} heads of {k}");
+        let d = heads * k;
+        let (x, g) = (
+            f16_exact([b, t, 3 * d], &device),
+            f16_exact([b, t, d], &device),
+        );
+        let seed = 0.125_f32;
+        let factors = dropout_factors(b, heads, t, seed, p);
+        let leaf = |data| Tensor::<3>::from_data(data, &device).require_grad();
+        let (narrow_in, wide_in) = (leaf(x.clone()), leaf(x));
+        let narrow = seeded(
+            narrow_in.clone().cast(FloatDType::F16),
+            heads,
+            p as f64,
+            |on| Tensor::<1>::from_floats([seed], on),
+        )
+        .unwrap_or_else(|_| panic!("{what}: the kernels take an f16 projection"));
+        assert_eq!(narrow.dtype(), DType::F16, "{what}");
+        let narrow = narrow.cast(FloatDType::F32);
+        let wide = masked_reference(wide_in.clone(), heads, &factors);
+        let weights = Tensor::<3>::from_data(g, &device);
+        let near = |a: Tensor<3>, r: Tensor<3>, part: &str| {
+            let scale = r.clone().abs().max().into_scalar::<f32>();
+            let diff = (a - r).abs().max().into_scalar::<f32>();
+            assert!(
+                diff < 5e-3 * scale,
+                "{what}: {part} off by {diff} (scale {scale})"
+            );
+        };
+        near(narrow.clone().inner(), wide.clone().inner(), "output");
+        let loss = |y: Tensor<3>| (y * weights.clone()).sum();
+        let (gn, gw) = (loss(narrow).backward(), loss(wide).backward());
+        let (gn, gw) = (narrow_in.grad(&gn).unwrap(), wide_in.grad(&gw).unwrap());
+        near(gn, gw, "gradient");
+    }
+    SEQUENCES.set(0);
+    PRODUCTS.set(false);
+}
+
+/// Keys per rescale of the forward pass when set (0: the default).
+pub(super) static FORCED_GROUP: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// The one-row forward pass (heads other than 32 and 64) with one rescale per key, per 2
+/// keys and per 8, against the reference: groups cut by a query's last key (the causal
+/// edge), by the sequence's end and by tiles, with dropout and without. (Other tests running
+/// meanwhile take the forced group too; every group is correct.)
+#[test]
+fn every_group_of_keys_equals_the_reference() {
+    use std::sync::atomic::Ordering;
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    for group in [1, 2, 8] {
+        FORCED_GROUP.store(group, Ordering::Relaxed);
+        for (b, t, heads, k, p) in [(2, 9, 3, 4, 0.0), (1, 45, 2, 16, 0.0), (1, 70, 2, 8, 0.25)] {
+            let seed = 0.25_f32;
+            agrees_with_the_masked_reference(
+                &device,
+                [b, t, heads, k],
+                seed,
+                p,
+                &format!("groups of {group}, dropout {p}, {b}x{t}, {heads} heads of {k}"),
+            );
+        }
+    }
+    FORCED_GROUP.store(0, Ordering::Relaxed);
+}
+
+/// Launches of the register-tiled backward pass of the queries with cubes of 32 rows
+/// (index 0) and 64.
+pub(super) static TILED_QUERY_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+
+/// Launches of the register-tiled backward pass of keys and values with cubes of 32 keys
+/// (index 0) and 64.
+pub(super) static TILED_KEY_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+
+/// Launches of the register-tiled forward pass with cubes of 32 rows (index 0) and 64.
+pub(super) static TILED_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+
+/// The register-tiled forward pass and backward pass of keys and values (head sizes 32 and
+/// 64) against the reference, output and gradient: one position, a block's rows minus
+/// one, exactly one block, one more, several blocks ending inside a tile, several heads
+/// and sequences, with dropout and without; and it did run.
+#[test]
+fn tiled_kernels_equal_the_reference() {
+    use std::sync::atomic::Ordering;
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let counts = || {
+        [&TILED_LAUNCHES, &TILED_QUERY_LAUNCHES, &TILED_KEY_LAUNCHES]
+            .map(|kernel| kernel.each_ref().map(|n| n.load(Ordering::Relaxed)))
+    };
+    let before = counts();
+    for (b, t, heads, k, p) in [
+        (1, 1, 1, 64, 0.0),
+        (2, 63, 2, 32, 0.0),
+        (1, 64, 1, 64, 0.0),
+        (1, 65, 3, 32, 0.25),
+        (2, 150, 2, 64, 0.0),
+        (1, 200, 1, 64, 0.25),
+    ] {
+        let seed = 0.75_f32;
+        agrees_with_the_masked_reference(
+            &device,
+            [b, t, heads, k],
+            seed,
+            p,
+            &format!("tiled, dropout {p}, {b}x{t}, {heads} heads of {k}"),
+        );
+    }
+    // lavapipe's 32 KiB of shared memory hold cubes of 64 rows (keys) for heads of 32 and
+    // of 32 for heads of 64 (32 for both in the values' kernel): both sizes of every
+    // kernel ran.
+    let after = counts();
+    for (kernel, name) in ["forward", "queries' backward", "keys' backward"]
+        .iter()
+        .enumerate()
+    {
+        for (size, rows) in [32, 64].iter().enumerate() {
+            assert!(
+                after[kernel][size] > before[kernel][size],
+                "the register-tiled {name} pass never ran with cubes of {rows} rows"
+            );
+        }
+    }
+}
+
+/// The op with dropout `p` by the mask of `seed` (0 for none) against the reference with
+/// the same mask applied to its weights (rebuilt on the host from the kernels' hash), on
+/// random `[B, T, 3D]` inputs of `heads` heads of `k`: output and gradient, plain, under
+/// autodiff and with checkpointing ([`agrees_on`], to 1e-4 of the largest value).
+fn agrees_with_the_masked_reference(
+    device: &Device,
+    [b, t, heads, k]: [usize; 4],
+    seed: f32,
+    p: f32,
+    what: &str,
+) {
+    let d = heads * k;
+    let draw = |dims: [usize; 3]| {
+        Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), device).into_data()
+    };
+    let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+    let factors = dropout_factors(b, heads, t, seed, p);
+    agrees_on(
+        device,
+        &x,
+        &g,
+        |qkv| {
+            let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
+            seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
+        },
+        |qkv| masked_reference(qkv, heads, &factors),
+        1e-4,
+        what,
+    );
+}
+
+/// The reference attention of `qkv` `[B, T, 3D]` with each weight multiplied by its
+/// factor in `factors` (`[B, H, T, T]`, the dropout mask).
+fn masked_reference(qkv: Tensor<3>, heads: usize, factors: &[f32]) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    let (d, on) = (d3 / 3, qkv.device());
+    let k = d / heads;
+    let part = |i: usize| {
+        qkv.clone()
+            .slice([0..b, 0..t, i * d..(i + 1) * d])
+            .reshape([b, t, heads, k])
+            .swap_dims(1, 2)
+    };
+    let (q, kk, v) = (part(0), part(1), part(2));
+    let scale = 1.0 / (k as f64).sqrt();
+    let weights = crate::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
+    let mask = burn::tensor::TensorData::new(factors.to_vec(), [b, heads, t, t]);
+    (weights * Tensor::<4>::from_data(mask, &on))
+        .matmul(v)
+        .swap_dims(1, 2)
+        .reshape([b, t, d])
+}
+
+/// Queries over a cache's whole buffer against the reference (scores, mask by position,
+/// softmax): the queries a view with heads swapped in (as the model passes them), every
+/// buffer row filled (rows past `start + T` must be hidden by position alone), first step,
+/// middle and last rows of the buffer, one query and several.
+#[test]
+fn cached_attention_equals_the_reference_on_wgpu() {
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let normal = Distribution::Normal(0.0, 1.0);
+    for (b, heads, head, capacity, start, t) in [
+        (2, 2, 8, 32, 0, 1),
+        (1, 3, 16, 32, 5, 3),
+        (2, 2, 8, 32, 29, 3),
+        (1, 1, 4, 7, 6, 1),
+        (1, 2, 64, 300, 250, 2),
+        // A batch of long prompts: more query rows (66,560) than a launch has cubes a side.
+        (64, 4, 8, 300, 0, 260),
+    ] {
+        let q = Tensor::<4>::random([b, t, heads, head], normal, &device).swap_dims(1, 2);
+        let k = Tensor::<4>::random([b, heads, capacity, head], normal, &device) * 2.0;
+        let v = Tensor::<4>::random([b, heads, capacity, head], normal, &device);
+        let fast = cached_causal_attention(q.clone(), k.clone(), v.clone(), start)
+            .expect("plain wgpu f32 tensors");
+        // The same with the position read from a device tensor (a replayed step).
+        let position = Tensor::<1, Int>::from_ints([start as i32], &device);
+        let at = cached_causal_attention_at(q.clone(), k.clone(), v.clone(), &position)
+            .expect("plain wgpu f32 tensors");
+        let reference = crate::cached_causal_attention_reference(q, k, v, start, None);
+        let diff = (fast - reference.clone()).abs().max().into_scalar::<f32>();
+        assert!(
+            diff < 1e-5,
+            "{b}x{heads}x{head}, start {start}, {t} rows: {diff}"
+        );
+        let diff = (at - reference).abs().max().into_scalar::<f32>();
+        assert!(diff < 1e-5, "at {start}, {t} rows: {diff}");
+    }
+    // Tracked tensors go back to the caller (decoding is never differentiated).
+    let tracked = device.clone().autodiff();
+    let x = Tensor::<4>::random([1, 1, 1, 4], normal, &tracked);
+    assert!(cached_causal_attention(x.clone(), x.clone(), x, 0).is_err());
+}
+
+/// Mixed precision's f16 projection under autodiff (lavapipe has no bf16; the path is the
+/// same): the kernels take it, the output is f16, the f32 kernels' output on the same values
+/// rounded once; the projection's gradient comes back through the f16 op near the f32 one.
+#[test]
+fn a_narrow_projection_stays_narrow_and_is_computed_in_f32_on_wgpu() {
+    use burn::tensor::FloatDType;
+    let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+    let (b, t, heads, k) = (2, 45, 3, 8);
+    let d = heads * k;
+    let (x, g) = (
+        f16_exact([b, t, 3 * d], &device),
+        f16_exact([b, t, d], &device),
+    );
+    let leaf = |data| Tensor::<3>::from_data(data, &device).require_grad();
+    let (narrow_in, wide_in) = (leaf(x.clone()), leaf(x));
+    let narrow = causal_self_attention(narrow_in.clone().cast(FloatDType::F16), heads, 0.0)
+        .unwrap_or_else(|_| panic!("the kernels take an f16 projection under autodiff"));
+    assert_eq!(narrow.dtype(), DType::F16);
+    let wide = causal_self_attention(wide_in.clone(), heads, 0.0).expect("f32");
+    narrow.clone().cast(FloatDType::F32).into_data().assert_eq(
+        &wide
+            .clone()
+            .cast(FloatDType::F16)
+            .cast(FloatDType::F32)
+            .into_data(),
+        true,
+    );
+    let weights = Tensor::<3>::from_data(g, &device);
+    let loss = |y: Tensor<3>| (y.cast(FloatDType::F32) * weights.clone()).sum();
+    let (gn, gw) = (loss(narrow).backward(), loss(wide).backward());
+    let (gn, gw) = (narrow_in.grad(&gn).unwrap(), wide_in.grad(&gw).unwrap());
+    let scale = gw.clone().abs().max().into_scalar::<f32>();
+    let diff = (gn - gw).abs().max().into_scalar::<f32>();
+    assert!(
+        diff < 5e-3 * scale,
+        "gradient off by {diff} (scale {scale})"
+    );
+}
+
+/// Normal random values that f16 holds exactly, so that an f16 path and an f32 one start
+/// from the same numbers.
+fn f16_exact(dims: [usize; 3], device: &Device) -> burn::tensor::TensorData {
+    use burn::tensor::FloatDType;
+    Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), device)
+        .cast(FloatDType::F16)
+        .cast(FloatDType::F32)
+        .into_data()
+}
+
+/// The kernels' dropout factors `[B, H, T, T]` (0 or `1 / (1 - p)`), computed on the host.
+fn dropout_factors(b: usize, heads: usize, t: usize, seed: f32, p: f32) -> Vec<f32> {
+    crate::cube::hashed_mask::host_factors(seed, p, b * heads * t * t)
+}
+
+/// With dropout: output and gradient against the reference with the same mask applied to
+/// its weights (the mask rebuilt on the host from the kernels' hash), on wgpu plain, under
+/// autodiff and with checkpointing, one block of rows and two; and the mask drops about `p`
+/// of the weights.
+#[test]
+fn dropout_equals_the_reference_with_the_same_mask() {
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let (seed, p) = (0.6180339_f32, 0.25_f32);
+    for (b, t, heads, k) in [(2, 9, 3, 4), (1, 45, 2, 16), (1, 70, 2, 8)] {
+        agrees_with_the_masked_reference(
+            &device,
+            [b, t, heads, k],
+            seed,
+            p,
+            &format!("dropout {p}, {b}x{t}, {heads} heads of {k}"),
+        );
+    }
+    let factors = dropout_factors(4, 4, 64, seed, p);
+    let dropped = factors.iter().filter(|&&f| f == 0.0).count() as f32 / factors.len() as f32;
+    assert!(
+        (dropped - p).abs() < 0.01,
+        "dropped {dropped} of the weights, not {p}"
+    );
+}
+
+/// Through the op layer: a training-mode `Dropout` on an autodiff device drops weights (the
+/// output changes), repeatably under `Device::seed`; on a plain device it does nothing.
+#[test]
+fn dropout_in_training_only_and_repeatable() {
+    use burn::nn::DropoutConfig;
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let (heads, dropout) = (2, DropoutConfig::new(0.3).init());
+    let none = DropoutConfig::new(0.0).init();
+    let x =
+        Tensor::<3>::random([2, 17, 3 * 16], Distribution::Normal(0.0, 1.0), &device).into_data();
+    let run = |device: &Device, dropout: &burn::nn::Dropout, seed: u64| {
+        device.seed(seed);
+        let qkv = Tensor::<3>::from_data(x.clone(), device);
+        crate::causal_self_attention(qkv, heads, dropout)
+            .expect("kernels take wgpu")
+            .into_data()
+    };
+    let tracked = device.clone().autodiff();
+    let plain = run(&tracked, &none, 1);
+    let (a, again, other) = (
+        run(&tracked, &dropout, 1),
+        run(&tracked, &dropout, 1),
+        run(&tracked, &dropout, 2),
+    );
+    a.assert_eq(&again, true);
+    assert_ne!(a, plain, "dropout changed nothing");
+    assert_ne!(a, other, "another seed, the same mask");
+    run(&device, &dropout, 1).assert_approx_eq::<f32>(&plain, Default::default());
+}
