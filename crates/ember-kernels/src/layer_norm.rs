@@ -73,7 +73,7 @@ mod tests {
     /// Whether flex's or (GPU builds) the CubeCL kernels take `x`.
     fn kernel_takes(x: &Tensor<3>) -> bool {
         #[cfg(feature = "cube")]
-        if crate::cube::kernels_take(crate::GpuKernel::LayerNorm, x) {
+        if crate::cube::gpu_kernel_takes(crate::GpuKernel::LayerNorm, x) {
             return true;
         }
         crate::kernels_take(x)

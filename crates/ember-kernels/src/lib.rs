@@ -41,7 +41,14 @@
 //! Layout: [`kernels`] holds the backend-free loops over `f32` slices; [`flex`] (feature
 //! `flex`) reaches flex tensors' buffers, wraps the loops as autodiff ops through one helper
 //! (`flex::op`), and checks each against its reference (output and gradients).
-//! [`kernels_take`] is the one answer to "does a kernel take this tensor".
+//! [`kernels_take`] answers "does a CPU kernel take this tensor" (flex `f32`); the GPU kernels
+//! ask `cube::gpu_kernel_takes` (a CubeCL tensor of their type, the kernel switched on).
+//! [`cast_to`] is the one float cast of tensors (`cube` casts backend primitives with
+//! `float_cast_to`).
+//!
+//! With the `cublas` or `cudnn` feature, a project that depends on this crate needs ember's
+//! copy of cubecl-cuda (its CUDA buffers' streams public): `vendor/cubecl-cuda` and the
+//! `[patch.crates-io]` entry of ember's workspace `Cargo.toml` (vendor/README.md).
 //!
 //! A kernel that does not take its input hands it back as `Err` for the reference path. A
 //! `Tensor` is a few hundred bytes, the `Ok` side as large as the `Err` side, so boxing it (as
@@ -134,7 +141,7 @@ pub(crate) fn read_position(position: &Tensor<1, burn::tensor::Int>) -> usize {
 pub fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
     #[cfg(feature = "flex")]
     {
-        flex::tensor::kernels_take(x)
+        flex::tensor::is_flex_f32(x)
     }
     #[cfg(not(feature = "flex"))]
     {

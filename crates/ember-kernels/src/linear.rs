@@ -195,7 +195,7 @@ pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
 /// The multiprocessors of `device`'s GPU where its runtime reports them (CUDA).
 fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
     #[cfg(feature = "cube")]
-    return super::cube::multiprocessors(device);
+    return super::cube::streaming_multiprocessors(device);
     #[cfg(not(feature = "cube"))]
     {
         let _ = device;

@@ -23,12 +23,12 @@ pub(crate) fn step<const D: usize>(
     k: &AdamWStep,
     grad_scale: Option<&Tensor<1>>,
 ) -> Result<(Tensor<D>, Tensor<D>, Tensor<D>), AdamWInputs<D>> {
-    let plain = |t: &Tensor<D>| super::kernels_take_plain(GpuKernel::AdamW, t);
+    let plain = |t: &Tensor<D>| super::gpu_kernel_takes_plain(GpuKernel::AdamW, t);
     let moments_fit = moments
         .as_ref()
         .is_none_or(|(m1, m2)| plain(m1) && plain(m2));
     let scale_fits = grad_scale.is_none_or(|s| {
-        super::kernels_take_plain(GpuKernel::AdamW, s) && s.device() == grad.device()
+        super::gpu_kernel_takes_plain(GpuKernel::AdamW, s) && s.device() == grad.device()
     });
     if param.shape().num_elements() == 0
         || !(plain(&param) && plain(&grad) && moments_fit && scale_fits)

@@ -34,7 +34,7 @@
 //! Elsewhere than CUDA (and for a product cuBLAS does not take) the products are Burn's
 //! `matmul` on the same views: how the tests run this path on wgpu against the op's reference.
 
-use super::attention::{Dims, cast_to, wide};
+use super::attention::{Dims, float_cast_to, wide};
 use crate::blas::{Batched, Layout, Strided};
 use crate::cube::{ROW_UNITS, launch_size, row_cubes};
 use burn::backend::TensorMetadata;
@@ -365,7 +365,7 @@ fn product(
     if alpha != 1.0 {
         c = <Ops as FloatTensorOps<Ops>>::float_mul_scalar(c, alpha.into());
     }
-    let c = cast_to::<Ops>(c, out.dtype());
+    let c = float_cast_to::<Ops>(c, out.dtype());
     let rows = out.shape()[1];
     let cols = b.read_shape()[1];
     <Ops as FloatTensorOps<Ops>>::float_slice_assign(

@@ -53,7 +53,7 @@ fn takes([k_buffer, v_buffer, k, v]: [&Tensor<4>; 4], start: usize) -> bool {
         && d > 0;
     fits && [k_buffer, v_buffer, k, v]
         .into_iter()
-        .all(|x| super::kernels_take_plain(GpuKernel::CacheWrite, x))
+        .all(|x| super::gpu_kernel_takes_plain(GpuKernel::CacheWrite, x))
 }
 
 /// [`write_cache_rows`] at the position held by `position` `[1]` on the device.

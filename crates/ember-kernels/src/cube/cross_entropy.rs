@@ -46,7 +46,7 @@ pub(crate) fn cross_entropy(
 ) -> Result<Tensor<1>, (Tensor<2>, Tensor<1, Int>)> {
     let [n, v] = logits.dims();
     let pad = pad.map_or(Ok(NO_PAD), i32::try_from);
-    let take = super::kernels_take(GpuKernel::CrossEntropy, &logits) && n > 0 && v > 0;
+    let take = super::gpu_kernel_takes(GpuKernel::CrossEntropy, &logits) && n > 0 && v > 0;
     let (true, Ok(pad)) = (take, pad) else {
         return Err((logits, targets));
     };

@@ -21,7 +21,7 @@
 //! Where cuDNN cannot be loaded, refuses a graph, or disagrees with ember's kernels on the
 //! start-up check, one warning line says so and ember's own path runs.
 
-use super::attention::{cast_to, wide};
+use super::attention::{float_cast_to, wide};
 use crate::cudnn::attention_graph::{AttentionShape, backward_graph, forward_graph, uid};
 use crate::cudnn::graph::{DataType, Uid};
 use crate::cudnn::library;
@@ -622,7 +622,7 @@ fn load(like: &CubeTensor, values: Vec<f32>, shape: Vec<usize>) -> CubeTensor {
     use burn::backend::ops::FloatTensorOps;
     use burn::tensor::TensorData;
     let x = CubeBackend::float_from_data(TensorData::new(values, shape), &like.device);
-    cast_to::<CubeBackend>(x, like.dtype())
+    float_cast_to::<CubeBackend>(x, like.dtype())
 }
 
 /// `x`'s values in `f32`, read back.

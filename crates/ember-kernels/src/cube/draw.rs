@@ -39,7 +39,7 @@ pub(crate) fn draw(
     temperature: f32,
 ) -> Result<Tensor<2, Int>, Tensor<2>> {
     let [b, v] = logits.dims();
-    let take = b > 0 && v > 0 && super::kernels_take_plain(GpuKernel::Draw, &logits);
+    let take = b > 0 && v > 0 && super::gpu_kernel_takes_plain(GpuKernel::Draw, &logits);
     if !take {
         return Err(logits);
     }
@@ -58,8 +58,8 @@ pub(crate) fn draw_at(
     let [b, v] = logits.dims();
     let take = b > 0
         && v > 0
-        && super::kernels_take_plain(GpuKernel::Draw, &logits)
-        && super::kernels_take_plain(GpuKernel::Draw, u);
+        && super::gpu_kernel_takes_plain(GpuKernel::Draw, &logits)
+        && super::gpu_kernel_takes_plain(GpuKernel::Draw, u);
     if !take {
         return Err(logits);
     }

@@ -50,7 +50,7 @@ fn seeded<const D: usize>(
 ) -> Result<Tensor<D>, Tensor<D>> {
     if !(p > 0.0 && p < 1.0)
         || x.shape().num_elements() == 0
-        || !super::kernels_take(GpuKernel::Dropout, &x)
+        || !super::gpu_kernel_takes(GpuKernel::Dropout, &x)
     {
         return Err(x);
     }

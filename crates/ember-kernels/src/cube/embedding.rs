@@ -65,7 +65,7 @@ pub(crate) fn embed(table: Tensor<2>, ids: Tensor<2, Int>) -> Result<Tensor<3>, 
         true => table.cast(FloatDType::F32),
         false => table,
     };
-    if !(fits && super::kernels_take(GpuKernel::Embedding, &table)) {
+    if !(fits && super::gpu_kernel_takes(GpuKernel::Embedding, &table)) {
         return Err(ids);
     }
     let rows = <Dispatch as EmbeddingKernels>::embedding_rows(

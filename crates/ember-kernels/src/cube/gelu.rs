@@ -30,7 +30,7 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>, tanh: bool) -> Result<Tensor<D>
     let narrow = matches!(x.dtype(), DType::BF16 | DType::F16)
         && crate::gpu_kernels::uses(GpuKernel::Gelu)
         && crate::on_cubecl(&x.device());
-    let takes = narrow || super::kernels_take(GpuKernel::Gelu, &x);
+    let takes = narrow || super::gpu_kernel_takes(GpuKernel::Gelu, &x);
     if !takes || x.shape().num_elements() == 0 {
         return Err(x);
     }

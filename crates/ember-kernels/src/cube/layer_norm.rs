@@ -54,11 +54,11 @@ pub(crate) fn layer_norm<const N: usize>(
     let d = dims[N - 1];
     let tracked = x.device().is_autodiff();
     let fits = |p: &Tensor<1>| {
-        super::kernels_take(GpuKernel::LayerNorm, p)
+        super::gpu_kernel_takes(GpuKernel::LayerNorm, p)
             && p.device().is_autodiff() == tracked
             && p.dims()[0] == d
     };
-    let take = super::kernels_take(GpuKernel::LayerNorm, &x)
+    let take = super::gpu_kernel_takes(GpuKernel::LayerNorm, &x)
         && fits(&gamma)
         && beta.as_ref().is_none_or(fits);
     if !take || d == 0 || x.shape().num_elements() == 0 {

@@ -86,11 +86,11 @@ pub(crate) fn affine_then<const D: usize>(
         && (1..=MAX_ROWS).contains(&rows)
         && n > 0
         && dims[D - 1] == k
-        && super::kernels_take_plain(GpuKernel::Linear, &x)
-        && super::kernels_take_plain(GpuKernel::Linear, &weight)
-        && bias
-            .as_ref()
-            .is_none_or(|b| super::kernels_take_plain(GpuKernel::Linear, b) && b.dims()[0] == n);
+        && super::gpu_kernel_takes_plain(GpuKernel::Linear, &x)
+        && super::gpu_kernel_takes_plain(GpuKernel::Linear, &weight)
+        && bias.as_ref().is_none_or(|b| {
+            super::gpu_kernel_takes_plain(GpuKernel::Linear, b) && b.dims()[0] == n
+        });
     if !take {
         return Err((x, weight, bias));
     }

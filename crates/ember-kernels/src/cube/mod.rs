@@ -56,7 +56,7 @@ fn cube_device(device: &burn::tensor::Device) -> Option<&burn_cubecl::CubeDevice
 
 /// The number of multiprocessors of `device`'s GPU, where its runtime reports it (CUDA and
 /// ROCm do, wgpu does not); `None` on other backends.
-pub(crate) fn multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
+pub(crate) fn streaming_multiprocessors(device: &burn::tensor::Device) -> Option<u32> {
     let client = cube_device(device)?.client();
     client.properties().hardware.num_streaming_multiprocessors
 }
@@ -69,7 +69,7 @@ pub(crate) fn capturing(device: &burn::tensor::Device) -> bool {
 
 /// Whether `kernel` is on ([`crate::gpu_kernels`]) and takes `x`: an `f32` tensor on a
 /// CubeCL device, tracked by autodiff or not.
-pub(crate) fn kernels_take<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
+pub(crate) fn gpu_kernel_takes<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
     if !gpu_kernels::uses(kernel) {
         return false;
     }
@@ -86,8 +86,8 @@ pub(crate) fn kernels_take<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> 
 }
 
 /// Whether `kernel` takes `x` and it is not tracked by autodiff (optimizer state, decoding).
-pub(crate) fn kernels_take_plain<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
-    kernels_take(kernel, x) && !x.device().is_autodiff()
+pub(crate) fn gpu_kernel_takes_plain<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
+    gpu_kernel_takes(kernel, x) && !x.device().is_autodiff()
 }
 
 /// `task` run on CubeCL's device thread of `client` in one blocking round trip, where client

@@ -33,7 +33,7 @@ pub(crate) fn matmul(a: Tensor<2>, b: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>
         && matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && a.dtype() == b.dtype()
         && crate::on_cubecl(&device)
-        && super::multiprocessors(&device).is_some()
+        && super::streaming_multiprocessors(&device).is_some()
         && loadable_or_warn()
         && !super::capturing(&device)
         && agrees_on(&device, a.dtype());

@@ -62,7 +62,7 @@ fn sum_in_launches_of(xs: Vec<Tensor<1>>, most: usize) -> Result<Tensor<1>, Vec<
         let take = bindings >= MAX_TENSORS + 2
             && xs
                 .iter()
-                .all(|x| super::kernels_take_plain(GpuKernel::Norm, x) && x.device() == device);
+                .all(|x| super::gpu_kernel_takes_plain(GpuKernel::Norm, x) && x.device() == device);
         if !take {
             return Err(xs);
         }

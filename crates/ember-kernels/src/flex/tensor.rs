@@ -44,7 +44,7 @@ pub(crate) fn route(tensor: &DispatchTensor) -> Route {
 }
 
 /// Whether ember's kernels take `x`: flex `f32`, tracked by autodiff or not.
-pub(crate) fn kernels_take<const D: usize>(x: &Tensor<D>) -> bool {
+pub(crate) fn is_flex_f32<const D: usize>(x: &Tensor<D>) -> bool {
     !matches!(route(&x.clone().into_dispatch()), Route::Other)
 }
 

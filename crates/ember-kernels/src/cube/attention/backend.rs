@@ -3,7 +3,7 @@
 //! implementation, which picks the pass's path: cuDNN's flash attention (opt-in), the batched
 //! products, or the fused kernels.
 
-use super::dims::{cast_to, wide};
+use super::dims::{float_cast_to, wide};
 use super::launch::{CachedStart, cached_attention, fused_backward, fused_forward};
 use super::route::{by_products, on_device_thread};
 use burn::backend::tensor::{FloatTensor, IntTensor};
@@ -116,7 +116,7 @@ impl AttentionKernels for CubeBackend {
         // copy that lives for the call), and the output is rounded once to its type.
         let dtype = qkv.dtype();
         let (out, lse) = fused_forward(wide::<Self>(qkv), seed, heads, dropout);
-        (cast_to::<Self>(out, dtype), lse)
+        (float_cast_to::<Self>(out, dtype), lse)
     }
 
     fn causal_self_attention_backward(
@@ -136,7 +136,7 @@ impl AttentionKernels for CubeBackend {
         if let Some(shape) = crate::cube::cudnn_attention::takes(&qkv, heads, dropout) {
             let (out, grad) = (
                 into_contiguous(out.clone()),
-                cast_to::<Self>(grad.clone(), dtype),
+                float_cast_to::<Self>(grad.clone(), dtype),
             );
             if let Some(dqkv) = on_device_thread(&qkv.client, || {
                 crate::cube::cudnn_attention::backward(&qkv, &seed, &out, &lse, &grad, &shape)
@@ -145,7 +145,7 @@ impl AttentionKernels for CubeBackend {
             }
         }
         if by_products(&qkv) {
-            let grad = cast_to::<Self>(grad, dtype);
+            let grad = float_cast_to::<Self>(grad, dtype);
             return on_device_thread(&qkv.client, || {
                 crate::cube::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout)
             });
@@ -153,7 +153,7 @@ impl AttentionKernels for CubeBackend {
         // In the projection's type, computed in f32 (widened copies for the call).
         let [qkv, out, grad] = [qkv, into_contiguous(out), grad].map(wide::<Self>);
         let dqkv = fused_backward(qkv, seed, out, lse, grad, heads, dropout);
-        cast_to::<Self>(dqkv, dtype)
+        float_cast_to::<Self>(dqkv, dtype)
     }
 
     fn cached_causal_attention(

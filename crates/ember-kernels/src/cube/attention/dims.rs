@@ -10,11 +10,11 @@ use burn_cubecl::tensor::CubeTensor;
 
 /// `x` in f32 (itself when it is).
 pub(crate) fn wide<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    cast_to::<B>(x, DType::F32)
+    float_cast_to::<B>(x, DType::F32)
 }
 
 /// `x` in `dtype` (itself when it is).
-pub(crate) fn cast_to<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
+pub(crate) fn float_cast_to<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
     match x.dtype() == dtype {
         true => x,
         false => B::float_cast(x, burn::tensor::FloatDType::from(dtype)),

@@ -60,7 +60,7 @@ mod route;
 mod tests;
 
 pub use backend::AttentionKernels;
-pub(super) use dims::{Dims, cast_to, wide};
+pub(super) use dims::{Dims, float_cast_to, wide};
 #[cfg_attr(not(feature = "cudnn"), allow(unused_imports))]
 pub(super) use launch::{fused_backward, fused_forward};
 // What the tests name through `use super::*`.
@@ -107,7 +107,7 @@ pub(crate) fn cached_causal_attention(
 ) -> Result<Tensor<4>, (Tensor<4>, Tensor<4>, Tensor<4>)> {
     let [_, _, t, _] = q.dims();
     let capacity = k.dims()[2];
-    let plain = |t: &Tensor<4>| super::kernels_take_plain(GpuKernel::CachedAttention, t);
+    let plain = |t: &Tensor<4>| super::gpu_kernel_takes_plain(GpuKernel::CachedAttention, t);
     if t == 0 || start + t > capacity || !(plain(&q) && plain(&k) && plain(&v)) {
         return Err((q, k, v));
     }
@@ -130,7 +130,7 @@ pub(crate) fn cached_causal_attention_at(
 ) -> Result<Tensor<4>, (Tensor<4>, Tensor<4>, Tensor<4>)> {
     let [_, _, t, _] = q.dims();
     let capacity = k.dims()[2];
-    let plain = |t: &Tensor<4>| super::kernels_take_plain(GpuKernel::CachedAttention, t);
+    let plain = |t: &Tensor<4>| super::gpu_kernel_takes_plain(GpuKernel::CachedAttention, t);
     if t == 0 || t > capacity || !(plain(&q) && plain(&k) && plain(&v)) {
         return Err((q, k, v));
     }
@@ -162,7 +162,7 @@ fn seeded(
         && crate::on_cubecl(&qkv.device());
     if t == 0
         || d3 == 0
-        || !(narrow || super::kernels_take(GpuKernel::Attention, &qkv))
+        || !(narrow || super::gpu_kernel_takes(GpuKernel::Attention, &qkv))
         || !(0.0..1.0).contains(&dropout)
     {
         return Err(qkv);

@@ -1,7 +1,7 @@
 //! Whether a training pass runs as batched products (`cube::attention_products`: cuBLAS on
 //! CUDA) or as the fused kernels, and the products' start-up check against the fused kernels.
 
-use super::dims::{cast_to, wide};
+use super::dims::{float_cast_to, wide};
 use super::launch::{fused_backward, fused_forward};
 use burn::backend::TensorMetadata;
 use burn::tensor::DType;
@@ -93,7 +93,7 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
             .map(|i| ((i * 7919 + seed) % 61) as f32 / 60.0 - 0.5)
             .collect();
         let x = CubeBackend::float_from_data(TensorData::new(values, shape), &like.device);
-        let narrow = cast_to::<CubeBackend>(x, dtype);
+        let narrow = float_cast_to::<CubeBackend>(x, dtype);
         (narrow.clone(), wide::<CubeBackend>(narrow))
     };
     let (qkv, wide_qkv) = load(b * t * 3 * d, 1, vec![b, t, 3 * d]);

@@ -30,7 +30,7 @@ fn equals_the_reference_on_wgpu() {
         for on in [device.clone(), device.clone().autodiff()] {
             let qkv = Tensor::<3>::from_data(x.clone(), &on);
             assert!(
-                super::super::kernels_take(GpuKernel::Attention, &qkv),
+                super::super::gpu_kernel_takes(GpuKernel::Attention, &qkv),
                 "kernels take wgpu f32"
             );
         }
@@ -90,7 +90,7 @@ fn products_equal_the_reference_on_wgpu() {
 fn the_products_check_passes_on_wgpu() {
     let like = crate::cube::attention_products::tests::cube(&[0.0], [1, 1, 1]);
     products_agree(&like).unwrap();
-    let narrow = cast_to::<CubeBackend>(like, DType::F16);
+    let narrow = float_cast_to::<CubeBackend>(like, DType::F16);
     products_agree(&narrow).unwrap();
 }
 
