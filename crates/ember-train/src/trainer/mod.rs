@@ -1,0 +1,259 @@
+//! The training loop, shared by every task (language modelling, translation): AdamW, the
+//! learning-rate schedule, gradient accumulation and clipping, evaluation, metrics, progress,
+//! atomic checkpoints and resume.
+//!
+//! Layout: [`options`] what a run is asked (`RunOptions`, `Launch`), [`summary`] what it reports
+//! (`RunSummary`, `DeviceMemory`), this file the loop itself, [`progress`] the progress bar,
+//! log lines and the plot, [`guards`] the checks that stop a run cleanly (a non-finite loss or
+//! weight, an unwritable folder) and the best checkpoint's bookkeeping.
+
+mod guards;
+mod options;
+mod progress;
+mod summary;
+
+pub use options::{Launch, RunOptions};
+pub use summary::{DeviceMemory, RunSummary};
+
+use guards::{Best, check_writable, ensure_finite};
+use progress::{Clock, LogWindow, draw_plot, log_line, progress_bar, say};
+
+use std::path::PathBuf;
+
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Device;
+use indicatif::ProgressBar;
+
+use crate::adamw::GradScale;
+use crate::checkpoint::{
+    self, CheckpointState, FORMAT_VERSION, load_model, load_optimizer, save_weights,
+};
+use crate::error::{Result, TrainError};
+use crate::kernel_profile::{self, KernelProfiler, Part};
+use crate::metrics::Metrics;
+use crate::optimizer::{adamw_scaled, clip_factor};
+use crate::task::{DROPOUT_SALT, Split, Task, accumulate, param_device};
+
+/// Trains `model` (built on `device.autodiff()`) on `task`. On resume, weights, optimizer state
+/// and the step are read from the newest checkpoint in `options.out_dir`; batches, dropout and
+/// the learning rate depend only on `(seed, step)`, so the resumed run continues exactly.
+pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result<RunSummary> {
+    let config = &options.training;
+    let out = &options.out_dir;
+    std::fs::create_dir_all(out).map_err(|e| crate::error::write_err(out, e))?;
+    check_writable(out)?;
+    let schedule = config.schedule();
+    // Clipping's factor, applied by the optimizer as it reads each gradient.
+    let grad_scale = GradScale::default();
+    let (mut state, mut model, mut optim, mut last_checkpoint) =
+        start(task, model, options, &grad_scale)?;
+    let metrics = Metrics::open(out, options.resume.then_some(state.step))?;
+    let mut best = Best::open(out, &metrics, options.resume);
+    let device = param_device(&model);
+    let bar = progress_bar(config.max_steps, state.step, options.progress);
+    let mut clock = Clock::new(&state);
+    let mut window = LogWindow::new(state.step);
+    let (mut train_loss, mut val_loss) = (None, state.val_loss);
+    let mut stopped_early = false;
+    let stop = options.stop_after.unwrap_or(u64::MAX).min(config.max_steps);
+    let profiler = match options.profile_steps {
+        Some(steps) => {
+            let devices = match options.devices.is_empty() {
+                true => vec![device.clone()],
+                false => options.devices.clone(),
+            };
+            Some(KernelProfiler::new(
+                devices,
+                &config.device,
+                steps,
+                state.step,
+                stop,
+            )?)
+        }
+        None => None,
+    };
+
+    // The most bytes live before a backward pass in this process's first two steps (0 where
+    // not measured: a measured step holds at least the weights).
+    let (first, mut live) = (state.step, 0u64);
+    while state.step < stop {
+        let step = state.step;
+        device.seed(ember_data::batch_seed(config.seed, step, DROPOUT_SALT));
+        let lr = schedule.at(step);
+        let mut profiled = match &profiler {
+            Some(profiler) => profiler.begin(step + 1)?,
+            None => None,
+        };
+        let (loss, tokens, grads) = kernel_profile::part(&mut profiled, Part::Gradients, || {
+            if options.devices.len() > 1 {
+                crate::parallel::accumulate(task, &model, step, config, &options.devices)
+            } else {
+                let probe = (step < first + 2).then_some(&mut live);
+                accumulate(
+                    task,
+                    &model,
+                    step,
+                    config.grad_accum,
+                    config.precision,
+                    probe,
+                )
+            }
+        })?;
+        let norm = kernel_profile::part(&mut profiled, Part::Clip, || {
+            let (norm, factor) = clip_factor(&model, &grads, config.grad_clip).unzip();
+            grad_scale.set(factor.flatten());
+            norm
+        })?;
+        model = kernel_profile::part(&mut profiled, Part::Optimizer, || {
+            optim.step(lr, model, grads)
+        })?;
+        grad_scale.set(None);
+        if let Some(profiled) = profiled {
+            profiled.end();
+        }
+        if step == first {
+            release_replaced_weights(&device, &options.devices);
+        }
+        state.step += 1;
+        state.tokens_seen += tokens as u64;
+        clock.tokens += tokens as u64;
+        window.push(loss, norm, tokens);
+
+        let interrupted = options.interrupted();
+        let done = state.step == stop;
+        let mut checkpoint_due =
+            state.step.is_multiple_of(config.checkpoint_interval) || done || interrupted;
+        if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
+            let record = window.flush(state.step, lr, clock.elapsed())?;
+            log_line(&bar, &record, config.max_steps);
+            metrics.append(&record)?;
+        }
+        let mut improved = false;
+        if state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps {
+            let valid = model.valid();
+            let eval_model = config.precision.compute(&valid);
+            let (train, val) = evaluate(task, &eval_model, config.eval_batches, state.step, &bar);
+            metrics.append(&clock.eval_record(state.step, lr, train, val))?;
+            (train_loss, val_loss) = (Some(train), Some(val));
+            state.val_loss = val_loss;
+            // Every improvement is saved, so the best model is on disk however late the run
+            // overfits (nanoGPT's GPU config does after about 2000 of its 5000 steps).
+            improved = best.record(val, state.step);
+            stopped_early = best.patience_spent(config.early_stop_patience, &bar);
+            checkpoint_due |= improved || stopped_early;
+            draw_plot(&metrics, &options.title, out);
+        }
+        if checkpoint_due {
+            ensure_finite(&model, state.step)?;
+            state.elapsed_secs = clock.elapsed();
+            let (m, o) = (&model, &optim);
+            last_checkpoint = checkpoint::save(out, &state, config.keep_checkpoints, |dir| {
+                save_weights(m, o, dir)?;
+                task.write_files(dir)
+            })?;
+            if improved {
+                checkpoint::mark_best(out, &last_checkpoint)?;
+            }
+        }
+        if interrupted && !done {
+            bar.finish_and_clear();
+            draw_plot(&metrics, &options.title, out);
+            return Err(TrainError::Interrupted {
+                step: state.step,
+                checkpoint: last_checkpoint,
+            });
+        }
+        if stopped_early {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    draw_plot(&metrics, &options.title, out);
+    let mut summary = clock.summary(state.step, last_checkpoint);
+    summary.train_loss = train_loss;
+    summary.val_loss = val_loss;
+    summary.best = checkpoint::resolve_best(out).ok().zip(best.loss());
+    summary.stopped_early = stopped_early;
+    summary.kernel_profile = profiler.and_then(KernelProfiler::finish);
+    summary.device_memory = DeviceMemory::of(&device, (live > 0).then_some(live));
+    Ok(summary)
+}
+
+/// Hands back to the GPU driver the memory of the weights the first optimizer step replaced. Burn
+/// builds and loads parameters in its allocator's persistent pool (and the initializers'
+/// temporaries with them), which returns memory only when asked: on lavapipe, twice the weights'
+/// bytes stayed reserved, free, for the whole run (docs/benchmarks.md). A no-op on CPU devices.
+fn release_replaced_weights(device: &Device, devices: &[Device]) {
+    device.memory_cleanup();
+    for other in devices.iter().filter(|d| *d != device) {
+        other.memory_cleanup();
+    }
+}
+
+/// Training and validation loss of `eval_model` (without autodiff, at the run's precision) over
+/// `batches` batches each (the task's extra figures too), printed as the evaluation line of
+/// `step`.
+fn evaluate<T: Task>(
+    task: &T,
+    eval_model: &T::Model,
+    batches: usize,
+    step: u64,
+    bar: &ProgressBar,
+) -> (f64, f64) {
+    let train = task.eval_loss(eval_model, Split::Train, batches);
+    let val = task.eval_loss(eval_model, Split::Val, batches);
+    let extra = task.extra_eval(eval_model);
+    let extra: String = extra.iter().map(|(k, v)| format!(", {k} {v:.2}")).collect();
+    say(
+        bar,
+        format!(
+            "step {step:>6}: train loss {train:.4}, val loss {val:.4} (perplexity {:.2}){extra}",
+            val.exp()
+        ),
+    );
+    (train, val)
+}
+
+/// The run's starting point: on resume the newest checkpoint's state, weights and optimizer
+/// (and its folder), else step 0 with a fresh optimizer.
+fn start<T: Task>(
+    task: &T,
+    model: T::Model,
+    options: &RunOptions,
+    grad_scale: &GradScale,
+) -> Result<(CheckpointState, T::Model, ModuleOptimizer, PathBuf)> {
+    let config = &options.training;
+    let fresh = CheckpointState {
+        format_version: FORMAT_VERSION,
+        model_kind: task.model_kind().to_string(),
+        step: 0,
+        seed: config.seed,
+        tokens_seen: 0,
+        elapsed_secs: 0.0,
+        val_loss: None,
+    };
+    // The optimizer is built from the model it will update: its weight-decay groups are keyed
+    // by parameter id, and loading a checkpoint restores the ids its state was saved under.
+    if !options.resume {
+        let optim = adamw_scaled(config, &model, grad_scale);
+        return Ok((fresh, model, optim, PathBuf::new()));
+    }
+    let dir = checkpoint::resolve(&options.out_dir)?;
+    let mut saved = checkpoint::read_state(&dir)?;
+    if saved.model_kind != task.model_kind() {
+        return Err(TrainError::Checkpoint {
+            path: dir,
+            message: format!(
+                "holds a {}, but this config trains a {}",
+                checkpoint::describe_kind(&saved.model_kind),
+                checkpoint::describe_kind(task.model_kind())
+            ),
+        });
+    }
+    let model = load_model(model, &dir)?;
+    let optim = load_optimizer(adamw_scaled(config, &model, grad_scale), &dir)?;
+    eprintln!("resuming from {} (step {})", dir.display(), saved.step);
+    saved.seed = config.seed;
+    Ok((saved, model, optim, dir))
+}
