@@ -5,7 +5,6 @@
 
 pub mod batch;
 pub mod generate;
-mod replayed;
 pub mod sampling;
 
 pub use batch::generate_batch;
