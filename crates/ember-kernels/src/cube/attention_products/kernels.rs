@@ -1,0 +1,146 @@
+//! The kernels between the products, over one head `h` of `H` and the sequences from `first` on:
+//! rows `r = s * T + i` of the call's `[n, T, T]` buffers (query `i` of sequence `first + s`,
+//! key `j` along the row; `rows` or `elements` of them in this call). Weight `(i, j)` of that
+//! head is element `(((first + s) * H + h) * T + i) * T + j` of the dropout mask, as in the fused
+//! kernels, and `L` is read from and written to `lse[((first + s) * H + h) * T + i]`.
+
+use burn_cubecl::cubecl;
+use burn_cubecl::cubecl::prelude::*;
+
+use super::ROW_UNITS;
+use crate::cube::hashed_mask::Mask;
+use crate::cube::{cube_row, reduce_cube};
+
+/// The index among every sequence's and head's query rows, `(s * H + h) * T + i`, of row
+/// `r` of the call (the dropout mask's row and `lse`'s element).
+#[cube]
+fn head_row(r: usize, t: usize, first: usize, h: usize, heads: usize) -> usize {
+    ((first + r / t) * heads + h) * t + r % t
+}
+
+/// One cube per row: its log-sum-exp `L` over keys `0..=i` of the scaled scores `s`, and
+/// `exp(s - L)` times the dropout factor into `w` (0 past `i`), computed in `f32` and
+/// stored in the weights' type `N`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_weights<N: Float>(
+    s: &Tensor<f32>,
+    lse: &mut Tensor<f32>,
+    seed: &Tensor<f32>,
+    w: &mut Tensor<N>,
+    threshold: u32,
+    keep_scale: f32,
+    rows: usize,
+    first: usize,
+    h: usize,
+    heads: usize,
+    #[comptime] dropout: bool,
+) {
+    let t = s.shape(1);
+    let r = cube_row();
+    if r >= rows {
+        terminate!();
+    }
+    let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
+    let (i, at, row) = (r % t, r * t, head_row(r, t, first, h, heads));
+    let mut scratch = Shared::<[f32]>::new_slice(ROW_UNITS);
+    let mut max = f32::min_value();
+    for j in range_stepped(u, i + 1, units) {
+        max = f32::max(max, s[at + j]);
+    }
+    let max = reduce_cube::<f32>(&mut scratch, max, true);
+    let mut sum = 0.0f32;
+    for j in range_stepped(u, i + 1, units) {
+        sum += f32::exp(s[at + j] - max);
+    }
+    let sum = reduce_cube::<f32>(&mut scratch, sum, false);
+    let l = max + f32::ln(sum);
+    if u == 0 {
+        lse[row] = l;
+    }
+    let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
+    for j in range_stepped(u, t, units) {
+        let mut value = 0.0f32;
+        if j <= i {
+            value = f32::exp(s[at + j] - l) * mask.factor(row * t + j, dropout);
+        }
+        w[at + j] = N::cast_from(value);
+    }
+}
+
+/// One unit per element: the dropped weights `exp(s - L)` times the dropout factor (0 past
+/// the diagonal) into `w`, in its type `N`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_weights_backward<N: Float>(
+    s: &Tensor<f32>,
+    lse: &Tensor<f32>,
+    seed: &Tensor<f32>,
+    w: &mut Tensor<N>,
+    threshold: u32,
+    keep_scale: f32,
+    elements: usize,
+    first: usize,
+    h: usize,
+    heads: usize,
+    #[comptime] dropout: bool,
+) {
+    let e = ABSOLUTE_POS;
+    if e >= elements {
+        terminate!();
+    }
+    let t = s.shape(1);
+    let (r, j) = (e / t, e % t);
+    let (i, row) = (r % t, head_row(r, t, first, h, heads));
+    let mut value = 0.0f32;
+    if j <= i {
+        let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
+        value = f32::exp(s[e] - lse[row]) * mask.factor(row * t + j, dropout);
+    }
+    w[e] = N::cast_from(value);
+}
+
+/// One cube per row: from the scaled scores `s`, `L` and the dropped weights' gradient
+/// `g = dO V^T` (all `f32`), the scores' gradient `P (g M - delta)` into `ds` in its type
+/// `N` (0 past the diagonal), `delta = sum_j P_j M_j g_j`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_scores_backward<N: Float>(
+    s: &Tensor<f32>,
+    lse: &Tensor<f32>,
+    seed: &Tensor<f32>,
+    g: &Tensor<f32>,
+    ds: &mut Tensor<N>,
+    threshold: u32,
+    keep_scale: f32,
+    rows: usize,
+    first: usize,
+    h: usize,
+    heads: usize,
+    #[comptime] dropout: bool,
+) {
+    let t = s.shape(1);
+    let r = cube_row();
+    if r >= rows {
+        terminate!();
+    }
+    let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
+    let (i, at, row) = (r % t, r * t, head_row(r, t, first, h, heads));
+    let l = lse[row];
+    let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
+    let mut scratch = Shared::<[f32]>::new_slice(ROW_UNITS);
+    let mut delta = 0.0f32;
+    for j in range_stepped(u, i + 1, units) {
+        let p = f32::exp(s[at + j] - l);
+        delta += p * mask.factor(row * t + j, dropout) * g[at + j];
+    }
+    let delta = reduce_cube::<f32>(&mut scratch, delta, false);
+    for j in range_stepped(u, t, units) {
+        let mut value = 0.0f32;
+        if j <= i {
+            let p = f32::exp(s[at + j] - l);
+            value = p * (g[at + j] * mask.factor(row * t + j, dropout) - delta);
+        }
+        ds[at + j] = N::cast_from(value);
+    }
+}
