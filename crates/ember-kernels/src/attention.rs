@@ -197,25 +197,13 @@ pub fn single_query_attention_reference(
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
-    use burn::tensor::Distribution;
 
     /// One query over a cache-like view (the first 37 of 50 positions, as a KV cache returns
     /// them): the flex loops take it, and equal the op's reference. (Against the model's general
     /// attention: ember-model's tests/ops_and_concepts.rs.)
     #[test]
     fn single_query_equals_its_reference() {
-        let device = Device::flex();
-        let normal = Distribution::Normal(0.0, 1.0);
-        let buffer = |seed| {
-            device.seed(seed);
-            Tensor::<4>::random([2, 3, 50, 32], normal, &device)
-        };
-        let (k, v) = (buffer(1), buffer(2));
-        let (k, v) = (
-            k.slice([0..2, 0..3, 0..37, 0..32]),
-            v.slice([0..2, 0..3, 0..37, 0..32]),
-        );
-        let q = Tensor::<4>::random([2, 3, 1, 32], normal, &device) * 3.0;
+        let (q, k, v) = crate::check::cache_like_query(&Device::flex());
         assert!(crate::flex::decode_attention::single_query(&q, &k, &v).is_some());
         let fast = single_query_attention(q.clone(), k.clone(), v.clone(), None);
         let reference = single_query_attention_reference(q, k, v, None);

@@ -87,3 +87,21 @@ pub fn spans(logits: &[f32], u: f32, t: f32, index: usize, tolerance: f64) -> bo
     let after = before + p[index];
     before - tolerance <= u as f64 && u as f64 <= after + tolerance
 }
+
+/// One query `[2, 3, 1, 32]` and the keys and values of a cache-like view `[2, 3, 37, 32]` on
+/// `device`: the first 37 of 50 positions of buffers, as a KV cache returns them (strided),
+/// the query scaled up so that its weights are far from uniform.
+pub fn cache_like_query(device: &Device) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+    let normal = burn::tensor::Distribution::Normal(0.0, 1.0);
+    let buffer = |seed| {
+        device.seed(seed);
+        Tensor::<4>::random([2, 3, 50, 32], normal, device)
+    };
+    let (k, v) = (buffer(1), buffer(2));
+    let (k, v) = (
+        k.slice([0..2, 0..3, 0..37, 0..32]),
+        v.slice([0..2, 0..3, 0..37, 0..32]),
+    );
+    let q = Tensor::<4>::random([2, 3, 1, 32], normal, device) * 3.0;
+    (q, k, v)
+}

@@ -71,18 +71,7 @@ fn causal_attention_equals_the_masked_general_path() {
 /// the decoding op (on flex, ember's loops) against the general path.
 #[test]
 fn single_query_equals_the_general_path() {
-    let device = Device::flex();
-    let normal = Distribution::Normal(0.0, 1.0);
-    let buffer = |seed| {
-        device.seed(seed);
-        Tensor::<4>::random([2, 3, 50, 32], normal, &device)
-    };
-    let (k, v) = (buffer(1), buffer(2));
-    let (k, v) = (
-        k.slice([0..2, 0..3, 0..37, 0..32]),
-        v.slice([0..2, 0..3, 0..37, 0..32]),
-    );
-    let q = Tensor::<4>::random([2, 3, 1, 32], normal, &device) * 3.0;
+    let (q, k, v) = ember_model::ops::check::cache_like_query(&Device::flex());
     let fast = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), None, None, false);
     // Asking for the weights takes the general path.
     let general = scaled_dot_product_attention(q, k, v, None, None, true);
