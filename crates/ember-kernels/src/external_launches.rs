@@ -1,4 +1,4 @@
-//! Device work that ember queues outside CubeCL (cuBLAS's products, `cube::cublas`), made
+//! Device work that ember queues outside CubeCL (cuBLAS's products, `products::cublas`), made
 //! visible to a profiler: CubeCL's launch observer sees only CubeCL's kernels, so `ember train
 //! --profile-steps` would count such work as the device's idle time.
 //!

@@ -15,7 +15,7 @@
 //!
 //! | op | reference | kernel (flex) |
 //! |---|---|---|
-//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`flex::matmul`); on CUDA cuBLAS's products (forward and backward, transposed operands read in place: `cube::product`, `cube::cublas`, [`blas`]); on other GPUs all rows as one product in Burn's `matmul` (in training, chunks of rows as one batched product, so that the weight's gradient is a sum of partial products: [`matmul_split_rows`]), and a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
+//! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`products::flex`); on CUDA cuBLAS's products (forward and backward, transposed operands read in place: `products::cube`, `products::cublas`, [`blas`]); on other GPUs all rows as one product in Burn's `matmul` (in training, chunks of rows as one batched product, so that the weight's gradient is a sum of partial products: [`matmul_split_rows`]), and a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
 //! | [`linear_gelu`] | Burn's `module::linear`, then `gelu` | [`linear`] then [`gelu`]; on GPUs a plain input of up to eight rows takes one kernel for the product, the bias and the GELU (`cube::linear`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row, the bias in the same pass (`cube::layer_norm`) |
@@ -57,7 +57,6 @@
 
 pub mod adamw;
 mod attention;
-pub mod blas;
 mod cache_write;
 mod cross_entropy;
 mod draw;
@@ -67,8 +66,10 @@ pub mod external_launches;
 mod gelu;
 pub mod gpu_kernels;
 mod layer_norm;
-mod linear;
 pub mod masks;
+mod products;
+/// BLAS's column-major calls for row-major tensors (cuBLAS's products).
+pub use products::blas;
 mod rotary;
 pub mod rotation;
 mod softmax;
@@ -101,7 +102,7 @@ pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{GpuKernel, GpuKernels};
 pub use layer_norm::{layer_norm, layer_norm_reference};
-pub use linear::{
+pub use products::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
     matmul, matmul_reference, matmul_split_rows, weight_gradient_splits,
 };

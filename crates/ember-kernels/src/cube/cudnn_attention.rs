@@ -377,7 +377,7 @@ fn execute(
                     .map_err(|e| CudnnError(format!("clear the accumulator: {e:?}")))?;
             }
             let timing = crate::external_launches::observer()
-                .and_then(|observer| Some((observer, super::cublas::event_on(stream)?)));
+                .and_then(|observer| Some((observer, crate::products::cublas::event_on(stream)?)));
             if synchronizes() {
                 driver::cuCtxSynchronize()
                     .result()
@@ -390,11 +390,15 @@ fn execute(
                     .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
             }
             if let Some((observer, start)) = timing
-                && let Some(end) = super::cublas::event_on(stream)
+                && let Some(end) = crate::products::cublas::event_on(stream)
             {
                 observer.launched(
                     name,
-                    super::cublas::elapsed_between(context as driver::CUcontext, start, end),
+                    crate::products::cublas::elapsed_between(
+                        context as driver::CUcontext,
+                        start,
+                        end,
+                    ),
                 );
             }
             ran

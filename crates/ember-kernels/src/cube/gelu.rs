@@ -208,7 +208,7 @@ pub(crate) mod kernels {
     }
 
     /// GELU of one value (the tanh approximation when `tanh`); also the few-row linear
-    /// kernel's epilogue (`cube/linear`).
+    /// kernel's epilogue (`products/few_rows`).
     #[cube]
     pub(crate) fn gelu_of<F: Float>(v: F, #[comptime] tanh: bool) -> F {
         let half = F::new(0.5);

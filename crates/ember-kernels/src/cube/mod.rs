@@ -13,8 +13,6 @@ pub(crate) mod attention;
 pub(crate) mod attention_products;
 pub(crate) mod cache_write;
 pub(crate) mod cross_entropy;
-#[cfg(feature = "cublas")]
-pub(crate) mod cublas;
 #[cfg(feature = "cudnn")]
 pub(crate) mod cudnn_attention;
 pub(crate) mod draw;
@@ -23,8 +21,6 @@ pub(crate) mod embedding;
 pub(crate) mod gelu;
 pub(crate) mod hashed_mask;
 pub(crate) mod layer_norm;
-pub(crate) mod linear;
-pub(crate) mod product;
 pub(crate) mod step_inputs;
 pub(crate) mod sum_of_squares;
 

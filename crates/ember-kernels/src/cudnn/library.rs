@@ -79,7 +79,7 @@ pub(crate) fn api() -> Result<&'static Api, String> {
     static API: OnceLock<Result<Api, String>> = OnceLock::new();
     API.get_or_init(|| {
         #[cfg(feature = "cublas")]
-        let _ = crate::cube::cublas::loadable();
+        let _ = crate::products::cublas::loadable();
         let (front, folder) = open_front()?;
         // SAFETY: `front` is a loaded cuDNN; each symbol is cast to its C signature.
         let api = unsafe {

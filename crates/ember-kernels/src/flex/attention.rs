@@ -20,8 +20,8 @@ use rayon::prelude::*;
 
 use super::op;
 use super::tensor::{Tracked, contiguous, from_values};
-use crate::flex::matmul::mm;
 use crate::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
+use crate::products::flex::mm;
 
 /// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused projection
 /// `qkv`; `qkv` back where this path does not apply (not a flex `f32` tensor, no rows).

@@ -34,7 +34,7 @@ pub(super) fn by_products(qkv: &CubeTensor) -> bool {
         uses(crate::GpuKernel::AttentionProducts)
             && uses(crate::GpuKernel::Cublas)
             && matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
-            && crate::cube::cublas::loadable()
+            && crate::products::cublas::loadable()
             && !qkv.client.is_capturing()
             && products_agree_on(qkv)
     }

@@ -346,7 +346,11 @@ fn product(
     (first, col): (usize, usize),
 ) -> CubeTensor {
     #[cfg(feature = "cublas")]
-    if super::cublas::batched_product(&call(n, a, b, &out, (first, col)), [a.x, b.x, &out], alpha) {
+    if crate::products::cublas::batched_product(
+        &call(n, a, b, &out, (first, col)),
+        [a.x, b.x, &out],
+        alpha,
+    ) {
         return out;
     }
     type Ops = CubeBackend;

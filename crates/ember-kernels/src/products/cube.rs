@@ -8,7 +8,7 @@
 //! - `dB = op(A)^T dC`, or with `B` transposed `dB = dC^T op(A)`,
 //!
 //! each again one product of the op. On other devices (and for a product cuBLAS does not take:
-//! `cube::cublas::product`) the op runs Burn's `matmul` on the transposed views: the reference
+//! `products::cublas::product`) the op runs Burn's `matmul` on the transposed views: the reference
 //! the tests compare it with on wgpu.
 
 use crate::GpuKernel;
@@ -33,9 +33,9 @@ pub(crate) fn matmul(a: Tensor<2>, b: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>
         && matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && a.dtype() == b.dtype()
         && crate::on_cubecl(&device)
-        && super::streaming_multiprocessors(&device).is_some()
+        && crate::cube::streaming_multiprocessors(&device).is_some()
         && loadable_or_warn()
-        && !super::capturing(&device)
+        && !crate::cube::capturing(&device)
         && agrees_on(&device, a.dtype());
     if !takes {
         return Err((a, b));

@@ -1,5 +1,5 @@
 //! A row-major matrix product as a column-major BLAS call (`gemm`), for a vendor's library
-//! (cuBLAS, `cube/cublas`).
+//! (cuBLAS, `products/cublas`).
 //!
 //! BLAS reads a matrix column by column: element `(i, j)` of an operand with leading dimension
 //! `ld` sits at `i + j * ld`. Burn's tensors are row-major, or a transposed view of a row-major

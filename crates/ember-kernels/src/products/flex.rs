@@ -16,8 +16,8 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{Shape, Tensor};
 
-use super::op;
-use super::tensor::{Tracked, from_values};
+use crate::flex::op;
+use crate::flex::tensor::{Tracked, from_values};
 
 /// Products with at least this many multiply-adds (`m * n * k`) run on all of rayon's threads;
 /// smaller ones on the calling thread. Flex's own threshold.

@@ -2,16 +2,32 @@
 //!
 //! Reference: Burn's `module::linear` and `matmul`. Kernel (flex `f32` tensors, tracked by
 //! autodiff or not): `gemm` straight into a new buffer, with its own backward pass
-//! ([`crate::flex::matmul`]); a linear layer's rows from every leading axis go through one
+//! ([`crate::products::flex`]); a linear layer's rows from every leading axis go through one
 //! product, forward and backward. On the GPU backends, the same one product over all rows by
 //! Burn's `matmul` (one weight gradient `X^T dY`, not one per sequence summed afterwards), and a
 //! plain input of at most eight rows (a decoding step) takes one kernel for the product and the
-//! bias (`cube/linear`).
+//! bias (`products/few_rows`).
+//!
+//! Every matrix product lives in this folder: this file the ops (`linear`, `affine`, `matmul`,
+//! `linear_gelu`) and their references, [`blas`] the row-major to column-major mapping,
+//! `flex` the CPU product and its autodiff op, `cube` the GPU product op (cuBLAS on CUDA,
+//! Burn's `matmul` elsewhere), `cublas` the calls themselves, `few_rows` the one-kernel
+//! product and bias of a decoding step.
 
 use burn::nn::Linear;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::kernels_take;
+
+pub mod blas;
+#[cfg(feature = "cube")]
+pub(crate) mod cube;
+#[cfg(feature = "cublas")]
+pub(crate) mod cublas;
+#[cfg(feature = "cube")]
+pub(crate) mod few_rows;
+#[cfg(feature = "flex")]
+pub(crate) mod flex;
 
 /// `layer.forward(x)`: `x @ W (+ b)` over the last axis.
 ///
@@ -41,7 +57,7 @@ pub fn linear_in_products<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tenso
 
 /// GELU of `layer.forward(x)` (the tanh approximation when `tanh`): an MLP's expansion and its
 /// non-linearity. On the GPU backends a plain input of at most eight rows (a decoding step)
-/// takes one kernel for the product, the bias and the GELU (`cube/linear`); otherwise
+/// takes one kernel for the product, the bias and the GELU (`products/few_rows`); otherwise
 /// [`linear`], then [`super::gelu`] or [`super::gelu_tanh`].
 ///
 /// # Shapes
@@ -65,7 +81,7 @@ pub fn linear_gelu<const D: usize>(layer: &Linear, x: Tensor<D>, tanh: bool) -> 
     }
     #[cfg(feature = "cube")]
     let x = {
-        use super::cube::linear::{Epilogue, affine_then};
+        use few_rows::{Epilogue, affine_then};
         let bias = layer.bias.as_ref().map(|b| b.val());
         match affine_then(x, layer.weight.val(), bias, Epilogue::Gelu { tanh }) {
             Ok(y) => return y,
@@ -124,7 +140,7 @@ pub fn affine<const D: usize>(
         };
     }
     #[cfg(feature = "cube")]
-    let (x, weight, bias) = match super::cube::linear::affine(x, weight, bias) {
+    let (x, weight, bias) = match few_rows::affine(x, weight, bias) {
         Ok(y) => return y,
         Err(parts) => parts,
     };
@@ -168,13 +184,13 @@ pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
         return matmul(a.cast(FloatDType::from(b.dtype())), b).cast(FloatDType::from(dtype));
     }
     #[cfg(feature = "flex")]
-    let (a, b) = match super::flex::matmul::matmul(a, b) {
+    let (a, b) = match flex::matmul(a, b) {
         Ok(y) => return y,
         Err(ab) => ab,
     };
     // On CUDA, cuBLAS's products where it can be loaded (and no split: it chooses its own).
     #[cfg(feature = "cube")]
-    let (a, b) = match super::cube::product::matmul(a, b) {
+    let (a, b) = match cube::matmul(a, b) {
         Ok(y) => return y,
         Err(ab) => ab,
     };

@@ -1,6 +1,6 @@
 //! Matrix products through NVIDIA's cuBLAS on the CUDA backend (feature `cublas`): the products a
-//! training step's linear layers make, forward and backward ([`super::product`]), and the
-//! attention's per-head products as strided batched calls ([`super::attention_products`]).
+//! training step's linear layers make, forward and backward ([`crate::products::cube`]), and the
+//! attention's per-head products as strided batched calls ([`crate::cube::attention_products`]).
 //!
 //! cubek's products, which Burn's `matmul` chooses by autotune, reached about 42 TFLOP/s in
 //! nanoGPT's GPU config on an H200 where PyTorch's (cuBLAS) reached about 200
@@ -272,7 +272,8 @@ fn enqueue(
 ) -> bool {
     // Where the device thread cannot be taken, the call runs on this thread, each lookup a
     // round trip.
-    super::on_device_thread(&out.client, || enqueue_here(name, out, inputs, call)).unwrap_or(false)
+    crate::cube::on_device_thread(&out.client, || enqueue_here(name, out, inputs, call))
+        .unwrap_or(false)
 }
 
 /// [`enqueue`] on the calling thread.

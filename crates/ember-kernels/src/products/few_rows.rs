@@ -86,10 +86,10 @@ pub(crate) fn affine_then<const D: usize>(
         && (1..=MAX_ROWS).contains(&rows)
         && n > 0
         && dims[D - 1] == k
-        && super::gpu_kernel_takes_plain(GpuKernel::Linear, &x)
-        && super::gpu_kernel_takes_plain(GpuKernel::Linear, &weight)
+        && crate::cube::gpu_kernel_takes_plain(GpuKernel::Linear, &x)
+        && crate::cube::gpu_kernel_takes_plain(GpuKernel::Linear, &weight)
         && bias.as_ref().is_none_or(|b| {
-            super::gpu_kernel_takes_plain(GpuKernel::Linear, b) && b.dims()[0] == n
+            crate::cube::gpu_kernel_takes_plain(GpuKernel::Linear, b) && b.dims()[0] == n
         });
     if !take {
         return Err((x, weight, bias));
@@ -160,7 +160,7 @@ impl LinearKernels for CubeBackend {
         let [_, n] = weight.shape().dims::<2>();
         assert_eq!(x.dtype(), DType::F32, "few-row linear kernel: f32 only");
         assert!(m <= MAX_ROWS, "few-row linear kernel: {m} rows");
-        let out = super::empty(&x, [m, n]);
+        let out = crate::cube::empty(&x, [m, n]);
         kernels::affine_rows::launch::<f32>(
             &x.client.clone(),
             CubeCount::new_1d(n.div_ceil(COLUMNS) as u32),
