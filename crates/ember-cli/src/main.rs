@@ -85,14 +85,14 @@ fn main() -> ExitCode {
         eprintln!("error: internal error{place}: {message} (please report this)");
     }));
     let cli = Cli::parse();
-    // Read by the model's GPU ops wherever they run; a bad value is refused here, once.
-    let checked = ember_kernels::GpuKernels::from_env()
-        .map(drop)
-        .and(ember_kernels::gpu_kernels::split_from_env().map(drop))
-        .and(ember_kernels::gpu_kernels::cudnn_from_env().map(drop));
-    if let Err(e) = checked {
-        eprintln!("error: {e}");
-        return ExitCode::FAILURE;
+    // The GPU ops' policy (kernels and strategies, split-K, cuDNN's attention) from the
+    // environment, set once for the process; a bad value is refused here in one line.
+    match ember_kernels::GpuPolicy::from_env() {
+        Ok(policy) => ember_kernels::gpu_kernels::set_policy(policy),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
     }
     let result = match cli.command {
         Command::Train(args) => match train::run(args) {

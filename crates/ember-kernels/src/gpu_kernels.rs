@@ -1,9 +1,17 @@
-//! Which of ember's GPU kernels run: the environment variable `EMBER_GPU_KERNELS`.
+//! Which of ember's GPU kernels and strategies run: a policy value ([`GpuPolicy`]) that the
+//! application sets ([`set_policy`]; the `ember` binary builds it from the environment
+//! variables `EMBER_GPU_KERNELS`, `EMBER_SPLIT_K` and `EMBER_CUDNN_ATTENTION` at start-up, and
+//! refuses a bad value in one line) and a test or a caller may scope to one thread
+//! ([`with_policy`]). The library itself never reads the environment for it; without a
+//! [`set_policy`] everything is on but cuDNN's attention (opt-in).
 //!
 //! Each op of `cube` is faster than Burn's ops on some GPUs and shapes and not on others (on
 //! one H100, ember's attention kernels are slower than Burn's autotuned products for nanoGPT's
 //! GPU config, while the fused AdamW is faster), so each can be turned off on its own, for
-//! comparisons and until every kernel wins everywhere:
+//! comparisons and until every kernel wins everywhere. The kernels ([`GpuKernel`]) are ember's
+//! own ops; the strategies ([`GpuStrategy`]) are ways of running them (replayed decoding steps,
+//! split weight gradients, cuBLAS, the attention's tiles or products, bf16 vectors). In
+//! `EMBER_GPU_KERNELS` both share one list of names:
 //!
 //! - unset or `on`: all of them;
 //! - `off`: none (every op runs its reference in Burn's ops);
@@ -12,9 +20,10 @@
 //!
 //! Flex's CPU kernels are not affected.
 
-use std::sync::OnceLock;
+use std::cell::Cell;
+use std::sync::RwLock;
 
-/// The environment variable that chooses the kernels.
+/// The environment variable that chooses the kernels and strategies.
 pub const VARIABLE: &str = "EMBER_GPU_KERNELS";
 
 /// One of ember's GPU kernels (each an op of `cube`); its discriminant is its place in
@@ -46,35 +55,11 @@ pub enum GpuKernel {
     Embedding,
     /// A token drawn from a decoding step's logits at a temperature.
     Draw,
-    /// Not a kernel: a one-token decoding step captured once as a graph (CUDA graphs; recorded
-    /// dispatches on wgpu) and replayed for each token, instead of launching its kernels one by
-    /// one.
-    StepGraph,
-    /// Not a kernel: the weight gradient `X^T dY` of a linear layer over many rows (a training
-    /// step's) as partial products over chunks of the rows, summed (split-K), so that its small
-    /// output gives the GPU enough blocks of work ([`crate::matmul`]).
-    SplitK,
-    /// Not ember's kernel: the matrix products of linear layers (forward and backward, many
-    /// rows) by NVIDIA's cuBLAS on CUDA where it can be loaded, instead of cubek's
-    /// ([`crate::matmul`]).
-    Cublas,
-    /// Not a kernel of its own: the training attention's forward and backward passes in
-    /// register tiles (each unit 8 rows by 4 columns of the scores, 8 rows by `K / 8` columns
-    /// of its output) for head sizes 32 and 64; off, or for other sizes, one row per unit.
-    AttentionTiles,
-    /// Not a kernel of its own: on CUDA with cuBLAS (and `cublas` on), the training attention's
-    /// forward and backward passes as cuBLAS's batched products over one head's stored scores,
-    /// with small kernels between them (`cube/attention_products`); off, the fused kernels.
-    AttentionProducts,
-    /// Not a kernel of its own: the elementwise kernels (GELU, dropout) on bf16 and f16 tensors
-    /// read and write vectors (8 values on CUDA) instead of one value per unit (`f32` tensors
-    /// always do).
-    NarrowVectors,
 }
 
 impl GpuKernel {
     /// Every kernel, in the order of [`GpuKernel::name`]'s list.
-    pub const ALL: [GpuKernel; 18] = [
+    pub const ALL: [GpuKernel; 12] = [
         GpuKernel::Attention,
         GpuKernel::CachedAttention,
         GpuKernel::LayerNorm,
@@ -87,12 +72,6 @@ impl GpuKernel {
         GpuKernel::CrossEntropy,
         GpuKernel::Embedding,
         GpuKernel::Draw,
-        GpuKernel::StepGraph,
-        GpuKernel::SplitK,
-        GpuKernel::Cublas,
-        GpuKernel::AttentionTiles,
-        GpuKernel::AttentionProducts,
-        GpuKernel::NarrowVectors,
     ];
 
     /// The kernel's name in `EMBER_GPU_KERNELS`.
@@ -110,129 +89,250 @@ impl GpuKernel {
             GpuKernel::CrossEntropy => "cross-entropy",
             GpuKernel::Embedding => "embedding",
             GpuKernel::Draw => "draw",
-            GpuKernel::StepGraph => "step-graph",
-            GpuKernel::SplitK => "split-k",
-            GpuKernel::Cublas => "cublas",
-            GpuKernel::AttentionTiles => "attention-tiles",
-            GpuKernel::AttentionProducts => "attention-products",
-            GpuKernel::NarrowVectors => "narrow-vectors",
         }
     }
 }
 
-/// The set of kernels that run.
+/// A way of running ember's ops on a GPU that is not a kernel of its own; its discriminant is
+/// its place in [`GpuStrategy::ALL`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuStrategy {
+    /// A one-token decoding step captured once as a graph (CUDA graphs; recorded dispatches on
+    /// wgpu) and replayed for each token, instead of launching its kernels one by one.
+    StepGraph,
+    /// The weight gradient `X^T dY` of a linear layer over many rows (a training step's) as
+    /// partial products over chunks of the rows, summed (split-K), so that its small output
+    /// gives the GPU enough blocks of work ([`crate::matmul`]).
+    SplitK,
+    /// The matrix products of linear layers (forward and backward, many rows) by NVIDIA's
+    /// cuBLAS on CUDA where it can be loaded, instead of cubek's ([`crate::matmul`]).
+    Cublas,
+    /// The training attention's forward and backward passes in register tiles (each unit 8 rows
+    /// by 4 columns of the scores, 8 rows by `K / 8` columns of its output) for head sizes 32
+    /// and 64; off, or for other sizes, one row per unit.
+    AttentionTiles,
+    /// On CUDA with cuBLAS (and `cublas` on), the training attention's forward and backward
+    /// passes as cuBLAS's batched products over one head's stored scores, with small kernels
+    /// between them (`cube/attention_products`); off, the fused kernels.
+    AttentionProducts,
+    /// The elementwise kernels (GELU, dropout) on bf16 and f16 tensors read and write vectors
+    /// (8 values on CUDA) instead of one value per unit (`f32` tensors always do).
+    NarrowVectors,
+}
+
+impl GpuStrategy {
+    /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
+    pub const ALL: [GpuStrategy; 6] = [
+        GpuStrategy::StepGraph,
+        GpuStrategy::SplitK,
+        GpuStrategy::Cublas,
+        GpuStrategy::AttentionTiles,
+        GpuStrategy::AttentionProducts,
+        GpuStrategy::NarrowVectors,
+    ];
+
+    /// The strategy's name in `EMBER_GPU_KERNELS`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuStrategy::StepGraph => "step-graph",
+            GpuStrategy::SplitK => "split-k",
+            GpuStrategy::Cublas => "cublas",
+            GpuStrategy::AttentionTiles => "attention-tiles",
+            GpuStrategy::AttentionProducts => "attention-products",
+            GpuStrategy::NarrowVectors => "narrow-vectors",
+        }
+    }
+}
+
+/// The kernels and strategies that run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuKernels {
-    on: [bool; GpuKernel::ALL.len()],
+    kernels: [bool; GpuKernel::ALL.len()],
+    strategies: [bool; GpuStrategy::ALL.len()],
 }
 
 impl Default for GpuKernels {
     /// All of them.
     fn default() -> Self {
-        GpuKernels {
-            on: [true; GpuKernel::ALL.len()],
-        }
+        GpuKernels::all(true)
     }
 }
 
 impl GpuKernels {
+    /// All kernels and strategies on, or all off.
+    pub fn all(on: bool) -> Self {
+        GpuKernels {
+            kernels: [on; GpuKernel::ALL.len()],
+            strategies: [on; GpuStrategy::ALL.len()],
+        }
+    }
+
+    /// The same with `kernel` on or off.
+    pub fn with_kernel(mut self, kernel: GpuKernel, on: bool) -> Self {
+        self.kernels[kernel as usize] = on;
+        self
+    }
+
+    /// The same with `strategy` on or off.
+    pub fn with_strategy(mut self, strategy: GpuStrategy, on: bool) -> Self {
+        self.strategies[strategy as usize] = on;
+        self
+    }
+
     /// Parses a value of `EMBER_GPU_KERNELS` (see the module's documentation); the error names
     /// the variable, the value and what is accepted.
     pub fn parse(value: &str) -> Result<Self, String> {
         let value = value.trim();
         match value {
-            "" | "on" => return Ok(GpuKernels::default()),
-            "off" => {
-                return Ok(GpuKernels {
-                    on: [false; GpuKernel::ALL.len()],
-                });
-            }
+            "" | "on" => return Ok(GpuKernels::all(true)),
+            "off" => return Ok(GpuKernels::all(false)),
             _ => {}
         }
         let entries: Vec<&str> = value.split(',').map(str::trim).collect();
         let removing = entries.iter().filter(|e| e.starts_with('-')).count();
         let bad = |why: String| {
-            let names: Vec<&str> = GpuKernel::ALL.iter().map(|k| k.name()).collect();
+            let kernels: Vec<&str> = GpuKernel::ALL.iter().map(|k| k.name()).collect();
+            let strategies: Vec<&str> = GpuStrategy::ALL.iter().map(|s| s.name()).collect();
             format!(
-                "{VARIABLE}={value:?}: {why} (expected on, off, or a comma-separated list of {}; \
-                 each with a leading '-' to turn just those off)",
-                names.join(", ")
+                "{VARIABLE}={value:?}: {why} (expected on, off, or a comma-separated list of \
+                 kernels ({}) and strategies ({}); each with a leading '-' to turn just those off)",
+                kernels.join(", "),
+                strategies.join(", ")
             )
         };
         if removing != 0 && removing != entries.len() {
             return Err(bad("mixes kernels to keep with kernels to remove".into()));
         }
-        let mut on = [removing != 0; GpuKernel::ALL.len()];
+        let mut set = GpuKernels::all(removing != 0);
         for entry in entries {
             let name = entry.trim_start_matches('-');
-            let kernel = GpuKernel::ALL
-                .into_iter()
-                .find(|k| k.name() == name)
-                .ok_or_else(|| bad(format!("unknown kernel {name:?}")))?;
-            on[kernel as usize] = removing == 0;
+            let on = removing == 0;
+            if let Some(kernel) = GpuKernel::ALL.into_iter().find(|k| k.name() == name) {
+                set = set.with_kernel(kernel, on);
+            } else if let Some(strategy) = GpuStrategy::ALL.into_iter().find(|s| s.name() == name) {
+                set = set.with_strategy(strategy, on);
+            } else {
+                return Err(bad(format!("unknown kernel {name:?}")));
+            }
         }
-        Ok(GpuKernels { on })
-    }
-
-    /// The set the environment asks for (all of them where the variable is unset).
-    pub fn from_env() -> Result<Self, String> {
-        match std::env::var(VARIABLE) {
-            Ok(value) => GpuKernels::parse(&value),
-            Err(std::env::VarError::NotPresent) => Ok(GpuKernels::default()),
-            Err(std::env::VarError::NotUnicode(_)) => Err(format!("{VARIABLE} is not UTF-8")),
-        }
+        Ok(set)
     }
 
     /// Whether `kernel` runs.
     pub fn uses(&self, kernel: GpuKernel) -> bool {
-        self.on[kernel as usize]
+        self.kernels[kernel as usize]
+    }
+
+    /// Whether `strategy` applies.
+    pub fn applies(&self, strategy: GpuStrategy) -> bool {
+        self.strategies[strategy as usize]
     }
 }
 
-/// Whether `kernel` runs in this process: [`GpuKernels::from_env`], read once. A value that does
-/// not parse leaves all kernels on (the `ember` binary refuses it at start-up, in one line).
+/// Everything that decides which of ember's GPU paths run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuPolicy {
+    /// The kernels and strategies on.
+    pub kernels: GpuKernels,
+    /// The chunks of rows of a linear layer's weight gradient ([`GpuStrategy::SplitK`]), fixed
+    /// for benchmarks; `None` for ember's rule.
+    pub split_k: Option<usize>,
+    /// Whether the training attention of a bf16 (or f16) projection on CUDA runs through
+    /// cuDNN's flash attention (experimental: off unless asked for).
+    pub cudnn_attention: bool,
+}
+
+impl Default for GpuPolicy {
+    /// Every kernel and strategy, ember's split rule, no cuDNN attention.
+    fn default() -> Self {
+        GpuPolicy {
+            kernels: GpuKernels::default(),
+            split_k: None,
+            cudnn_attention: false,
+        }
+    }
+}
+
+impl GpuPolicy {
+    /// The policy the environment asks for (`EMBER_GPU_KERNELS`, `EMBER_SPLIT_K`,
+    /// `EMBER_CUDNN_ATTENTION`; the default where they are unset); the error names the
+    /// variable and the value. For applications: the library never reads the environment.
+    pub fn from_env() -> Result<Self, String> {
+        let kernels = match std::env::var(VARIABLE) {
+            Ok(value) => GpuKernels::parse(&value)?,
+            Err(std::env::VarError::NotPresent) => GpuKernels::default(),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(format!("{VARIABLE} is not UTF-8"));
+            }
+        };
+        Ok(GpuPolicy {
+            kernels,
+            split_k: split_from_env()?,
+            cudnn_attention: cudnn_from_env()?,
+        })
+    }
+}
+
+/// The process's policy (set by the application), and a thread's scoped one.
+static POLICY: RwLock<GpuPolicy> = RwLock::new(GpuPolicy {
+    kernels: GpuKernels {
+        kernels: [true; GpuKernel::ALL.len()],
+        strategies: [true; GpuStrategy::ALL.len()],
+    },
+    split_k: None,
+    cudnn_attention: false,
+});
+
+thread_local! {
+    static SCOPED: Cell<Option<GpuPolicy>> = const { Cell::new(None) };
+}
+
+/// Sets the process's policy (an application does it once at start-up).
+pub fn set_policy(policy: GpuPolicy) {
+    *POLICY.write().unwrap_or_else(|e| e.into_inner()) = policy;
+}
+
+/// `f` with `policy` on this thread (restored when it returns, or unwinds): how a test or a
+/// caller runs one computation under other settings without touching the process's.
+pub fn with_policy<R>(policy: GpuPolicy, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<GpuPolicy>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SCOPED.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(SCOPED.with(|c| c.replace(Some(policy))));
+    f()
+}
+
+/// The policy in force on this thread: its scoped one, else the process's.
+pub fn policy() -> GpuPolicy {
+    SCOPED
+        .with(Cell::get)
+        .unwrap_or_else(|| *POLICY.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Whether `kernel` runs under the policy in force.
 pub fn uses(kernel: GpuKernel) -> bool {
-    static KERNELS: OnceLock<GpuKernels> = OnceLock::new();
-    KERNELS
-        .get_or_init(|| GpuKernels::from_env().unwrap_or_default())
-        .uses(kernel)
+    policy().kernels.uses(kernel)
 }
 
-/// The environment variable that turns on cuDNN's flash attention for the training attention of
-/// a bf16 (or f16) projection on CUDA (`1` or `on`; unset, `0` or `off`: not used). Off by
-/// default until its start-up check agrees on the GPUs measured (docs/benchmarks.md).
-pub const CUDNN_VARIABLE: &str = "EMBER_CUDNN_ATTENTION";
-
-/// Parses a value of `EMBER_CUDNN_ATTENTION`; the error names the variable, the value and what
-/// is accepted.
-pub fn parse_cudnn(value: &str) -> Result<bool, String> {
-    match value.trim() {
-        "1" | "on" => Ok(true),
-        "" | "0" | "off" => Ok(false),
-        other => Err(format!(
-            "{CUDNN_VARIABLE}={other:?}: expected on (or 1) to use cuDNN's flash attention, off (or 0) not to"
-        )),
-    }
+/// Whether `strategy` applies under the policy in force.
+pub fn applies(strategy: GpuStrategy) -> bool {
+    policy().kernels.applies(strategy)
 }
 
-/// [`parse_cudnn`] of the environment's value (off where it is unset).
-pub fn cudnn_from_env() -> Result<bool, String> {
-    match std::env::var(CUDNN_VARIABLE) {
-        Ok(value) => parse_cudnn(&value),
-        Err(std::env::VarError::NotPresent) => Ok(false),
-        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{CUDNN_VARIABLE} is not UTF-8")),
-    }
+/// The fixed chunks of [`GpuStrategy::SplitK`] under the policy in force (`None`: ember's rule).
+pub fn fixed_split() -> Option<usize> {
+    policy().split_k
 }
 
-/// Whether cuDNN's flash attention is on in this process: [`cudnn_from_env`], read once; a
-/// value that does not parse counts as off (the `ember` binary refuses it at start-up, in one
-/// line).
+/// Whether cuDNN's flash attention is on under the policy in force.
 pub fn cudnn_attention() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| cudnn_from_env().unwrap_or(false))
+    policy().cudnn_attention
 }
 
-/// The environment variable that fixes the number of chunks of rows of [`GpuKernel::SplitK`]
+/// The environment variable that fixes the number of chunks of rows of [`GpuStrategy::SplitK`]
 /// (for benchmarks): `auto` (or unset) for ember's rule, or a power of two from 1 to 64.
 pub const SPLIT_VARIABLE: &str = "EMBER_SPLIT_K";
 
@@ -261,11 +361,30 @@ pub fn split_from_env() -> Result<Option<usize>, String> {
     }
 }
 
-/// [`split_from_env`] in this process, read once; a value that does not parse counts as `auto`
-/// (the `ember` binary refuses it at start-up, in one line).
-pub fn fixed_split() -> Option<usize> {
-    static SPLIT: OnceLock<Option<usize>> = OnceLock::new();
-    *SPLIT.get_or_init(|| split_from_env().unwrap_or_default())
+/// The environment variable that turns on cuDNN's flash attention for the training attention of
+/// a bf16 (or f16) projection on CUDA (`1` or `on`; unset, `0` or `off`: not used). Off by
+/// default until its start-up check agrees on the GPUs measured (docs/benchmarks.md).
+pub const CUDNN_VARIABLE: &str = "EMBER_CUDNN_ATTENTION";
+
+/// Parses a value of `EMBER_CUDNN_ATTENTION`; the error names the variable, the value and what
+/// is accepted.
+pub fn parse_cudnn(value: &str) -> Result<bool, String> {
+    match value.trim() {
+        "1" | "on" => Ok(true),
+        "" | "0" | "off" => Ok(false),
+        other => Err(format!(
+            "{CUDNN_VARIABLE}={other:?}: expected on (or 1) to use cuDNN's flash attention, off (or 0) not to"
+        )),
+    }
+}
+
+/// [`parse_cudnn`] of the environment's value (off where it is unset).
+pub fn cudnn_from_env() -> Result<bool, String> {
+    match std::env::var(CUDNN_VARIABLE) {
+        Ok(value) => parse_cudnn(&value),
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{CUDNN_VARIABLE} is not UTF-8")),
+    }
 }
 
 #[cfg(test)]
@@ -273,21 +392,26 @@ mod tests {
     use super::*;
 
     fn on(kernels: GpuKernels) -> Vec<&'static str> {
-        GpuKernel::ALL
+        let k = GpuKernel::ALL
             .into_iter()
             .filter(|&k| kernels.uses(k))
-            .map(GpuKernel::name)
-            .collect()
+            .map(GpuKernel::name);
+        let s = (GpuStrategy::ALL.into_iter())
+            .filter(|&s| kernels.applies(s))
+            .map(GpuStrategy::name);
+        k.chain(s).collect()
     }
 
     #[test]
     fn parses_on_off_and_lists() {
-        let all: Vec<_> = GpuKernel::ALL.map(GpuKernel::name).into();
+        let all: Vec<_> = (GpuKernel::ALL.map(GpuKernel::name).into_iter())
+            .chain(GpuStrategy::ALL.map(GpuStrategy::name))
+            .collect();
         assert_eq!(on(GpuKernels::parse("on").unwrap()), all);
         assert_eq!(on(GpuKernels::parse("").unwrap()), all);
         assert!(on(GpuKernels::parse("off").unwrap()).is_empty());
         assert_eq!(
-            on(GpuKernels::parse("-attention, -layer-norm").unwrap()),
+            on(GpuKernels::parse("-attention, -layer-norm, -cublas").unwrap()),
             [
                 "cached-attention",
                 "gelu",
@@ -301,15 +425,14 @@ mod tests {
                 "draw",
                 "step-graph",
                 "split-k",
-                "cublas",
                 "attention-tiles",
                 "attention-products",
                 "narrow-vectors",
             ]
         );
         assert_eq!(
-            on(GpuKernels::parse("adamw,cached-attention").unwrap()),
-            ["cached-attention", "adamw"]
+            on(GpuKernels::parse("adamw,cached-attention,step-graph").unwrap()),
+            ["cached-attention", "adamw", "step-graph"]
         );
     }
 
@@ -322,10 +445,40 @@ mod tests {
         );
         assert!(unknown.contains("unknown kernel \"softmax\""), "{unknown}");
         assert!(unknown.contains("cached-attention"), "{unknown}");
+        assert!(unknown.contains("strategies (step-graph"), "{unknown}");
         let mixed = GpuKernels::parse("attention,-gelu").unwrap_err();
         assert!(mixed.contains("mixes"), "{mixed}");
         assert!(!unknown.contains('\n') && !mixed.contains('\n'));
         assert!(GpuKernels::parse("-").is_err());
+    }
+
+    /// A scoped policy holds on its thread only, and the process's comes back after it.
+    #[test]
+    fn a_scoped_policy_is_this_threads_until_it_returns() {
+        let off = GpuPolicy {
+            kernels: GpuKernels::all(false),
+            split_k: Some(4),
+            cudnn_attention: true,
+        };
+        let before = policy();
+        let inside = with_policy(off, || {
+            let other = std::thread::spawn(policy).join().unwrap();
+            (
+                uses(GpuKernel::Gelu),
+                applies(GpuStrategy::Cublas),
+                fixed_split(),
+                other,
+            )
+        });
+        assert!(!inside.0, "gelu off in scope");
+        assert!(!inside.1, "cublas off in scope");
+        assert_eq!(inside.2, Some(4));
+        assert_eq!(
+            inside.3, before,
+            "another thread keeps the process's policy"
+        );
+        assert_eq!(policy(), before);
+        assert!(!GpuPolicy::default().cudnn_attention);
     }
 
     #[test]

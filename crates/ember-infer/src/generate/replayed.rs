@@ -37,12 +37,13 @@ use super::{Choice, READ_EVERY, hand_over};
 /// replays off).
 pub(crate) fn applies(device: &Device) -> bool {
     let kernels = [
-        GpuKernel::StepGraph,
         GpuKernel::CacheWrite,
         GpuKernel::CachedAttention,
         GpuKernel::Draw,
     ];
-    kernels.into_iter().all(ops::gpu_kernels::uses) && ops::on_cubecl(device)
+    ops::gpu_kernels::applies(ops::GpuStrategy::StepGraph)
+        && kernels.into_iter().all(ops::gpu_kernels::uses)
+        && ops::on_cubecl(device)
 }
 
 /// What [`decode_replayed`] did, for tests and benchmarks.

@@ -138,11 +138,11 @@ pub(crate) fn launch_size(like: &CubeTensor, units: usize) -> (CubeCount, CubeDi
 /// starts in its buffer (Burn makes a view that starts mid-allocation only at the device's
 /// memory alignment, 256 bytes on lavapipe; the check keeps any other start correct), else 1. A
 /// unit then moves one vector per access instead of one value. bf16 and f16 tensors take vectors
-/// only while `narrow-vectors` is on ([`GpuKernel::NarrowVectors`]).
+/// only while `narrow-vectors` is on ([`gpu_kernels::GpuStrategy::NarrowVectors`]).
 pub(crate) fn elementwise_lanes(x: &CubeTensor, n: usize) -> usize {
     let vectors = match x.dtype() {
         DType::F32 => true,
-        DType::BF16 | DType::F16 => gpu_kernels::uses(GpuKernel::NarrowVectors),
+        DType::BF16 | DType::F16 => gpu_kernels::applies(gpu_kernels::GpuStrategy::NarrowVectors),
         _ => false,
     };
     if !vectors {

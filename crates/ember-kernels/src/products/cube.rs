@@ -11,7 +11,6 @@
 //! `products::cublas::product`) the op runs Burn's `matmul` on the transposed views: the reference
 //! the tests compare it with on wgpu.
 
-use crate::GpuKernel;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -29,7 +28,7 @@ use burn_cubecl::tensor::CubeTensor;
 /// b)` back otherwise.
 pub(crate) fn matmul(a: Tensor<2>, b: Tensor<2>) -> Result<Tensor<2>, (Tensor<2>, Tensor<2>)> {
     let device = a.device();
-    let takes = crate::gpu_kernels::uses(GpuKernel::Cublas)
+    let takes = crate::gpu_kernels::applies(crate::GpuStrategy::Cublas)
         && matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && a.dtype() == b.dtype()
         && crate::on_cubecl(&device)

@@ -247,11 +247,11 @@ pub fn matmul_split_rows(a: Tensor<2>, b: Tensor<2>, splits: usize) -> Tensor<2>
 }
 
 /// Whether [`matmul`] on `device` may split its rows for the weight's gradient: a GPU
-/// backend under autodiff (the split changes only gradients), with `EMBER_GPU_KERNELS`'
+/// backend under autodiff (the split changes only gradients), with the policy's
 /// `split-k` on ([`weight_gradient_splits`] says into how many chunks).
 fn splits_on_gpu(device: &burn::tensor::Device) -> bool {
-    use super::gpu_kernels::{GpuKernel, uses};
-    uses(GpuKernel::SplitK) && device.is_autodiff() && super::on_cubecl(device)
+    use super::gpu_kernels::{GpuStrategy, applies};
+    applies(GpuStrategy::SplitK) && device.is_autodiff() && super::on_cubecl(device)
 }
 
 /// The number of chunks of `rows` for the weight gradient of an `[rows, k] @ [k, n]` product

@@ -1,7 +1,6 @@
 //! The sizes of one call of the training kernels and the rules that follow from them: vectors
 //! of 4, the tiled kernels' rows and shared memory, the one-row kernels' tiles and launch grid.
 
-use crate::GpuKernel;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::DType;
@@ -86,7 +85,7 @@ impl Dims {
     /// Whether the register-tiled kernels apply: `attention-tiles` on, a head size of 32 or 64,
     /// read as vectors of 4.
     pub(super) fn tiles_apply(&self, like: &CubeTensor) -> bool {
-        crate::gpu_kernels::uses(GpuKernel::AttentionTiles)
+        crate::gpu_kernels::applies(crate::GpuStrategy::AttentionTiles)
             && matches!(self.k(), 32 | 64)
             && self.lanes(like) == 4
     }

@@ -30,9 +30,9 @@ pub(super) fn by_products(qkv: &CubeTensor) -> bool {
     }
     #[cfg(feature = "cublas")]
     {
-        use crate::gpu_kernels::uses;
-        uses(crate::GpuKernel::AttentionProducts)
-            && uses(crate::GpuKernel::Cublas)
+        use crate::gpu_kernels::applies;
+        applies(crate::GpuStrategy::AttentionProducts)
+            && applies(crate::GpuStrategy::Cublas)
             && matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
             && crate::products::cublas::loadable()
             && !qkv.client.is_capturing()
