@@ -229,6 +229,19 @@ impl GpuKernels {
     }
 }
 
+/// Knobs of the training attention's GPU paths, for tests and comparisons; the defaults are
+/// ember's rules.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionTuning {
+    /// The attention as batched products on any CubeCL device (Burn's `matmul` standing in
+    /// for cuBLAS where there is none), not only on CUDA with cuBLAS.
+    pub products_anywhere: bool,
+    /// Sequences per call of the batched products (`None`: as many as 64 MiB of scores hold).
+    pub sequences_per_call: Option<usize>,
+    /// Keys the one-row forward pass scores per rescale of its running output (`None`: 8).
+    pub keys_per_rescale: Option<usize>,
+}
+
 /// Everything that decides which of ember's GPU paths run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuPolicy {
@@ -240,6 +253,8 @@ pub struct GpuPolicy {
     /// Whether the training attention of a bf16 (or f16) projection on CUDA runs through
     /// cuDNN's flash attention (experimental: off unless asked for).
     pub cudnn_attention: bool,
+    /// The training attention's knobs.
+    pub attention: AttentionTuning,
 }
 
 impl Default for GpuPolicy {
@@ -249,6 +264,11 @@ impl Default for GpuPolicy {
             kernels: GpuKernels::default(),
             split_k: None,
             cudnn_attention: false,
+            attention: AttentionTuning {
+                products_anywhere: false,
+                sequences_per_call: None,
+                keys_per_rescale: None,
+            },
         }
     }
 }
@@ -269,6 +289,7 @@ impl GpuPolicy {
             kernels,
             split_k: split_from_env()?,
             cudnn_attention: cudnn_from_env()?,
+            attention: AttentionTuning::default(),
         })
     }
 }
@@ -281,6 +302,11 @@ static POLICY: RwLock<GpuPolicy> = RwLock::new(GpuPolicy {
     },
     split_k: None,
     cudnn_attention: false,
+    attention: AttentionTuning {
+        products_anywhere: false,
+        sequences_per_call: None,
+        keys_per_rescale: None,
+    },
 });
 
 thread_local! {
@@ -298,11 +324,22 @@ pub fn with_policy<R>(policy: GpuPolicy, f: impl FnOnce() -> R) -> R {
     struct Restore(Option<GpuPolicy>);
     impl Drop for Restore {
         fn drop(&mut self) {
-            SCOPED.with(|c| c.set(self.0));
+            set_scoped(self.0);
         }
     }
-    let _restore = Restore(SCOPED.with(|c| c.replace(Some(policy))));
+    let _restore = Restore(scoped());
+    set_scoped(Some(policy));
     f()
+}
+
+/// This thread's scoped policy, if any (for a scope that spans a block rather than a closure).
+pub(crate) fn scoped() -> Option<GpuPolicy> {
+    SCOPED.with(Cell::get)
+}
+
+/// Sets (or with `None` clears) this thread's scoped policy; the caller restores the one before.
+pub(crate) fn set_scoped(policy: Option<GpuPolicy>) {
+    SCOPED.with(|c| c.set(policy));
 }
 
 /// The policy in force on this thread: its scoped one, else the process's.
@@ -459,6 +496,7 @@ mod tests {
             kernels: GpuKernels::all(false),
             split_k: Some(4),
             cudnn_attention: true,
+            attention: AttentionTuning::default(),
         };
         let before = policy();
         let inside = with_policy(off, || {

@@ -100,7 +100,7 @@ pub use draw::{MIN_TEMPERATURE, draw, draw_at, draw_reference};
 pub use dropout::{dropout, dropout_reference};
 pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
-pub use gpu_kernels::{GpuKernel, GpuKernels, GpuPolicy, GpuStrategy};
+pub use gpu_kernels::{AttentionTuning, GpuKernel, GpuKernels, GpuPolicy, GpuStrategy};
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use products::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,

@@ -94,7 +94,9 @@ pub(crate) fn on_device_thread<R: Send + 'static>(
     client: &burn_cubecl::cubecl::client::Client,
     task: impl FnOnce() -> R + Send,
 ) -> Option<R> {
-    let mut task = Some(task);
+    // The device thread runs the task under the caller's policy (a scoped one included).
+    let policy = crate::gpu_kernels::policy();
+    let mut task = Some(move || crate::gpu_kernels::with_policy(policy, task));
     match client.exclusive(|| task.take().map(|task| task())) {
         Ok(Some(done)) => Some(done),
         _ => task.take().map(|task| task()),

@@ -174,12 +174,9 @@ pub(super) const fn tile_vectors(row: usize, rows: usize) -> usize {
 /// compiled for an H100, sm_90, read offline); 8 keys cost 8 more registers for their scores.
 pub(super) const GROUP: usize = 8;
 
-/// Keys per rescale of the one-row forward pass, for tiles of `tile` rows: [`GROUP`], at most
-/// the tile (tests may force another).
+/// Keys per rescale of the one-row forward pass, for tiles of `tile` rows: [`GROUP`] (the
+/// policy's `attention.keys_per_rescale` where set), at most the tile.
 pub(super) fn keys_per_rescale(tile: usize) -> usize {
-    #[cfg(all(test, feature = "wgpu"))]
-    if let n @ 1.. = super::tests::FORCED_GROUP.load(std::sync::atomic::Ordering::Relaxed) {
-        return n.min(tile);
-    }
-    GROUP.min(tile)
+    let group = crate::gpu_kernels::policy().attention.keys_per_rescale;
+    group.unwrap_or(GROUP).clamp(1, tile.max(1))
 }

@@ -20,8 +20,6 @@ pub(crate) fn fused_forward(
     let out = crate::cube::empty(&qkv, [dims.b, dims.t, dims.d]);
     let lse = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);
     if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Forward) {
-        #[cfg(all(test, feature = "wgpu"))]
-        super::tests::TILED_LAUNCHES[rows / 64].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         kernels::attention_forward_tiled::launch::<f32>(
             &qkv.client.clone(),
             CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
@@ -86,9 +84,6 @@ pub(crate) fn fused_backward(
     let tile = dims.tile(&qkv);
     let w = dims.lanes(&qkv);
     if let Some(rows) = dims.tiled_rows(&qkv, Tiled::Queries) {
-        #[cfg(all(test, feature = "wgpu"))]
-        super::tests::TILED_QUERY_LAUNCHES[rows / 64]
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         kernels::attention_backward_query_tiled::launch::<f32>(
             &client,
             CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),
@@ -139,9 +134,6 @@ pub(crate) fn fused_backward(
     for values in [false, true] {
         let kernel = if values { Tiled::Values } else { Tiled::Keys };
         if let Some(rows) = dims.tiled_rows(&qkv, kernel) {
-            #[cfg(all(test, feature = "wgpu"))]
-            super::tests::TILED_KEY_LAUNCHES[rows / 64]
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             kernels::attention_backward_key_value_tiled::launch::<f32>(
                 &client,
                 CubeCount::new_2d(dims.t.div_ceil(rows) as u32, (dims.b * heads) as u32),

@@ -24,8 +24,7 @@ pub(super) fn on_device_thread<R: Send + 'static>(
 /// `attention-products` and `cublas` on, `qkv` on a CUDA device whose cuBLAS loads, no graph being recorded,
 /// and the products found to agree with the fused kernels there ([`products_agree`], once).
 pub(super) fn by_products(qkv: &CubeTensor) -> bool {
-    #[cfg(all(test, feature = "wgpu"))]
-    if super::tests::PRODUCTS.get() {
+    if crate::gpu_kernels::policy().attention.products_anywhere {
         return true;
     }
     #[cfg(feature = "cublas")]

@@ -46,10 +46,30 @@ fn equals_the_reference_on_wgpu() {
     }
 }
 
-thread_local! {
-    /// Whether this thread's training attention runs as batched products (on wgpu, Burn's
-    /// products: the path CUDA takes with cuBLAS).
-    pub(super) static PRODUCTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// A policy in force on this thread until dropped (for a loop body).
+struct PolicyScope(Option<crate::GpuPolicy>);
+
+impl PolicyScope {
+    fn enter(policy: crate::GpuPolicy) -> Self {
+        let before = crate::gpu_kernels::scoped();
+        crate::gpu_kernels::set_scoped(Some(policy));
+        PolicyScope(before)
+    }
+}
+
+impl Drop for PolicyScope {
+    fn drop(&mut self) {
+        crate::gpu_kernels::set_scoped(self.0);
+    }
+}
+
+/// The policy in force with the attention's knobs `tuning` (products on wgpu: Burn's products
+/// standing in for cuBLAS, the path CUDA takes).
+fn tuned(tuning: crate::AttentionTuning) -> crate::GpuPolicy {
+    crate::GpuPolicy {
+        attention: tuning,
+        ..crate::gpu_kernels::policy()
+    }
 }
 
 /// The attention as batched products, output and gradient, against the reference with the
@@ -58,9 +78,7 @@ thread_local! {
 /// several, with dropout and without, all sequences in one call and a few at a time.
 #[test]
 fn products_equal_the_reference_on_wgpu() {
-    use crate::cube::attention_products::tests::SEQUENCES;
     let device = Device::wgpu(DeviceKind::DefaultDevice);
-    PRODUCTS.set(true);
     for (b, t, heads, k, p, per_call) in [
         (2, 9, 3, 4, 0.0, 0),
         (1, 1, 1, 8, 0.25, 0),
@@ -70,18 +88,24 @@ fn products_equal_the_reference_on_wgpu() {
         (2, 33, 2, 64, 0.25, 1),
         (1, 40, 1, 128, 0.0, 0),
     ] {
-        SEQUENCES.set(per_call);
+        let tuning = crate::AttentionTuning {
+            products_anywhere: true,
+            sequences_per_call: (per_call > 0).then_some(per_call),
+            ..Default::default()
+        };
         let seed = 0.125_f32;
-        agrees_with_the_masked_reference(
-            &device,
-            [b, t, heads, k],
-            seed,
-            p,
-            &format!("products, dropout {p}, {b}x{t}, {heads} heads of {k}, {per_call} per call"),
-        );
+        crate::gpu_kernels::with_policy(tuned(tuning), || {
+            agrees_with_the_masked_reference(
+                &device,
+                [b, t, heads, k],
+                seed,
+                p,
+                &format!(
+                    "products, dropout {p}, {b}x{t}, {heads} heads of {k}, {per_call} per call"
+                ),
+            )
+        });
     }
-    SEQUENCES.set(0);
-    PRODUCTS.set(false);
 }
 
 /// The check CUDA runs before the attention takes the products passes on wgpu, where the
@@ -101,16 +125,19 @@ fn the_products_check_passes_on_wgpu() {
 /// computed in f32). A wrong matrix, mask or type is off by far more.
 #[test]
 fn narrow_products_stay_narrow_near_the_reference_on_wgpu() {
-    use crate::cube::attention_products::tests::SEQUENCES;
     use burn::tensor::FloatDType;
     let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-    PRODUCTS.set(true);
     for (b, t, heads, k, p, per_call) in [
         (2, 45, 3, 8, 0.0, 0),
         (3, 37, 2, 16, 0.25, 1),
         (1, 70, 1, 64, 0.25, 0),
     ] {
-        SEQUENCES.set(per_call);
+        let tuning = crate::AttentionTuning {
+            products_anywhere: true,
+            sequences_per_call: (per_call > 0).then_some(per_call),
+            ..Default::default()
+        };
+        let _scope = PolicyScope::enter(tuned(tuning));
         let what = format!("f16 products, dropout {p}, {b}x{t}, {heads} heads of {k}");
         let d = heads * k;
         let (x, g) = (
@@ -146,24 +173,19 @@ fn narrow_products_stay_narrow_near_the_reference_on_wgpu() {
         let (gn, gw) = (narrow_in.grad(&gn).unwrap(), wide_in.grad(&gw).unwrap());
         near(gn, gw, "gradient");
     }
-    SEQUENCES.set(0);
-    PRODUCTS.set(false);
 }
-
-/// Keys per rescale of the forward pass when set (0: the default).
-pub(super) static FORCED_GROUP: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(0);
 
 /// The one-row forward pass (heads other than 32 and 64) with one rescale per key, per 2
 /// keys and per 8, against the reference: groups cut by a query's last key (the causal
-/// edge), by the sequence's end and by tiles, with dropout and without. (Other tests running
-/// meanwhile take the forced group too; every group is correct.)
+/// edge), by the sequence's end and by tiles, with dropout and without.
 #[test]
 fn every_group_of_keys_equals_the_reference() {
-    use std::sync::atomic::Ordering;
     let device = Device::wgpu(DeviceKind::DefaultDevice);
     for group in [1, 2, 8] {
-        FORCED_GROUP.store(group, Ordering::Relaxed);
+        let _scope = PolicyScope::enter(tuned(crate::AttentionTuning {
+            keys_per_rescale: Some(group),
+            ..Default::default()
+        }));
         for (b, t, heads, k, p) in [(2, 9, 3, 4, 0.0), (1, 45, 2, 16, 0.0), (1, 70, 2, 8, 0.25)] {
             let seed = 0.25_f32;
             agrees_with_the_masked_reference(
@@ -175,36 +197,19 @@ fn every_group_of_keys_equals_the_reference() {
             );
         }
     }
-    FORCED_GROUP.store(0, Ordering::Relaxed);
 }
-
-/// Launches of the register-tiled backward pass of the queries with cubes of 32 rows
-/// (index 0) and 64.
-pub(super) static TILED_QUERY_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
-
-/// Launches of the register-tiled backward pass of keys and values with cubes of 32 keys
-/// (index 0) and 64.
-pub(super) static TILED_KEY_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
-
-/// Launches of the register-tiled forward pass with cubes of 32 rows (index 0) and 64.
-pub(super) static TILED_LAUNCHES: [std::sync::atomic::AtomicUsize; 2] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
 
 /// The register-tiled forward pass and backward pass of keys and values (head sizes 32 and
 /// 64) against the reference, output and gradient: one position, a block's rows minus
 /// one, exactly one block, one more, several blocks ending inside a tile, several heads
-/// and sequences, with dropout and without; and it did run.
+/// and sequences, with dropout and without; and the launches take the tiled kernels with
+/// cubes of both sizes.
 #[test]
 fn tiled_kernels_equal_the_reference() {
-    use std::sync::atomic::Ordering;
+    use super::dims::Tiled;
     let device = Device::wgpu(DeviceKind::DefaultDevice);
-    let counts = || {
-        [&TILED_LAUNCHES, &TILED_QUERY_LAUNCHES, &TILED_KEY_LAUNCHES]
-            .map(|kernel| kernel.each_ref().map(|n| n.load(Ordering::Relaxed)))
-    };
-    let before = counts();
+    // The cube sizes each kernel family is launched with, over the cases.
+    let mut sizes = [Vec::new(), Vec::new(), Vec::new()];
     for (b, t, heads, k, p) in [
         (1, 1, 1, 64, 0.0),
         (2, 63, 2, 32, 0.0),
@@ -221,18 +226,32 @@ fn tiled_kernels_equal_the_reference() {
             p,
             &format!("tiled, dropout {p}, {b}x{t}, {heads} heads of {k}"),
         );
+        let qkv = crate::cube::attention_products::tests::cube(
+            &vec![0.0; b * t * 3 * heads * k],
+            [b, t, 3 * heads * k],
+        );
+        let dims = Dims::of(&qkv, heads);
+        let families = [
+            &[Tiled::Forward][..],
+            &[Tiled::Queries][..],
+            &[Tiled::Keys, Tiled::Values][..],
+        ];
+        for (family, kinds) in families.iter().enumerate() {
+            for &kind in kinds.iter() {
+                sizes[family].extend(dims.tiled_rows(&qkv, kind));
+            }
+        }
     }
     // lavapipe's 32 KiB of shared memory hold cubes of 64 rows (keys) for heads of 32 and
     // of 32 for heads of 64 (32 for both in the values' kernel): both sizes of every
     // kernel ran.
-    let after = counts();
-    for (kernel, name) in ["forward", "queries' backward", "keys' backward"]
+    for (family, name) in ["forward", "queries' backward", "keys' backward"]
         .iter()
         .enumerate()
     {
-        for (size, rows) in [32, 64].iter().enumerate() {
+        for rows in [32, 64] {
             assert!(
-                after[kernel][size] > before[kernel][size],
+                sizes[family].contains(&rows),
                 "the register-tiled {name} pass never ran with cubes of {rows} rows"
             );
         }

@@ -53,11 +53,10 @@ pub(crate) mod tests;
 const BUFFER_BYTES: usize = 64 << 20;
 
 /// Sequences per call of the products: as many as one buffer of [`BUFFER_BYTES`] holds, at
-/// least one (tests may force fewer).
+/// least one (the policy's `attention.sequences_per_call` where set).
 fn sequences_per_call(b: usize, t: usize) -> usize {
-    #[cfg(all(test, feature = "wgpu"))]
-    if let n @ 1.. = tests::SEQUENCES.get() {
-        return n.min(b);
+    if let Some(n) = crate::gpu_kernels::policy().attention.sequences_per_call {
+        return n.clamp(1, b.max(1));
     }
     (BUFFER_BYTES / (t * t * size_of::<f32>()).max(1)).clamp(1, b.max(1))
 }

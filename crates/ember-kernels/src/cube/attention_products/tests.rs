@@ -15,11 +15,6 @@ pub(crate) fn cube(values: &[f32], shape: [usize; 3]) -> CubeTensor {
     }
 }
 
-thread_local! {
-    /// Sequences per call of this thread's products when set (0: the rule).
-    pub(crate) static SEQUENCES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
 /// Every product the two passes make, with each head's columns, for all sequences in one
 /// call and for the second sequence alone: the call handed to cuBLAS, computed on the host
 /// as BLAS computes it ([`Batched::reference`]), writes each sequence's product of the right
