@@ -132,6 +132,44 @@ pub fn make_batch(pairs: &[&Pair]) -> PairBatch {
     batch
 }
 
+/// A sequence width rounded up to one of a few buckets: a multiple of 8 up to 64, then of 32.
+/// Batches padded to bucketed widths repeat their shapes, so that a GPU backend, which compiles
+/// and tunes kernels for each new shape, meets few of them; the masks hide the extra padding.
+pub fn bucketed_width(width: usize) -> usize {
+    let step = if width <= 64 { 8 } else { 32 };
+    width.max(1).div_ceil(step) * step
+}
+
+impl PairBatch {
+    /// The same batch with its source and target widths padded up to `src_len` and `tgt_len`
+    /// (at least the batch's own) with PAD; the loss's token count is unchanged.
+    pub fn padded_to(&self, src_len: usize, tgt_len: usize) -> PairBatch {
+        let (s, t) = (src_len.max(self.src_len), tgt_len.max(self.tgt_len));
+        let widen = |rows: &[i32], from: usize, to: usize| -> Vec<i32> {
+            let mut out = Vec::with_capacity(self.batch_size * to);
+            for row in rows.chunks(from.max(1)).take(self.batch_size) {
+                out.extend_from_slice(row);
+                out.resize(out.len() + to - from, PAD as i32);
+            }
+            out
+        };
+        PairBatch {
+            src: widen(&self.src, self.src_len, s),
+            tgt_in: widen(&self.tgt_in, self.tgt_len, t),
+            tgt_out: widen(&self.tgt_out, self.tgt_len, t),
+            batch_size: self.batch_size,
+            src_len: s,
+            tgt_len: t,
+            tokens: self.tokens,
+        }
+    }
+
+    /// [`PairBatch::padded_to`] the bucketed widths of its own ([`bucketed_width`]).
+    pub fn bucketed(&self) -> PairBatch {
+        self.padded_to(bucketed_width(self.src_len), bucketed_width(self.tgt_len))
+    }
+}
+
 /// Groups pairs of similar length into batches of at most `max_tokens` padded tokens (source or
 /// target side, whichever is wider), and serves them in an order reshuffled every epoch.
 #[derive(Debug, Clone)]
@@ -229,6 +267,50 @@ mod tests {
             read_parallel(&a, &c).unwrap()[2],
             ("drei".into(), "three".into())
         );
+    }
+
+    /// Bucketed widths: multiples of 8 up to 64, of 32 beyond, never below the width.
+    #[test]
+    fn widths_round_up_to_few_buckets() {
+        let got: Vec<usize> = [1, 8, 9, 17, 64, 65, 96, 97].map(bucketed_width).into();
+        assert_eq!(got, [8, 8, 16, 24, 64, 96, 96, 128]);
+        let distinct: std::collections::BTreeSet<usize> = (1..=64).map(bucketed_width).collect();
+        assert_eq!(distinct.len(), 8);
+    }
+
+    /// A batch padded to wider widths keeps every row's tokens in place, PAD after them, and its
+    /// token count.
+    #[test]
+    fn padding_to_wider_widths_keeps_the_rows() {
+        let p1 = Pair {
+            src: vec![7, 8, EOS],
+            tgt: vec![9],
+        };
+        let p2 = Pair {
+            src: vec![5, EOS],
+            tgt: vec![4, 6],
+        };
+        let b = make_batch(&[&p1, &p2]);
+        let w = b.padded_to(5, 4);
+        let pad = PAD as i32;
+        assert_eq!(
+            (w.src_len, w.tgt_len, w.batch_size, w.tokens),
+            (5, 4, 2, b.tokens)
+        );
+        assert_eq!(
+            w.src,
+            vec![7, 8, EOS as i32, pad, pad, 5, EOS as i32, pad, pad, pad]
+        );
+        assert_eq!(
+            w.tgt_in,
+            vec![BOS as i32, 9, pad, pad, BOS as i32, 4, 6, pad]
+        );
+        assert_eq!(
+            w.tgt_out,
+            vec![9, EOS as i32, pad, pad, 4, 6, EOS as i32, pad]
+        );
+        assert_eq!(b.padded_to(1, 1), b, "never narrower than the batch");
+        assert_eq!(b.bucketed().src_len, 8);
     }
 
     #[test]
