@@ -78,6 +78,7 @@ impl<F: Float> Mask<F> {
 /// For tests: the factors (0 or `1 / (1 - p)`) of elements `0..n` of the mask of `seed`,
 /// computed on the host.
 #[cfg(test)]
+#[cfg_attr(not(feature = "wgpu"), allow(dead_code))] // the tests that use it run on lavapipe
 pub(crate) fn host_factors(seed: f32, p: f32, n: usize) -> Vec<f32> {
     fn mix(mut x: u32) -> u32 {
         x ^= x >> 16;

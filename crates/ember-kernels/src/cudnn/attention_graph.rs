@@ -54,6 +54,9 @@ pub(crate) struct AttentionShape {
     /// when nothing is dropped: some cuDNN versions fuse the graph without them differently
     /// (`cube::cudnn_attention` checks which form agrees with ember's kernels).
     pub rng: bool,
+    /// Whether a query sees only the keys up to its own position (the decoder's mask); else every
+    /// key.
+    pub causal: bool,
     /// The score that hides a masked position (cuDNN before 9.1 wants the lowest finite `f32`
     /// where later versions take minus infinity, as cudnn-frontend chooses).
     pub masked: f32,
@@ -143,7 +146,10 @@ pub(crate) fn forward_graph(shape: &AttentionShape) -> Graph {
     g.matmul_into(q, kt, s);
     let scale = g.scalar(shape.scale());
     let s = g.pointwise(Pointwise::Mul, s, Some(scale), DataType::F32);
-    let s = causal_mask(&mut g, s, shape.masked);
+    let s = match shape.causal {
+        true => causal_mask(&mut g, s, shape.masked),
+        false => s,
+    };
 
     // Softmax, keeping each row's log-sum-exp: max, exp(s - max), its sum, max + log(sum).
     let max = g.inner(rd, rs, DataType::F32);
@@ -229,7 +235,10 @@ pub(crate) fn backward_graph(shape: &AttentionShape) -> Graph {
     g.matmul_into(q, kt, s);
     let s = g.pointwise(Pointwise::Mul, s, Some(scale), f32_);
     let s = g.pointwise(Pointwise::Sub, s, Some(stats), f32_);
-    let s = causal_mask(&mut g, s, shape.masked);
+    let s = match shape.causal {
+        true => causal_mask(&mut g, s, shape.masked),
+        false => s,
+    };
     let p = g.pointwise(Pointwise::Exp, s, None, f32_);
     let mut dropped = p;
     if let (Some(mask), Some(rescale)) = (mask, rescale) {

@@ -12,6 +12,7 @@ use cudarc::cudnn::sys::{
 };
 use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
+use std::sync::Arc;
 
 /// A failed cuDNN call: what was asked, cuDNN's status and its last error message.
 #[derive(Debug, Clone)]
@@ -148,17 +149,39 @@ fn pointwise_mode(mode: Pointwise) -> sys::cudnnPointwiseMode_t {
 pub(crate) struct Plan {
     plan: Descriptor,
     /// The tensor, operation, graph and engine descriptors the plan was built from.
-    _built_from: Vec<Descriptor>,
+    _built_from: Arc<Vec<Descriptor>>,
     /// The uids of the tensors in memory, in the graph's order.
     memory: Vec<Uid>,
-    /// The host scalars, by uid (boxed: the variant pack points at them).
-    values: Vec<(Uid, Box<f32>)>,
+    /// The host scalars, by uid (boxed: the variant pack points at them; shared by the plans
+    /// of one graph).
+    values: Vec<(Uid, Arc<f32>)>,
     /// The work memory cuDNN asks for, in bytes.
     pub workspace: usize,
+    /// Which of the heuristics' engines it runs.
+    pub engine: String,
 }
 
 /// Builds the first plan cuDNN finalizes for `graph` on `handle`'s device.
 pub(crate) fn build(handle: sys::cudnnHandle_t, graph: &Graph) -> Result<Plan, CudnnError> {
+    let mut plans = build_plans(handle, graph, false)?;
+    Ok(plans.remove(0))
+}
+
+/// Every plan cuDNN finalizes for `graph` among its heuristics' choices, in their order (for
+/// diagnosing which engine computes what).
+pub(crate) fn build_every(
+    handle: sys::cudnnHandle_t,
+    graph: &Graph,
+) -> Result<Vec<Plan>, CudnnError> {
+    build_plans(handle, graph, true)
+}
+
+/// The first plan (or, with `every`, all plans) cuDNN finalizes for `graph`: at least one.
+fn build_plans(
+    handle: sys::cudnnHandle_t,
+    graph: &Graph,
+    every: bool,
+) -> Result<Vec<Plan>, CudnnError> {
     let mut keep: Vec<Descriptor> = Vec::new();
     let mut tensors: HashMap<Uid, usize> = HashMap::new();
     let mut values = Vec::new();
@@ -204,7 +227,7 @@ pub(crate) fn build(handle: sys::cudnnHandle_t, graph: &Graph) -> Result<Plan, C
                     Type::CUDNN_TYPE_BOOLEAN,
                     &[true],
                 )?;
-                values.push((t.uid, Box::new(v)));
+                values.push((t.uid, Arc::new(v)));
             }
         }
         d.finalize(&format!("tensor {}", t.uid))?;
@@ -273,7 +296,7 @@ pub(crate) fn build(handle: sys::cudnnHandle_t, graph: &Graph) -> Result<Plan, C
         "read the heuristics' results",
     )?;
     let mut last = CudnnError("cuDNN's heuristics offered no engine for the graph".into());
-    let mut found = None;
+    let mut found = Vec::new();
     for (choice, config) in configs.iter().enumerate().take(returned.max(0) as usize) {
         let plan = Descriptor::new(Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
         plan.set(
@@ -284,41 +307,93 @@ pub(crate) fn build(handle: sys::cudnnHandle_t, graph: &Graph) -> Result<Plan, C
         plan.set_descriptors(Name::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[config])?;
         match plan.finalize(&format!("execution plan {choice}")) {
             Ok(()) => {
-                found = Some((choice, plan));
-                break;
+                let engine = format!(
+                    "heuristic choice {choice} of {returned}, engine {}",
+                    engine_index(config).map_or("?".into(), |i| i.to_string())
+                );
+                found.push((engine, plan));
+                if !every {
+                    break;
+                }
             }
             Err(e) => last = e,
         }
     }
-    let Some((_, plan)) = found else {
+    if found.is_empty() {
         return Err(last);
-    };
-    let mut workspace = 0i64;
-    let mut n = 0i64;
-    // SAFETY: one int64 into `workspace`.
-    check(
-        unsafe {
-            (api()?.get_attribute)(
-                plan.0,
-                Name::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                Type::CUDNN_TYPE_INT64,
-                1,
-                &mut n,
-                &mut workspace as *mut i64 as *mut c_void,
-            )
-        },
-        "read the plan's workspace size",
-    )?;
+    }
     keep.push(op_graph);
     keep.push(heuristics);
     keep.extend(configs);
-    Ok(Plan {
-        plan,
-        _built_from: keep,
-        memory: graph.memory_uids(),
-        values,
-        workspace: workspace.max(0) as usize,
-    })
+    let keep = Arc::new(keep);
+    found
+        .into_iter()
+        .map(|(engine, plan)| {
+            let mut workspace = 0i64;
+            let mut n = 0i64;
+            // SAFETY: one int64 into `workspace`.
+            check(
+                unsafe {
+                    (api()?.get_attribute)(
+                        plan.0,
+                        Name::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                        Type::CUDNN_TYPE_INT64,
+                        1,
+                        &mut n,
+                        &mut workspace as *mut i64 as *mut c_void,
+                    )
+                },
+                "read the plan's workspace size",
+            )?;
+            Ok(Plan {
+                plan,
+                _built_from: keep.clone(),
+                memory: graph.memory_uids(),
+                values: values.clone(),
+                workspace: workspace.max(0) as usize,
+                engine,
+            })
+        })
+        .collect()
+}
+
+/// The global index of the engine an engine configuration names (cuDNN's engine numbering).
+fn engine_index(config: &Descriptor) -> Option<i64> {
+    let engine = Descriptor::new(Kind::CUDNN_BACKEND_ENGINE_DESCRIPTOR).ok()?;
+    let mut raw = engine.0;
+    let mut n = 0i64;
+    // SAFETY: cuDNN fills the engine descriptor created above.
+    check(
+        unsafe {
+            (api().ok()?.get_attribute)(
+                config.0,
+                Name::CUDNN_ATTR_ENGINECFG_ENGINE,
+                Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                1,
+                &mut n,
+                &mut raw as *mut sys::cudnnBackendDescriptor_t as *mut c_void,
+            )
+        },
+        "read the configuration's engine",
+    )
+    .ok()?;
+    let mut index = 0i64;
+    // SAFETY: one int64 into `index`.
+    check(
+        unsafe {
+            (api().ok()?.get_attribute)(
+                engine.0,
+                Name::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
+                Type::CUDNN_TYPE_INT64,
+                1,
+                &mut n,
+                &mut index as *mut i64 as *mut c_void,
+            )
+        },
+        "read the engine's index",
+    )
+    .ok()?;
+    Some(index)
 }
 
 /// The operation descriptor of `op` (and the descriptor of its parameters, if it has one),

@@ -78,7 +78,8 @@ fn through_graphs(
     }
 }
 
-/// The same in dense `f64` loops, per sequence and head: scores, causal softmax, `M r`, the
+/// The same in dense `f64` loops, per sequence and head: scores, softmax (causal where the shape
+/// is), `M r`, the
 /// product with `V`; FlashAttention's backward.
 #[allow(clippy::needless_range_loop)] // indices into the projection's layout, as the maths writes them
 fn dense(
@@ -112,7 +113,9 @@ fn dense(
             };
             let mut p = vec![vec![0.0; t]; t];
             for i in 0..t {
-                let scores: Vec<f64> = (0..=i)
+                // The keys query `i` sees.
+                let seen = if shape.causal { i + 1 } else { t };
+                let scores: Vec<f64> = (0..seen)
                     .map(|j| {
                         scale
                             * (0..k)
@@ -123,7 +126,7 @@ fn dense(
                 let max = scores.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
                 let sum: f64 = scores.iter().map(|x| (x - max).exp()).sum();
                 passes.lse[(s * h + hh) * t + i] = max + sum.ln();
-                for j in 0..=i {
+                for j in 0..seen {
                     p[i][j] = (scores[j] - max).exp() / sum;
                 }
             }
@@ -180,6 +183,7 @@ fn shape(b: i64, h: i64, t: i64, k: i64, dropout: f32) -> AttentionShape {
         dtype: DataType::Bf16,
         dropout,
         rng: false,
+        causal: true,
         masked: f32::NEG_INFINITY,
     }
 }
@@ -286,6 +290,36 @@ fn graphs_equal_dense_attention_with_dropout() {
         largest > 0.01,
         "dropout changed the output by only {largest}"
     );
+}
+
+/// Without the causal mask (every query sees every key), with and without dropout: the dense
+/// loops' attention; and the mask matters (the causal graphs differ).
+#[test]
+fn graphs_without_the_causal_mask_equal_dense_attention() {
+    for p in [0.0, 0.25] {
+        let shape = AttentionShape {
+            causal: false,
+            ..shape(2, 2, 9, 4, p)
+        };
+        let (qkv, grad) = (random(18 * 3 * 8, 7), random(18 * 8, 8));
+        let mask = hashed(1.0 - f64::from(p));
+        let ours = through_graphs(&shape, &qkv, &grad, &mask);
+        let loops = dense(&shape, &qkv, &grad, &mask);
+        assert_close("output", &ours.out, &loops.out, 1e-6);
+        assert_close("log-sum-exp", &ours.lse, &loops.lse, 1e-6);
+        assert_close("gradient", &ours.dqkv, &loops.dqkv, 1e-6);
+        let causal = AttentionShape {
+            causal: true,
+            ..shape
+        };
+        let masked = through_graphs(&causal, &qkv, &grad, &mask);
+        let largest =
+            (ours.lse.iter().zip(&masked.lse)).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            largest > 0.01,
+            "the causal mask changed the log-sum-exps by only {largest}"
+        );
+    }
 }
 
 /// The graphs with their dropout nodes kept and nothing dropped (every element kept, rescaled

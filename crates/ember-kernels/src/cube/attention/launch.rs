@@ -6,6 +6,7 @@ use super::kernels;
 use burn::backend::TensorMetadata;
 use burn::tensor::DType;
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
 /// The forward pass in ember's fused kernels (contiguous `qkv`).
@@ -16,6 +17,9 @@ pub(crate) fn fused_forward(
     dropout: f32,
 ) -> (CubeTensor, CubeTensor) {
     assert_eq!(qkv.dtype(), DType::F32, "fused attention kernels: f32 only");
+    // The kernels index the buffers as densely packed (CubeCL's CUDA allocator may pad a new
+    // tensor's rows, a cast's output for one).
+    let qkv = into_contiguous(qkv);
     let dims = Dims::of(&qkv, heads);
     let out = crate::cube::empty(&qkv, [dims.b, dims.t, dims.d]);
     let lse = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);
@@ -76,6 +80,7 @@ pub(crate) fn fused_backward(
     dropout: f32,
 ) -> CubeTensor {
     assert_eq!(qkv.dtype(), DType::F32, "fused attention kernels: f32 only");
+    let [qkv, out, lse, grad] = [qkv, out, lse, grad].map(into_contiguous);
     let dims = Dims::of(&qkv, heads);
     let dqkv = crate::cube::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
     let delta = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);

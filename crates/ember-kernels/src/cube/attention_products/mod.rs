@@ -83,6 +83,9 @@ pub(super) fn forward(
     heads: usize,
     dropout: f32,
 ) -> (CubeTensor, CubeTensor) {
+    // The products read rows `3D` apart: no padded rows (CubeCL's CUDA allocator pads them
+    // where their width is not a multiple of its pitch alignment).
+    let qkv = &burn_cubecl::kernel::into_contiguous(qkv.clone());
     let dims = Dims::of(qkv, heads);
     let (d, k, t, scale) = (dims.d, dims.k(), dims.t, dims.scale());
     let dtype = qkv.dtype();
@@ -139,6 +142,8 @@ pub(super) fn backward(
     heads: usize,
     dropout: f32,
 ) -> CubeTensor {
+    let [qkv, lse, grad] =
+        &[qkv, lse, grad].map(|x| burn_cubecl::kernel::into_contiguous(x.clone()));
     let dims = Dims::of(qkv, heads);
     let (d, k, t, scale) = (dims.d, dims.k(), dims.t, dims.scale());
     let dtype = qkv.dtype();

@@ -1,0 +1,477 @@
+//! The training attention's two passes through cuDNN's fused flash attention (feature `cudnn`,
+//! CUDA; on unless `EMBER_CUDNN_ATTENTION=0`): for mixed precision's bf16 (or f16) projection,
+//! the attention that PyTorch runs on a Hopper GPU (`cudnn_generated_fort_native_sdpa_sm90_
+//! flash_{fprop,bprop}`), on tensor cores, with no `[B, T, T]` scores stored.
+//!
+//! The graphs (`cudnn::attention_graph`) read and write ember's buffers in place: the
+//! projection, the output, the log-sum-exps ember's own passes keep, the gradient, each densely
+//! packed ([`packed`]: CubeCL's CUDA allocator may pad a tensor's rows). Plans are built once per
+//! device and shape (`B`, `H`, `T`, `K`, type, dropout, mask) and kept. The dropout mask is
+//! cuDNN's (Philox, from a seed made of the op's seed on the device and offset 0): the same in
+//! both passes, not the fused kernels' hashed mask, so a pass never mixes the two paths for one
+//! op (the backward pass takes cuDNN exactly where the forward pass did).
+//!
+//! Before it trains anything, a start-up check (`check`) holds cuDNN's passes to ember's fused
+//! kernels on the device, with and without dropout. `EMBER_CUDNN_CHECK=report` prints its every
+//! comparison and `EMBER_CUDNN_DUMP=FOLDER` writes the inputs and outputs in full (and compares
+//! a grid of shapes and every engine cuDNN offers), for diagnosing a disagreement on a GPU;
+//! `EMBER_CUDNN_CHECK=skip` skips the check (for measurements only); `EMBER_CUDNN_SYNC=1` waits
+//! for the device around each call.
+//!
+//! Where cuDNN cannot be loaded, refuses a graph, or disagrees with ember's kernels on the
+//! start-up check, one warning line says so and ember's own path runs.
+
+use crate::cudnn::attention_graph::{AttentionShape, backward_graph, forward_graph, uid};
+use crate::cudnn::graph::{DataType, Uid};
+use crate::cudnn::library;
+use crate::cudnn::lowering::{self, CudnnError, Plan};
+use burn::backend::TensorMetadata;
+use burn::tensor::DType;
+use burn_cubecl::cubecl::{CubeCount, CubeDim};
+use burn_cubecl::tensor::CubeTensor;
+use check::{CHECKING, RNG_WHEN_KEPT, agrees_on};
+use cubecl_cuda::CudaRuntime;
+use cubecl_runtime::runtime::Runtime;
+use cudarc::cudnn::sys as dnn;
+use cudarc::driver::sys as driver;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+mod check;
+
+type CudaServer = <CudaRuntime as Runtime>::Server;
+
+/// cuDNN 9.6 and later zero the queries' gradient accumulator themselves (cudnn-frontend stops
+/// clearing it there).
+const ZEROES_ITS_ACCUMULATOR: usize = 9_06_00;
+
+/// The shape of `qkv`'s attention if cuDNN may take it: a bf16 or f16 projection on a CUDA
+/// device, the `cudnn` switch on, head sizes cuDNN's flash kernels take (a multiple of 8, at
+/// most 256), a width whose column blocks start 16-byte aligned, no graph being recorded, cuDNN
+/// loaded, and the start-up check passed for the type.
+pub(crate) fn takes(qkv: &CubeTensor, heads: usize, dropout: f32) -> Option<AttentionShape> {
+    let dtype = match qkv.dtype() {
+        DType::BF16 => DataType::Bf16,
+        DType::F16 => DataType::F16,
+        _ => return None,
+    };
+    if !crate::gpu_kernels::cudnn_attention()
+        || !matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
+        || qkv.client.is_capturing()
+    {
+        return None;
+    }
+    let [b, t, d3] = qkv.shape().dims::<3>();
+    let d = d3 / 3;
+    let k = d / heads.max(1);
+    if b == 0 || t == 0 || k == 0 || !k.is_multiple_of(8) || k > 256 || !d.is_multiple_of(8) {
+        return None;
+    }
+    if FAILED.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
+    let version = loaded()?;
+    let shape = AttentionShape {
+        b: b as i64,
+        h: heads as i64,
+        t: t as i64,
+        k: k as i64,
+        dtype,
+        dropout,
+        rng: false,
+        causal: true,
+        masked: match version < 9_01_00 {
+            true => f32::MIN,
+            false => f32::NEG_INFINITY,
+        },
+    };
+    if CHECKING.with(|c| c.get()) {
+        return Some(shape);
+    }
+    // The form of the graphs without dropout is the one the check found to agree.
+    agrees_on(qkv).then(|| AttentionShape {
+        rng: dropout == 0.0 && RNG_WHEN_KEPT.load(std::sync::atomic::Ordering::Relaxed),
+        ..shape
+    })
+}
+
+/// Set by the first failed call: from then on the attention runs on ember's own path (a
+/// forward pass through cuDNN whose backward pass then cannot is the only mix of the two).
+static FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// cuDNN's version where it loads, else `None` (said once).
+fn loaded() -> Option<usize> {
+    static SAID: OnceLock<()> = OnceLock::new();
+    match library::api() {
+        Ok(api) => Some(api.version),
+        Err(why) => {
+            SAID.get_or_init(|| {
+                eprintln!("warning: cuDNN's flash attention is not used: {why}; the attention runs on ember's own path");
+            });
+            None
+        }
+    }
+}
+
+/// The forward pass: the output `[B, T, D]` (in the projection's type) and the log-sum-exps
+/// `[B, H, T]` (`f32`) of the contiguous projection, or `None` where cuDNN does not take it
+/// (nothing was written).
+pub(crate) fn forward(
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    shape: &AttentionShape,
+) -> Option<(CubeTensor, CubeTensor)> {
+    let plans = plans_for(qkv, shape)?;
+    forward_with(&plans.forward, qkv, seed, shape)
+}
+
+/// `x` with exactly the row-major strides of its shape (a copy where it has others). The
+/// graphs read and write every buffer as densely packed; CubeCL's CUDA allocator pads the rows
+/// of a new tensor (a cast's output, for one) to its pitch alignment where their width in bytes
+/// is not a multiple of it, and cuDNN would then read the padding as values.
+fn packed(x: &CubeTensor) -> CubeTensor {
+    burn_cubecl::kernel::into_contiguous(x.clone())
+}
+
+/// [`forward`] through `plan` (one of the forward graph's plans for `shape`).
+fn forward_with(
+    plan: &Plan,
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    shape: &AttentionShape,
+) -> Option<(CubeTensor, CubeTensor)> {
+    let (b, h, t, d) = dims(shape);
+    let qkv = &packed(qkv);
+    let out = super::empty_of(qkv, [b, t, d], qkv.dtype());
+    let lse = super::empty(qkv, [b, h, t]);
+    let mut bound: Vec<(Uid, &CubeTensor, usize)> = vec![
+        (uid::O, &out, 0),
+        (uid::Q, qkv, offset(shape, uid::Q, qkv)),
+        (uid::K, qkv, offset(shape, uid::K, qkv)),
+        (uid::V, qkv, offset(shape, uid::V, qkv)),
+        (uid::STATS, &lse, 0),
+    ];
+    let seeds = (shape.dropout > 0.0 || shape.rng).then(|| philox_seeds(seed));
+    if let Some((s, o)) = &seeds {
+        bound.extend([(uid::SEED, s, 0), (uid::OFFSET, o, 0)]);
+    }
+    let workspace = super::empty(qkv, [plan.workspace.div_ceil(4).max(1)]);
+    match execute(plan, "cudnnSdpaForward", &bound, &workspace, None) {
+        Ok(()) => Some((out, lse)),
+        Err(e) => {
+            warn_once(&format!("the forward pass failed ({e})"));
+            None
+        }
+    }
+}
+
+/// The backward pass: the gradient `[B, T, 3D]` (in the projection's type) from the forward
+/// pass's contiguous projection, seed, output and log-sum-exps and the output's contiguous
+/// gradient (in the projection's type); `None` where the forward pass's plans are not there.
+pub(crate) fn backward(
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    out: &CubeTensor,
+    lse: &CubeTensor,
+    grad: &CubeTensor,
+    shape: &AttentionShape,
+) -> Option<CubeTensor> {
+    let plans = plans_for(qkv, shape)?;
+    let (b, h, t, d) = dims(shape);
+    let [qkv, out, lse, grad] = &[qkv, out, lse, grad].map(packed);
+    let dtype = qkv.dtype();
+    let dqkv = super::empty_of(qkv, [b, t, 3 * d], dtype);
+    let delta = super::empty(qkv, [b, h, t]);
+    let accumulator = super::empty(qkv, [b, h, t, d / h]);
+    let mut bound: Vec<(Uid, &CubeTensor, usize)> = vec![
+        (uid::DQ, &dqkv, offset(shape, uid::DQ, qkv)),
+        (uid::DK, &dqkv, offset(shape, uid::DK, qkv)),
+        (uid::DV, &dqkv, offset(shape, uid::DV, qkv)),
+        (uid::Q, qkv, offset(shape, uid::Q, qkv)),
+        (uid::K, qkv, offset(shape, uid::K, qkv)),
+        (uid::V, qkv, offset(shape, uid::V, qkv)),
+        (uid::O, out, 0),
+        (uid::DO, grad, 0),
+        (uid::STATS, lse, 0),
+        (uid::DELTA, &delta, 0),
+        (uid::DQ_ACCUMULATOR, &accumulator, 0),
+    ];
+    let seeds = (shape.dropout > 0.0 || shape.rng).then(|| philox_seeds(seed));
+    if let Some((s, o)) = &seeds {
+        bound.extend([(uid::SEED, s, 0), (uid::OFFSET, o, 0)]);
+    }
+    let workspace = super::empty(qkv, [plans.backward.workspace.div_ceil(4).max(1)]);
+    let zero = (library::api().map_or(0, |a| a.version) < ZEROES_ITS_ACCUMULATOR)
+        .then_some((uid::DQ_ACCUMULATOR, b * h * t * (d / h)));
+    match execute(
+        &plans.backward,
+        "cudnnSdpaBackward",
+        &bound,
+        &workspace,
+        zero,
+    ) {
+        Ok(()) => Some(dqkv),
+        Err(e) => {
+            warn_once(&format!("the backward pass failed ({e})"));
+            None
+        }
+    }
+}
+
+fn dims(shape: &AttentionShape) -> (usize, usize, usize, usize) {
+    let (b, h, t) = (shape.b as usize, shape.h as usize, shape.t as usize);
+    (b, h, t, (shape.h * shape.k) as usize)
+}
+
+/// Where `uid`'s tensor starts in its buffer, in bytes.
+fn offset(shape: &AttentionShape, uid: Uid, like: &CubeTensor) -> usize {
+    shape.element_offset(uid) as usize * like.dtype().size()
+}
+
+/// One warning line for the first failure of the process, and no cuDNN from then on.
+fn warn_once(what: &str) {
+    FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+    static SAID: OnceLock<()> = OnceLock::new();
+    SAID.get_or_init(|| {
+        eprintln!(
+            "warning: cuDNN's flash attention: {what}; the attention runs on ember's own path"
+        );
+    });
+}
+
+/// A device's plans for one shape.
+struct Plans {
+    forward: Plan,
+    backward: Plan,
+}
+
+/// What a pair of plans is built for: the CUDA context and the shape (the dropout by its bits).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    context: usize,
+    dims: [i64; 4],
+    dtype: DataType,
+    dropout: u32,
+    rng: bool,
+    causal: bool,
+}
+
+/// The plans of each context and shape: `None` where cuDNN refused one of the graphs.
+fn cache() -> &'static Mutex<HashMap<Key, Option<Arc<Plans>>>> {
+    static CACHE: OnceLock<Mutex<HashMap<Key, Option<Arc<Plans>>>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// `shape`'s plans on `like`'s device, built on first use (both passes: a forward pass cuDNN
+/// takes always has its backward pass); `None` where cuDNN refuses either graph (said once).
+fn plans_for(like: &CubeTensor, shape: &AttentionShape) -> Option<Arc<Plans>> {
+    let on = with_handle(like, |handle, context| {
+        let key = Key {
+            context,
+            dims: [shape.b, shape.h, shape.t, shape.k],
+            dtype: shape.dtype,
+            dropout: shape.dropout.to_bits(),
+            rng: shape.rng,
+            causal: shape.causal,
+        };
+        let mut cache = cache().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = cache.get(&key) {
+            return found.clone();
+        }
+        let built = (|| -> Result<Plans, CudnnError> {
+            Ok(Plans {
+                forward: lowering::build(handle, &forward_graph(shape))?,
+                backward: lowering::build(handle, &backward_graph(shape))?,
+            })
+        })();
+        let plans = match built {
+            Ok(plans) => Some(Arc::new(plans)),
+            Err(e) => {
+                eprintln!(
+                    "warning: cuDNN refused the attention of {} sequences of {} positions, {} heads of {} ({:?}, dropout {}): {e}; \
+                     that shape runs on ember's own path",
+                    shape.b, shape.t, shape.h, shape.k, shape.dtype, shape.dropout
+                );
+                None
+            }
+        };
+        cache.insert(key, plans.clone());
+        plans
+    });
+    on.flatten()
+}
+
+/// A cuDNN handle, created in one CUDA context and used under the lock of [`handles`].
+struct Handle(dnn::cudnnHandle_t);
+
+// SAFETY: a handle is only used while [`handles`]' lock is held, by one thread at a time.
+unsafe impl Send for Handle {}
+
+fn handles() -> &'static Mutex<HashMap<usize, Handle>> {
+    static HANDLES: OnceLock<Mutex<HashMap<usize, Handle>>> = OnceLock::new();
+    HANDLES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// `f` with the cuDNN handle of `like`'s CUDA context (made current; the handle created on
+/// first use) and the context's address; `None` where the buffer is not CUDA's or cuDNN
+/// refuses a handle.
+fn with_handle<R>(like: &CubeTensor, f: impl FnOnce(dnn::cudnnHandle_t, usize) -> R) -> Option<R> {
+    let api = library::api().ok()?;
+    let resource = like
+        .client
+        .get_resource::<CudaServer>(like.handle.clone())
+        .ok()?;
+    let stream = resource.resource().stream;
+    let mut handles = handles().lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: the stream is CubeCL's; its context is made current before cuDNN is called.
+    unsafe {
+        let mut context = std::ptr::null_mut();
+        if driver::cuStreamGetCtx(stream, &mut context)
+            .result()
+            .is_err()
+            || driver::cuCtxSetCurrent(context).result().is_err()
+        {
+            return None;
+        }
+        let handle = match handles.get(&(context as usize)) {
+            Some(handle) => handle.0,
+            None => {
+                let mut handle = std::ptr::null_mut();
+                if let Err(e) = lowering::check((api.create)(&mut handle), "create a cuDNN handle")
+                {
+                    warn_once(&e.0);
+                    return None;
+                }
+                handles.insert(context as usize, Handle(handle));
+                handle
+            }
+        };
+        if (api.set_stream)(handle, stream as dnn::cudaStream_t) != 0 {
+            return None;
+        }
+        Some(f(handle, context as usize))
+    }
+}
+
+/// Enqueues `plan` on the stream of the first bound tensor's buffer, each uid of the plan at
+/// its tensor's buffer plus its byte offset, `workspace` as its work memory; with `zero`, that
+/// uid's first `n` `f32`s are cleared first. Timed as one launch named `name` where a profiler
+/// observes ([`crate::external_launches`]).
+fn execute(
+    plan: &Plan,
+    name: &'static str,
+    bound: &[(Uid, &CubeTensor, usize)],
+    workspace: &CubeTensor,
+    zero: Option<(Uid, usize)>,
+) -> Result<(), CudnnError> {
+    let client = &bound[0].1.client;
+    let lookup = |x: &CubeTensor| client.get_resource::<CudaServer>(x.handle.clone()).ok();
+    // Resources keep their buffers in place until dropped, after the plan is enqueued.
+    let resources = bound
+        .iter()
+        .map(|(_, x, _)| lookup(x))
+        .collect::<Option<Vec<_>>>();
+    let (Some(resources), Some(space)) = (resources, lookup(workspace)) else {
+        return Err(CudnnError("a buffer is not CUDA's".into()));
+    };
+    let address = |uid: Uid| -> Result<u64, CudnnError> {
+        let i = bound
+            .iter()
+            .position(|(u, ..)| *u == uid)
+            .ok_or_else(|| CudnnError(format!("no buffer for tensor {uid}")))?;
+        Ok(resources[i].resource().ptr + bound[i].2 as u64)
+    };
+    let addresses = plan
+        .memory_uids()
+        .iter()
+        .map(|&u| address(u))
+        .collect::<Result<Vec<_>, _>>()?;
+    let zero = match zero {
+        Some((uid, n)) => Some((address(uid)?, n)),
+        None => None,
+    };
+    let stream = resources[0].resource().stream;
+    let done = with_handle(bound[0].1, |handle, context| {
+        // SAFETY: the addresses are the live buffers held above, each holding its tensor's
+        // extent (the callers allocate them from the plan's shape), on this stream's device.
+        unsafe {
+            if let Some((at, n)) = zero {
+                driver::cuMemsetD32Async(at, 0, n, stream)
+                    .result()
+                    .map_err(|e| CudnnError(format!("clear the accumulator: {e:?}")))?;
+            }
+            let timing = crate::external_launches::observer()
+                .and_then(|observer| Some((observer, crate::products::cublas::event_on(stream)?)));
+            if synchronizes() {
+                driver::cuCtxSynchronize()
+                    .result()
+                    .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
+            }
+            let ran = plan.execute(handle, &addresses, space.resource().ptr);
+            if synchronizes() {
+                driver::cuCtxSynchronize()
+                    .result()
+                    .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
+            }
+            if let Some((observer, start)) = timing
+                && let Some(end) = crate::products::cublas::event_on(stream)
+            {
+                observer.launched(
+                    name,
+                    crate::products::cublas::elapsed_between(
+                        context as driver::CUcontext,
+                        start,
+                        end,
+                    ),
+                );
+            }
+            ran
+        }
+    });
+    done.unwrap_or_else(|| Err(CudnnError("no cuDNN handle for the device".into())))
+}
+
+/// Whether each cuDNN call waits for the device before and after it (`EMBER_CUDNN_SYNC=1`, for
+/// diagnosing the order of cuDNN's work and CubeCL's: slower).
+fn synchronizes() -> bool {
+    static SYNC: OnceLock<bool> = OnceLock::new();
+    *SYNC.get_or_init(|| std::env::var("EMBER_CUDNN_SYNC").is_ok_and(|v| v == "1"))
+        || SYNCHRONIZING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Set while the diagnostics wait for the device around each call (`check::dump_all`).
+static SYNCHRONIZING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The dropout's Philox seed and offset, `[1]` `i64` tensors: the op's seed (a uniform number in
+/// `[0, 1)` on the device, its first 24 bits) and 0.
+fn philox_seeds(seed: &CubeTensor) -> (CubeTensor, CubeTensor) {
+    let (s, o) = (
+        super::empty_of(seed, [1], DType::I64),
+        super::empty_of(seed, [1], DType::I64),
+    );
+    kernels::philox_seeds::launch(
+        &seed.client.clone(),
+        CubeCount::new_single(),
+        CubeDim::new_single(),
+        seed.clone().into_tensor_arg(),
+        s.clone().into_tensor_arg(),
+        o.clone().into_tensor_arg(),
+    );
+    (s, o)
+}
+
+mod kernels {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    /// `seed_out[0] = floor(seed[0] * 2^24)`, `offset[0] = 0`.
+    #[cube(launch)]
+    pub(super) fn philox_seeds(
+        seed: &Tensor<f32>,
+        seed_out: &mut Tensor<i64>,
+        offset: &mut Tensor<i64>,
+    ) {
+        seed_out[0] = i64::cast_from(seed[0] * 16777216.0);
+        offset[0] = 0;
+    }
+}
