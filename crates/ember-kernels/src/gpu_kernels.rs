@@ -251,19 +251,20 @@ pub struct GpuPolicy {
     /// for benchmarks; `None` for ember's rule.
     pub split_k: Option<usize>,
     /// Whether the training attention of a bf16 (or f16) projection on CUDA runs through
-    /// cuDNN's flash attention (experimental: off unless asked for).
+    /// cuDNN's flash attention where cuDNN loads and its start-up check agrees (on unless
+    /// turned off).
     pub cudnn_attention: bool,
     /// The training attention's knobs.
     pub attention: AttentionTuning,
 }
 
 impl Default for GpuPolicy {
-    /// Every kernel and strategy, ember's split rule, no cuDNN attention.
+    /// Every kernel and strategy, ember's split rule, cuDNN's attention where it agrees.
     fn default() -> Self {
         GpuPolicy {
             kernels: GpuKernels::default(),
             split_k: None,
-            cudnn_attention: false,
+            cudnn_attention: true,
             attention: AttentionTuning {
                 products_anywhere: false,
                 sequences_per_call: None,
@@ -301,7 +302,7 @@ static POLICY: RwLock<GpuPolicy> = RwLock::new(GpuPolicy {
         strategies: [true; GpuStrategy::ALL.len()],
     },
     split_k: None,
-    cudnn_attention: false,
+    cudnn_attention: true,
     attention: AttentionTuning {
         products_anywhere: false,
         sequences_per_call: None,
@@ -398,28 +399,28 @@ pub fn split_from_env() -> Result<Option<usize>, String> {
     }
 }
 
-/// The environment variable that turns on cuDNN's flash attention for the training attention of
-/// a bf16 (or f16) projection on CUDA (`1` or `on`; unset, `0` or `off`: not used). Off by
-/// default until its start-up check agrees on the GPUs measured (docs/benchmarks.md).
+/// The environment variable that turns off cuDNN's flash attention for the training attention of
+/// a bf16 (or f16) projection on CUDA (`0` or `off`; unset, `1` or `on`: used where cuDNN loads
+/// and its start-up check agrees with ember's kernels).
 pub const CUDNN_VARIABLE: &str = "EMBER_CUDNN_ATTENTION";
 
 /// Parses a value of `EMBER_CUDNN_ATTENTION`; the error names the variable, the value and what
 /// is accepted.
 pub fn parse_cudnn(value: &str) -> Result<bool, String> {
     match value.trim() {
-        "1" | "on" => Ok(true),
-        "" | "0" | "off" => Ok(false),
+        "" | "1" | "on" => Ok(true),
+        "0" | "off" => Ok(false),
         other => Err(format!(
             "{CUDNN_VARIABLE}={other:?}: expected on (or 1) to use cuDNN's flash attention, off (or 0) not to"
         )),
     }
 }
 
-/// [`parse_cudnn`] of the environment's value (off where it is unset).
+/// [`parse_cudnn`] of the environment's value (on where it is unset).
 pub fn cudnn_from_env() -> Result<bool, String> {
     match std::env::var(CUDNN_VARIABLE) {
         Ok(value) => parse_cudnn(&value),
-        Err(std::env::VarError::NotPresent) => Ok(false),
+        Err(std::env::VarError::NotPresent) => Ok(true),
         Err(std::env::VarError::NotUnicode(_)) => Err(format!("{CUDNN_VARIABLE} is not UTF-8")),
     }
 }
@@ -516,15 +517,15 @@ mod tests {
             "another thread keeps the process's policy"
         );
         assert_eq!(policy(), before);
-        assert!(!GpuPolicy::default().cudnn_attention);
+        assert!(GpuPolicy::default().cudnn_attention);
     }
 
     #[test]
     fn parses_the_cudnn_switch() {
-        for on in ["1", "on", " on "] {
+        for on in ["", "1", "on", " on "] {
             assert_eq!(parse_cudnn(on), Ok(true), "{on}");
         }
-        for off in ["", "0", "off"] {
+        for off in ["0", "off", " off"] {
             assert_eq!(parse_cudnn(off), Ok(false), "{off}");
         }
         let e = parse_cudnn("yes").unwrap_err();
