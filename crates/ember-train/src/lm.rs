@@ -102,15 +102,23 @@ impl Task for LmTask {
         (model.loss(x, y), tokens)
     }
 
+    /// The mean loss over `batches` batches of `split` (the same batches at every evaluation),
+    /// summed on the device and read once: evaluation is forward passes only, and a GPU would
+    /// otherwise wait for the host to read each batch's loss before the next is launched.
+    /// (Stacking several batches into one pass was also tried: on an H200 it shortened the
+    /// evaluations but the process's GPU memory doubled; docs/benchmarks.md.)
     fn eval_loss(&self, model: &DecoderOnly, split: Split, batches: usize) -> f64 {
-        let total: f64 = (0..batches as u64)
+        let total = (0..batches as u64)
             .map(|i| {
                 let seed = batch_seed(self.config.training.seed ^ EVAL_SALT, i, split as u64);
                 let (x, y) = self.batch(split, seed, &self.device);
-                model.loss(x, y).into_scalar::<f32>() as f64
+                model.loss(x, y)
             })
-            .sum();
-        total / batches as f64
+            .reduce(|a, b| a + b);
+        match total {
+            Some(total) => total.into_scalar::<f32>() as f64 / batches as f64,
+            None => f64::NAN,
+        }
     }
 
     fn write_files(&self, dir: &Path) -> Result<()> {
