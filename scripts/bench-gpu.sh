@@ -34,7 +34,9 @@
 # kernel's part, `f32:-cublas,-split-k` for cubek's products in one piece, `f32:-cublas:4
 # f32:-cublas:16` for cubek's weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
-# the precision of `full` and `memory` (f32 or bf16, default f32); MEMORY_RUNS the runs of `memory`,
+# the precision of `full` and `memory` (f32 or bf16, default f32); FULL_SEEDS the seeds `full`
+# trains with, one run each (default the config's); SPEED_TORCH PyTorch's runs in `speed`
+# (default `f32 f32-compile bf16`: f32 is TF32 on CUDA, `-compile` adds torch.compile); MEMORY_RUNS the runs of `memory`,
 # each EMBER_GPU_KERNELS:persistent_memory (cubecl's setting; default `on:enabled on:size-match
 # -attention-products:enabled`); PROFILE_STEPS the steps `profile` times
 # (default 10, after STEPS - PROFILE_STEPS to warm up). Every ember and PyTorch run on an
@@ -226,13 +228,16 @@ speed() {
             ms_per_step "$out"
         done
     done
-    precision=$(torch_f32)
-    for extra in "--precision $precision" "--precision $precision --compile" "--precision bf16"; do
-        # shellcheck disable=SC2206 # $extra is a few words
+    local p extra
+    for p in ${SPEED_TORCH:-f32 f32-compile bf16}; do
+        extra=()
+        case $p in *-compile) extra=(--compile) p=${p%-compile} ;; esac
+        [ "$p" = f32 ] && p=$(torch_f32)
         torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
-            --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "$STEPS" $extra)
+            --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps "$STEPS"
+            --precision "$p" "${extra[@]}")
         echo "\$ ${torch[*]}"
-        with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch $extra"
+        with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch $p ${extra[*]}"
     done
     local gen_kernels=${GEN_KERNELS:-on -step-graph}
     for mode in "" "--no-cache"; do
@@ -258,13 +263,19 @@ speed() {
 }
 
 full() {
-    rm -rf "$RUNS/full"
-    start=$(date +%s)
-    logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full" \
-        --set "training.precision=\"${PRECISION:-f32}\""
-    echo "wall: $(($(date +%s) - start)) s"
-    grep -E "^(step .*val|done|peak|GPU memory|checkpoint:)" "$RUNS/full.log"
-    ms_per_step "$RUNS/full"
+    local seed seeds=${FULL_SEEDS:-}
+    for seed in ${seeds:-config}; do
+        rm -rf "$RUNS/full"
+        local extra=()
+        [ "$seed" = config ] || extra=(--set "training.seed=$seed")
+        echo "seed: $seed"
+        start=$(date +%s)
+        logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full" \
+            --set "training.precision=\"${PRECISION:-f32}\"" "${extra[@]}"
+        echo "wall: $(($(date +%s) - start)) s"
+        grep -E "^(step .*val|done|peak|GPU memory|checkpoint:)" "$RUNS/full.log"
+        ms_per_step "$RUNS/full"
+    done
     "$EMBER_GEN" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
 }
 
@@ -458,11 +469,14 @@ thread_times() {
 # check of it against its own kernels (the `attention:` line: output, log-sum-exps and gradient,
 # and the dropout masks of both passes), and a short bf16 run of the GPU config with cuDNN's own
 # error log on (CUDNN_LOGERR_DBG), the first lines of which are printed where it says anything.
+# Where OUT is set (the GPU machine's folder that comes back), the check's inputs and outputs
+# are also written in full to $OUT/cudnn-dump (EMBER_CUDNN_DUMP; raw f32 files, cases.txt).
 cudnn() {
     "$PYTHON" -c 'import torch; print("PyTorch", torch.__version__, "runs cuDNN", torch.backends.cudnn.version())' || true
     echo "CUDNN_PATH=${CUDNN_PATH:-} (unset: the system's cuDNN, else PyTorch's)"
     rm -rf "$RUNS/cudnn"
-    EMBER_CUDNN_ATTENTION=1 EMBER_CUDNN_CHECK=${EMBER_CUDNN_CHECK:-report} CUDNN_LOGERR_DBG=1 CUDNN_LOGDEST_DBG=stderr logged "$RUNS/cudnn.log" "$EMBER" train \
+    EMBER_CUDNN_DUMP=${EMBER_CUDNN_DUMP:-${OUT:+$OUT/cudnn-dump}} \
+        EMBER_CUDNN_ATTENTION=1 EMBER_CUDNN_CHECK=${EMBER_CUDNN_CHECK:-report} CUDNN_LOGERR_DBG=1 CUDNN_LOGDEST_DBG=stderr logged "$RUNS/cudnn.log" "$EMBER" train \
         --config "$CONFIG" --device "$DEVICE" --out "$RUNS/cudnn" --stop-after "${CUDNN_STEPS:-40}" \
         --set 'training.precision="bf16"' --set training.log_interval=10 || true
     grep -E "^(attention|warning|peak|GPU memory|cuDNN check|    )" "$RUNS/cudnn.log" || true
