@@ -7,7 +7,7 @@
 //! pass; [`crate::flex::decode_attention`] loops over the cached keys in place instead of
 //! two one-row matrix multiplies (plain tensors only: decoding is never differentiated).
 
-use burn::nn::Dropout;
+use burn::nn::{Dropout, Linear};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
 
@@ -49,6 +49,37 @@ pub fn causal_self_attention(
         Err(qkv) => qkv,
     };
     Ok(causal_self_attention_reference(qkv, heads))
+}
+
+/// The training attention of `x` on itself under the causal mask alone, from the block's input
+/// to its output projection, as one op where a kernel takes it: the `[Q | K | V]` projection by
+/// `c_attn` (left in mixed precision's product type where it is not rotated, as the kernels
+/// read it), the queries and keys rotated at positions `0..` where `rotary_base > 0`,
+/// [`causal_self_attention`] with `dropout` on the weights, and the projection by `c_proj`,
+/// given back in `x`'s type. `Err` is the projection, rotated, in `x`'s type, for the caller's
+/// own path (see [`causal_self_attention`]).
+///
+/// # Shapes
+/// - x: `[B, T, D]`
+/// - output: `[B, T, D]`; `Err`: `[B, T, 3D]`
+pub fn fused_causal_self_attention(
+    x: Tensor<3>,
+    c_attn: &Linear,
+    c_proj: &Linear,
+    heads: usize,
+    rotary_base: f64,
+    dropout: &Dropout,
+) -> Result<Tensor<3>, Tensor<3>> {
+    let dtype = x.dtype();
+    let qkv = match rotary_base > 0.0 {
+        true => crate::rotate_qk(crate::linear(c_attn, x), heads, 0, rotary_base),
+        false => crate::linear_in_products(c_attn, x),
+    }; // [B, T, 3D]
+    match causal_self_attention(qkv, heads, dropout) {
+        // In the projection's type; the residual stream's after the projection.
+        Ok(context) => Ok(crate::cast_to(crate::linear(c_proj, context), dtype)),
+        Err(qkv) => Err(crate::cast_to(qkv, dtype)),
+    }
 }
 
 /// [`causal_self_attention`] in Burn's tensor ops, on every backend: split the heads, attend

@@ -91,8 +91,8 @@ pub mod kernels;
 pub use adamw::{AdamWStep, adamw_step, adamw_step_reference};
 pub use attention::{
     cached_causal_attention, cached_causal_attention_at, cached_causal_attention_reference,
-    causal_self_attention, causal_self_attention_reference, single_query_attention,
-    single_query_attention_reference,
+    causal_self_attention, causal_self_attention_reference, fused_causal_self_attention,
+    single_query_attention, single_query_attention_reference,
 };
 pub use cache_write::{write_cache_rows, write_cache_rows_at, write_cache_rows_reference};
 pub use cross_entropy::{cross_entropy, cross_entropy_reference};
@@ -106,7 +106,9 @@ pub use products::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
     matmul, matmul_reference, matmul_split_rows, weight_gradient_splits,
 };
-pub use rotary::{rotate_qk, rotate_qk_by, rotate_qk_reference, rotate_qk_rows};
+pub use rotary::{
+    RotaryAt, rotate_qk, rotate_qk_at, rotate_qk_by, rotate_qk_reference, rotate_qk_rows,
+};
 pub use softmax::{causal_softmax, causal_softmax_reference};
 pub use step_inputs::{write_in_place, write_token, write_token_reference};
 pub use sum_of_squares::{sum_of_squares, sum_of_squares_reference};

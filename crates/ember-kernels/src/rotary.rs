@@ -59,6 +59,33 @@ pub fn rotate_qk_by(qkv: Tensor<3>, heads: usize, cos: Tensor<2>, sin: Tensor<2>
     turn_qk(qkv, heads, |x| rotate_by(x, cos.clone(), sin.clone()))
 }
 
+/// Where the rows of a rotary projection sit: the positions whose angles turn each row's query
+/// and key.
+#[derive(Debug, Clone)]
+pub enum RotaryAt {
+    /// Every batch row at positions `start..` ([`rotate_qk`]).
+    From(usize),
+    /// Row `b` at positions `starts[b]..` (a left-padded batch, [`rotate_qk_rows`]).
+    Rows(Vec<i64>),
+    /// One position per row whose `cos` and `sin` the device holds (a replayed decoding step,
+    /// [`rotate_qk_by`]), `[1, K/2]` each.
+    Tables(Tensor<2>, Tensor<2>),
+}
+
+/// `qkv` with every head's query and key rotated at the positions `at` names (RoPE base
+/// `base`): [`rotate_qk`], [`rotate_qk_rows`] or [`rotate_qk_by`].
+///
+/// # Shapes
+/// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head size `D / heads` even
+/// - output: `[B, T, 3D]`
+pub fn rotate_qk_at(qkv: Tensor<3>, heads: usize, at: RotaryAt, base: f64) -> Tensor<3> {
+    match at {
+        RotaryAt::From(start) => rotate_qk(qkv, heads, start, base),
+        RotaryAt::Rows(starts) => rotate_qk_rows(qkv, heads, &starts, base),
+        RotaryAt::Tables(cos, sin) => rotate_qk_by(qkv, heads, cos, sin),
+    }
+}
+
 /// `qkv` with `turn` applied to the heads of its query and key parts, values unchanged.
 fn turn_qk(qkv: Tensor<3>, heads: usize, turn: impl Fn(Tensor<4>) -> Tensor<4>) -> Tensor<3> {
     let [b, t, d3] = qkv.dims();

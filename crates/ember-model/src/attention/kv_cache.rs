@@ -3,6 +3,7 @@
 
 use burn::tensor::Tensor;
 
+use crate::ops::RotaryAt;
 use crate::positions::StepPosition;
 
 /// Cached keys and values of one attention layer.
@@ -34,6 +35,22 @@ pub struct KvCache {
     /// The position of the step's token on the device, which the kernels read in place of
     /// `len` when set (see [`DecoderCache::read_position_from`]).
     position: Option<StepPosition>,
+}
+
+/// The keys and values a step's queries attend to ([`KvCache::append_keys`]).
+#[derive(Debug, Clone)]
+pub enum Keys {
+    /// Exactly the positions seen so far, `[B, H, S, K]` each.
+    Seen(Tensor<4>, Tensor<4>),
+    /// A [`KvCache::whole_buffer`] cache's buffers, `[B, H, capacity, K]` each: query `i` of the
+    /// step sees keys `..= start + i`, the positions after them not written yet; `step` is the
+    /// step's position on the device where the cache reads it from there.
+    Buffer {
+        k: Tensor<4>,
+        v: Tensor<4>,
+        start: usize,
+        step: Option<StepPosition>,
+    },
 }
 
 /// Smallest buffer a self-attention cache allocates, in positions.
@@ -89,6 +106,36 @@ impl KvCache {
     /// True when nothing is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Appends the step's keys and values and gives those its queries attend to: the whole
+    /// buffer where the cache is read whole and the causal mask alone applies (`causal_only`),
+    /// else the positions seen so far.
+    ///
+    /// # Shapes
+    /// - k, v: `[B, H, T, K]`
+    pub fn append_keys(&mut self, k: Tensor<4>, v: Tensor<4>, causal_only: bool) -> Keys {
+        if self.whole_buffer && causal_only {
+            let (start, step) = (self.len, self.position.clone());
+            let (k, v) = self.append_whole(k, v);
+            return Keys::Buffer { k, v, start, step };
+        }
+        let (k, v) = self.append(k, v);
+        Keys::Seen(k, v)
+    }
+
+    /// The positions of a step's `t` rows, for rotary positions: a one-token step whose
+    /// position is on the device reads its angles there; a left-padded batch has each row's
+    /// own start; otherwise every row starts at the cached length (0 without a cache).
+    pub fn rotary_at(cache: Option<&KvCache>, t: usize) -> RotaryAt {
+        let step = cache.and_then(|c| c.position()).filter(|_| t == 1);
+        if let Some((cos, sin)) = step.and_then(|s| s.rotary()) {
+            return RotaryAt::Tables(cos, sin);
+        }
+        match cache.and_then(|c| c.row_starts()) {
+            Some(starts) => RotaryAt::Rows(starts),
+            None => RotaryAt::From(cache.map_or(0, |c| c.len())),
+        }
     }
 
     /// Appends new keys and values along the sequence axis and returns all of them.

@@ -16,7 +16,9 @@ pub mod multi_head;
 pub mod scaled_dot_product;
 pub mod self_attention;
 
-pub use kv_cache::{DecoderCache, KvCache};
+pub use kv_cache::{DecoderCache, Keys, KvCache};
 pub use masks::{MASKED_SCORE, causal_mask, combine_masks, padding_mask};
 pub use multi_head::{AttentionResult, MultiHeadAttention, MultiHeadAttentionConfig};
-pub use scaled_dot_product::{AttentionOutput, causal_attention, scaled_dot_product_attention};
+pub use scaled_dot_product::{
+    AttentionOutput, attend_keys, causal_attention, scaled_dot_product_attention,
+};

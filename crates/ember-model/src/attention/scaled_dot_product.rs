@@ -7,7 +7,8 @@ use burn::nn::Dropout;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 
-use super::masks::MASKED_SCORE;
+use super::kv_cache::Keys;
+use super::masks::{MASKED_SCORE, causal_mask, combine_masks, padding_mask};
 use crate::ops;
 
 /// Output of [`scaled_dot_product_attention`].
@@ -89,6 +90,53 @@ pub fn causal_attention(
         dropout,
         return_weights,
     )
+}
+
+/// Attention of the queries `q` to `keys` under the causal mask (where `causal`) and the
+/// padding mask `pad` (`true` at padded keys, `[B, S]` over every key seen): the causal mask
+/// alone is [`causal_attention`]; over a cache's whole buffer it also hides the positions not
+/// written yet ([`ops::cached_causal_attention`] where no weights are asked for); otherwise
+/// [`scaled_dot_product_attention`] with the masks combined.
+///
+/// # Shapes
+/// - q: `[B, H, T, K]`
+/// - output: context `[B, H, T, K]`, weights `[B, H, T, S]` (`S` the buffer's capacity for
+///   [`Keys::Buffer`])
+pub fn attend_keys(
+    q: Tensor<4>,
+    keys: Keys,
+    causal: bool,
+    pad: Option<Tensor<2, Bool>>,
+    dropout: &Dropout,
+    return_weights: bool,
+) -> AttentionOutput {
+    let [_, _, t, _] = q.dims();
+    match keys {
+        Keys::Buffer { k, v, start, step } if !return_weights => AttentionOutput {
+            context: match step {
+                Some(step) => ops::cached_causal_attention_at(q, k, v, &step.position, dropout),
+                None => ops::cached_causal_attention(q, k, v, start, dropout),
+            },
+            weights: None,
+        },
+        Keys::Buffer { k, v, start, .. } => {
+            // Query i (at position start + i) sees keys up to start + i, which also hides
+            // every position not written yet.
+            let capacity = k.dims()[2];
+            let mask = Tensor::<2, Bool>::tril_mask([t, capacity], start as i64, &q.device())
+                .reshape([1, 1, t, capacity]);
+            scaled_dot_product_attention(q, k, v, Some(mask), Some(dropout), return_weights)
+        }
+        Keys::Seen(k, v) if causal && pad.is_none() => {
+            causal_attention(q, k, v, Some(dropout), return_weights)
+        }
+        Keys::Seen(k, v) => {
+            let s = k.dims()[2];
+            let causal = (causal && t > 1).then(|| causal_mask(t, s, &q.device()));
+            let mask = combine_masks(causal, pad.map(padding_mask));
+            scaled_dot_product_attention(q, k, v, mask, Some(dropout), return_weights)
+        }
+    }
 }
 
 /// `dropout(weights) @ v`, keeping the weights if asked.

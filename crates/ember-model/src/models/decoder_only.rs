@@ -129,16 +129,8 @@ impl DecoderOnly {
         };
         let mut x = crate::ops::embed(&self.wte, tokens); // [B, T, D]
         if let Some(wpe) = &self.wpe {
-            // A step that reads its position from the device looks its encoding up there.
-            let at_position = match cache.as_ref().and_then(|c| c.position()) {
-                Some(step) if t == 1 => wpe.forward_at(step),
-                _ => None,
-            };
-            x = x + match (&row_starts, at_position) {
-                (_, Some(encoding)) => encoding,
-                (Some(starts), None) => wpe.forward_rows(starts, t, &device),
-                (None, None) => wpe.forward(start, t, &device),
-            };
+            let step = cache.as_ref().and_then(|c| c.position());
+            x = x + wpe.forward_for(start, t, row_starts.as_deref(), step, &device);
         }
         let mut x = crate::ops::dropout(&self.drop, x);
         let mut weights = Vec::new();

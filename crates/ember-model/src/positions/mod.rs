@@ -105,6 +105,30 @@ impl AdditivePositions {
         }
     }
 
+    /// The encodings of a forward pass's `t` positions, wherever they sit: a one-token step whose
+    /// position `step` holds on the device looks it up there ([`Self::forward_at`]); a
+    /// left-padded batch has each row's own start (`row_starts`, [`Self::forward_rows`]);
+    /// otherwise every row is at `start..start + t` ([`Self::forward`]).
+    ///
+    /// # Shapes
+    /// - output: `[1, T, D]`, or `[B, T, D]` with `B = row_starts.len()`
+    pub fn forward_for(
+        &self,
+        start: usize,
+        t: usize,
+        row_starts: Option<&[i64]>,
+        step: Option<&StepPosition>,
+        device: &Device,
+    ) -> Tensor<3> {
+        if let Some(encoding) = step.filter(|_| t == 1).and_then(|s| self.forward_at(s)) {
+            return encoding;
+        }
+        match row_starts {
+            Some(starts) => self.forward_rows(starts, t, device),
+            None => self.forward(start, t, device),
+        }
+    }
+
     /// The encodings of positions `starts[b]..starts[b] + T` for each row `b` of a batch whose
     /// rows start at different positions (left-padded prompts). Positions before 0 are padding,
     /// which attention masks out; they get position 0's encoding (learned) or their own
