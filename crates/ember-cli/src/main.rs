@@ -32,6 +32,7 @@ mod eval;
 mod export;
 mod generate;
 mod heatmap;
+mod prepare;
 mod signals;
 mod stream;
 mod train;
@@ -49,6 +50,8 @@ struct Cli {
 enum Command {
     /// Train a model from a TOML config (and resume an interrupted run).
     Train(train::TrainArgs),
+    /// Tokenize a corpus once into a folder that training memory-maps (for large corpora).
+    Prepare(prepare::PrepareArgs),
     /// Sample text from a trained language model.
     Generate(generate::GenerateArgs),
     /// Score a trained language model on a text file.
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
             Ok(code) => return code,
             Err(e) => Err(e),
         },
+        Command::Prepare(args) => prepare::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Translate(args) => translate::run(args),

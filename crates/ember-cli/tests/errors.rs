@@ -166,6 +166,66 @@ const CASES: &[Case] = &[
     ),
     case(
         "data",
+        "text corpus too large to tokenize at start-up",
+        &["train", "--config", "$TMP/data-huge.toml"],
+        &["data.path", "huge.txt", "ember prepare"],
+    ),
+    case(
+        "data",
+        "prepared corpus: token file cut short",
+        &["train", "--config", "$TMP/prep-truncated.toml"],
+        &["prep-truncated/tokens.bin", "cut short"],
+    ),
+    case(
+        "data",
+        "prepared corpus: not a token file",
+        &["train", "--config", "$TMP/prep-foreign.toml"],
+        &["prep-foreign/tokens.bin", "EMBERTOK"],
+    ),
+    case(
+        "data",
+        "prepared corpus: newer format",
+        &["train", "--config", "$TMP/prep-newer.toml"],
+        &["prep-newer/tokens.bin", "version 99"],
+    ),
+    case(
+        "data",
+        "prepared corpus: its tokenizer file replaced",
+        &["train", "--config", "$TMP/prep-other-tokenizer.toml"],
+        &["prep-other-tokenizer/tokens.bin", "another tokenizer"],
+    ),
+    case(
+        "data",
+        "prepared corpus: the config asks for another tokenizer",
+        &["train", "--config", "$TMP/prep-bpe.toml"],
+        &["data.tokenizer", "bpe", "prepared with char"],
+    ),
+    case(
+        "data",
+        "prepared corpus: fine-tuning a model of another tokenizer",
+        &[
+            "train",
+            "--config",
+            "$TMP/prep-init.toml",
+            "--init-from",
+            "crates/ember-train/tests/fixtures/tiny-gpt2",
+        ],
+        &["prep/tokens.bin", "another tokenizer"],
+    ),
+    case(
+        "data",
+        "`prepare` of a file that is not UTF-8",
+        &["prepare", "$TMP/binary.txt", "--out", "$TMP/prep-binary"],
+        &["binary.txt", "UTF-8", "offset 4", "line 2"],
+    ),
+    case(
+        "data",
+        "`prepare` of a folder with no files",
+        &["prepare", "$TMP/empty-dir", "--out", "$TMP/prep-none"],
+        &["empty-dir", "no files"],
+    ),
+    case(
+        "data",
         "parallel files of different lengths",
         &["train", "--config", "$TMP/mt-misaligned.toml"],
         &["three.de", "3", "two.en", "2"],
@@ -871,6 +931,46 @@ fn fixtures(dir: &Path) {
     });
     std::fs::create_dir_all(dir.join("empty-dir")).unwrap();
     write(dir, "init-arch.toml", "[model]\nd_model = 64\n");
+
+    // A text too large for a run to tokenize (sparse: no disk used), and a prepared corpus with
+    // damaged copies.
+    std::fs::File::create(dir.join("huge.txt"))
+        .unwrap()
+        .set_len(65 << 20)
+        .unwrap();
+    write(dir, "data-huge.toml", data(&format!("{d}/huge.txt")));
+    let prepared = dir.join("prep");
+    ember_ok(&["prepare", corpus, "--out", prepared.to_str().unwrap()]);
+    write(
+        dir,
+        "prep-init.toml",
+        format!("[data]\npath = {:?}\n", format!("{d}/prep")),
+    );
+    write(
+        dir,
+        "prep-bpe.toml",
+        format!("{}tokenizer = \"bpe\"\n", data(&format!("{d}/prep"))),
+    );
+    let broken = |name: &str, file: &str, change: &dyn Fn(&Path)| {
+        copy_dir(&prepared, &dir.join(name));
+        change(&dir.join(name).join(file));
+        write(dir, &format!("{name}.toml"), data(&format!("{d}/{name}")));
+    };
+    broken("prep-truncated", "tokens.bin", &|f| {
+        let bytes = std::fs::read(f).unwrap();
+        std::fs::write(f, &bytes[..bytes.len() / 2]).unwrap();
+    });
+    broken("prep-foreign", "tokens.bin", &|f| {
+        std::fs::write(f, "not tokens at all".repeat(100)).unwrap();
+    });
+    broken("prep-newer", "tokens.bin", &|f| {
+        let mut bytes = std::fs::read(f).unwrap();
+        bytes[8] = 99;
+        std::fs::write(f, bytes).unwrap();
+    });
+    broken("prep-other-tokenizer", "chars.json", &|f| {
+        std::fs::write(f, "{\"kind\": \"char\", \"chars\": \"abc\"}").unwrap();
+    });
 
     // Hugging Face folders whose config.json does not fit their weights.
     let gpt2 = repo().join("crates/ember-train/tests/fixtures/tiny-gpt2");

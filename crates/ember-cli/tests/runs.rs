@@ -394,3 +394,52 @@ fn the_best_checkpoint_is_kept_and_early_stopping_ends_a_stalled_run() {
     assert_eq!(metrics(&stalled).last().unwrap().step, 30);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `ember prepare --config` tokenizes the config's corpus with its tokenizer settings, and
+/// `ember train` with `data.path` set to the folder trains, stops and resumes to the
+/// parameters of an uninterrupted run on the text.
+#[test]
+fn a_prepared_corpus_trains_and_resumes_from_the_command_line() {
+    let dir = temp("prepared-cli");
+    let config = config(
+        &dir,
+        "max_steps = 12\ncheckpoint_interval = 6\neval_interval = 12\n",
+    );
+    let folder = dir.join("tokens");
+    let out = ember_ok(&[
+        "prepare",
+        "--config",
+        &config,
+        "--out",
+        folder.to_str().unwrap(),
+    ]);
+    let said = stderr(&out);
+    assert!(said.contains("1115394 tokens (2 bytes each)"), "{said}");
+    let tokens = format!("data.path={:?}", folder.to_str().unwrap());
+    let text_run = dir.join("text");
+    ember_ok(&[
+        "train",
+        "--config",
+        &config,
+        "--out",
+        text_run.to_str().unwrap(),
+    ]);
+    let run = dir.join("run");
+    let run_s = run.to_str().unwrap();
+    ember_ok(&[
+        "train",
+        "--config",
+        &config,
+        "--out",
+        run_s,
+        "--set",
+        &tokens,
+        "--stop-after",
+        "6",
+    ]);
+    ember_ok(&[
+        "train", "--config", &config, "--out", run_s, "--set", &tokens, "--resume",
+    ]);
+    assert_eq!(params(&run), params(&text_run));
+    let _ = std::fs::remove_dir_all(dir);
+}

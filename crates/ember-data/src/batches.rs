@@ -4,6 +4,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::{DataError, Result};
+use crate::token_file::TokenFile;
 
 /// A batch of `B` windows of `T` tokens, row-major, as i32 for Burn's int tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,48 +19,91 @@ pub struct LmBatch {
     pub context_len: usize,
 }
 
+/// Where a split's ids are: in memory, or a range of a memory-mapped token file.
+#[derive(Debug, Clone)]
+enum Ids {
+    Owned(Vec<u32>),
+    Mapped { file: TokenFile, start: usize },
+}
+
 /// Draws windows from one split of a tokenized corpus.
 #[derive(Debug, Clone)]
 pub struct WindowSampler {
-    ids: Vec<u32>,
+    ids: Ids,
+    len: usize,
     context_len: usize,
 }
 
 impl WindowSampler {
     /// A sampler over `ids`; errors if it is shorter than one window of `context_len + 1`.
     pub fn new(what: &str, ids: Vec<u32>, context_len: usize) -> Result<Self> {
-        if ids.len() < context_len + 1 {
+        let len = ids.len();
+        Self::checked(what, Ids::Owned(ids), len, context_len)
+    }
+
+    /// A sampler over ids `range` of a memory-mapped token file (nothing read until a window
+    /// is drawn); errors if the range is shorter than one window of `context_len + 1`.
+    pub fn mapped(
+        what: &str,
+        file: TokenFile,
+        range: std::ops::Range<usize>,
+        context_len: usize,
+    ) -> Result<Self> {
+        assert!(range.end <= file.len(), "a range of the token file");
+        let len = range.len();
+        let ids = Ids::Mapped {
+            file,
+            start: range.start,
+        };
+        Self::checked(what, ids, len, context_len)
+    }
+
+    fn checked(what: &str, ids: Ids, len: usize, context_len: usize) -> Result<Self> {
+        if len < context_len + 1 {
             return Err(DataError::TooShort {
                 what: what.to_string(),
-                tokens: ids.len(),
+                tokens: len,
                 needed: context_len + 1,
             });
         }
-        Ok(Self { ids, context_len })
+        Ok(Self {
+            ids,
+            len,
+            context_len,
+        })
     }
 
     /// Number of tokens in the split.
     pub fn len(&self) -> usize {
-        self.ids.len()
+        self.len
     }
 
     /// True if the split holds no tokens (never, after [`new`](Self::new)).
     pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.len == 0
     }
 
     /// `batch_size` windows at uniformly random starts drawn from `seed`: the same seed
-    /// always gives the same batch.
+    /// always gives the same batch, from memory or from a token file alike.
     pub fn sample(&self, batch_size: usize, seed: u64) -> LmBatch {
         let mut rng = StdRng::seed_from_u64(seed);
         let t = self.context_len;
         let mut inputs = Vec::with_capacity(batch_size * t);
         let mut targets = Vec::with_capacity(batch_size * t);
         for _ in 0..batch_size {
-            let start = rng.random_range(0..=self.ids.len() - t - 1);
-            let window = &self.ids[start..start + t + 1];
-            inputs.extend(window[..t].iter().map(|&i| i as i32));
-            targets.extend(window[1..].iter().map(|&i| i as i32));
+            let start = rng.random_range(0..=self.len - t - 1);
+            match &self.ids {
+                Ids::Owned(ids) => {
+                    let window = &ids[start..start + t + 1];
+                    inputs.extend(window[..t].iter().map(|&i| i as i32));
+                    targets.extend(window[1..].iter().map(|&i| i as i32));
+                }
+                Ids::Mapped { file, start: first } => {
+                    let at = first + start;
+                    file.extend_i32(at..at + t, &mut inputs);
+                    file.extend_i32(at + 1..at + t + 1, &mut targets);
+                }
+            }
         }
         LmBatch {
             inputs,

@@ -31,6 +31,22 @@ pub fn train_bpe(files: &[&Path], vocab_size: usize, special: &[&str]) -> Result
         // Checks existence, emptiness and UTF-8 with our clear errors before the library does.
         crate::corpus::read_text(file)?;
     }
+    train_bpe_unchecked(files, vocab_size, special)
+}
+
+/// [`train_bpe`] of files already checked (they exist, hold text and are UTF-8).
+pub fn train_bpe_unchecked(
+    files: &[&Path],
+    vocab_size: usize,
+    special: &[&str],
+) -> Result<Tokenizer> {
+    let min = 256 + special.len();
+    if vocab_size < min {
+        return Err(DataError::Invalid(format!(
+            "bpe vocab_size = {vocab_size} is too small: a byte-level BPE needs at least {min} (256 bytes + {} special tokens)",
+            special.len()
+        )));
+    }
     let mut trainer = BpeTrainerBuilder::new()
         .show_progress(false)
         .vocab_size(vocab_size)

@@ -37,9 +37,14 @@ pub const UNKNOWN_CHAR: char = '\u{FFFD}';
 impl CharTokenizer {
     /// The sorted distinct characters of `text`.
     pub fn from_text(text: &str) -> Self {
-        let mut chars: Vec<char> = text.chars().collect();
-        chars.sort_unstable();
-        chars.dedup();
+        let chars: std::collections::BTreeSet<char> = text.chars().collect();
+        Self::from_chars(chars.into_iter().collect())
+    }
+
+    /// The vocabulary of `chars`, sorted and distinct (as [`Self::from_text`] makes it from the
+    /// text they come from).
+    pub fn from_sorted(chars: Vec<char>) -> Self {
+        debug_assert!(chars.windows(2).all(|w| w[0] < w[1]), "sorted and distinct");
         Self::from_chars(chars)
     }
 

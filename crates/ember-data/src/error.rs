@@ -58,6 +58,14 @@ pub enum DataError {
         /// What is wrong.
         message: String,
     },
+    /// A prepared corpus's token file is malformed or does not fit the run.
+    #[error("bad token file {path}: {message}")]
+    BadTokenFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// The `tokenizers` library failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

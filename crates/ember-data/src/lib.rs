@@ -11,9 +11,12 @@ pub mod corpus;
 pub mod error;
 pub mod hf_tokenizer;
 pub mod parallel;
+pub mod prepare;
+pub mod token_file;
 pub mod tokenizer;
 
 pub use batches::{LmBatch, WindowSampler, batch_seed};
 pub use char_tokenizer::{CharTokenizer, Encoded};
 pub use error::{DataError, Result};
+pub use token_file::TokenFile;
 pub use tokenizer::Tokenizer;

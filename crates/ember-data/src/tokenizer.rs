@@ -121,6 +121,21 @@ impl Tokenizer {
         }
     }
 
+    /// The vocabulary, id by id (each token's text and a zero byte): what two tokenizers must
+    /// share for the same ids to mean the same text.
+    pub fn vocabulary_bytes(&self) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for id in 0..self.vocab_size() as u32 {
+            let token = match self {
+                Tokenizer::Char(t) => t.token(id),
+                Tokenizer::Bpe(t) => t.id_to_token(id),
+            };
+            bytes.extend_from_slice(token.unwrap_or_default().as_bytes());
+            bytes.push(0);
+        }
+        bytes
+    }
+
     /// Loads the tokenizer saved in `dir` (either file name).
     pub fn load(dir: &Path) -> Result<Self> {
         let chars = dir.join(CHAR_FILE);

@@ -45,9 +45,18 @@ pub fn evaluate(lm: &LoadedLm, path: &Path) -> Result<EvalReport> {
 /// the whole split rather than the training loop's `eval_batches` random windows.
 pub fn evaluate_split(lm: &LoadedLm, split: Split) -> Result<EvalReport> {
     let data = &lm.config.data;
-    let text = corpus::read_text(&data.path)?;
-    let encoded = lm.tokenizer.encode(&text)?;
-    let (train, val) = corpus::split(&encoded.ids, data.train_fraction);
+    let ids: Vec<u32> = match ember_data::token_file::is_prepared(&data.path) {
+        // A prepared corpus (`ember prepare`): its ids, made by the model's tokenizer.
+        true => {
+            let file = ember_data::TokenFile::open(&data.path, &lm.tokenizer)?;
+            (0..file.len()).map(|i| file.get(i)).collect()
+        }
+        false => {
+            let text = corpus::read_text(&data.path)?;
+            lm.tokenizer.encode(&text)?.ids
+        }
+    };
+    let (train, val) = corpus::split(&ids, data.train_fraction);
     let (ids, name) = match split {
         Split::Train => (train, "training"),
         Split::Val => (val, "validation"),

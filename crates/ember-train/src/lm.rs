@@ -3,12 +3,14 @@
 use std::path::Path;
 
 use burn::tensor::{Device, Int, Tensor};
-use ember_data::{CharTokenizer, Tokenizer, WindowSampler, batch_seed, corpus};
+use ember_data::{
+    CharTokenizer, TokenFile, Tokenizer, WindowSampler, batch_seed, corpus, token_file,
+};
 use ember_model::DecoderOnly;
 
 use crate::checkpoint::CONFIG_FILE;
 use crate::config::{RunConfig, TokenizerKind};
-use crate::error::{Result, write_err};
+use crate::error::{Result, TrainError, write_err};
 use crate::lm_source::{LmSource, open_lm};
 use crate::task::{Split, Task};
 use crate::trainer::{Launch, RunOptions, RunSummary};
@@ -28,9 +30,34 @@ pub struct LmData {
     pub unknown: usize,
 }
 
-/// Builds the tokenizer the config asks for, tokenizes the corpus and splits it.
+/// The largest text file `ember train` tokenizes itself (64 MiB): a larger one is prepared
+/// once with `ember prepare` (tokenizing a 111 MB file in memory with a BPE took 12 GB).
+pub const TEXT_LIMIT: u64 = 64 << 20;
+
+/// Builds the tokenizer the config asks for, tokenizes the corpus and splits it; or, where
+/// `data.path` is a prepared corpus folder (`ember prepare`), maps its token file.
 pub fn prepare(config: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<LmData> {
     let path = &config.data.path;
+    if token_file::is_prepared(path) {
+        return prepared(config, tokenizer);
+    }
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.is_file()
+        && meta.len() > TEXT_LIMIT
+    {
+        return Err(TrainError::ConfigValue {
+            key: "data.path".into(),
+            message: format!(
+                "= {}: {} MB of text, more than ember tokenizes at the start of a run ({} MB); \
+                 tokenize it once with `ember prepare {} --out DIR` (with the run's tokenizer \
+                 settings, e.g. --tokenizer bpe --vocab-size N) and set data.path to DIR",
+                path.display(),
+                meta.len() >> 20,
+                TEXT_LIMIT >> 20,
+                path.display()
+            ),
+        });
+    }
     let text = corpus::read_text(path)?;
     let tokenizer = match tokenizer {
         Some(t) => t,
@@ -45,6 +72,53 @@ pub fn prepare(config: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<LmDat
         val: WindowSampler::new(&name("validation"), val.to_vec(), context)?,
         tokenizer,
         unknown: encoded.unknown,
+    })
+}
+
+/// A prepared corpus: the folder's tokenizer (which must be the kind the config names, and a
+/// resumed or fine-tuned run's own), its token file mapped and split as a text is.
+fn prepared(config: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<LmData> {
+    let data = &config.data;
+    let folder = &data.path;
+    let theirs = token_file::load_folder_tokenizer(folder)?;
+    let mismatch = |message: String| TrainError::ConfigValue {
+        key: "data.tokenizer".into(),
+        message,
+    };
+    let wanted_char = data.tokenizer_file.is_none() && data.tokenizer == TokenizerKind::Char;
+    if wanted_char != theirs.is_char() {
+        return Err(mismatch(format!(
+            "asks for {} but {} was prepared with {}; prepare it again with the run's tokenizer \
+             or set data.tokenizer to match",
+            if wanted_char { "char" } else { "bpe" },
+            folder.display(),
+            theirs.describe()
+        )));
+    }
+    if let Some(file) = &data.tokenizer_file {
+        let named = Tokenizer::Bpe(Box::new(ember_data::bpe::load_bpe(file)?));
+        if token_file::tokenizer_hash(&named) != token_file::tokenizer_hash(&theirs) {
+            return Err(mismatch(format!(
+                "data.tokenizer_file {} is not the tokenizer {} was prepared with; prepare it \
+                 again with --tokenizer-file",
+                file.display(),
+                folder.display()
+            )));
+        }
+    }
+    // A resumed or fine-tuned run keeps its own tokenizer: the token file must be its ids.
+    let tokenizer = tokenizer.unwrap_or(theirs);
+    let file = TokenFile::open(folder, &tokenizer)?;
+    let n = file.len();
+    let split = ((n as f64) * data.train_fraction) as usize;
+    let split = split.min(n);
+    let context = config.model.context_len;
+    let name = |s: &str| format!("the {s} split of {}", file.path.display());
+    Ok(LmData {
+        train: WindowSampler::mapped(&name("training"), file.clone(), 0..split, context)?,
+        val: WindowSampler::mapped(&name("validation"), file, split..n, context)?,
+        tokenizer,
+        unknown: 0,
     })
 }
 

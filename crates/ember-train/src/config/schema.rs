@@ -22,7 +22,8 @@ pub enum TokenizerKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
-    /// UTF-8 text file to train on. Default `data/tinyshakespeare.txt`.
+    /// UTF-8 text file to train on (at most 64 MB), or a folder `ember prepare` wrote. Default
+    /// `data/tinyshakespeare.txt`.
     pub path: PathBuf,
     /// `char` (default) or `bpe`.
     pub tokenizer: TokenizerKind,
