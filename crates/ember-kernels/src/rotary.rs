@@ -62,6 +62,7 @@ pub fn rotate_qk_by(qkv: Tensor<3>, heads: usize, cos: Tensor<2>, sin: Tensor<2>
 /// Where the rows of a rotary projection sit: the positions whose angles turn each row's query
 /// and key.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per attention call, passed by value and consumed
 pub enum RotaryAt {
     /// Every batch row at positions `start..` ([`rotate_qk`]).
     From(usize),

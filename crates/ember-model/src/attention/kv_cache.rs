@@ -39,6 +39,7 @@ pub struct KvCache {
 
 /// The keys and values a step's queries attend to ([`KvCache::append_keys`]).
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per attention call, passed by value and consumed
 pub enum Keys {
     /// Exactly the positions seen so far, `[B, H, S, K]` each.
     Seen(Tensor<4>, Tensor<4>),
