@@ -33,6 +33,9 @@ pub struct PrepareArgs {
     /// --init-from, or for resuming it).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["tokenizer", "vocab_size"])]
     tokenizer_from: Option<PathBuf>,
+    /// Train the BPE on the inputs' first N MB only (bounded memory and time for large corpora).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    bpe_sample_mb: u64,
     /// Encoding workers [default: the machine's cores].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     threads: Option<u64>,
@@ -98,6 +101,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         tokenizer,
         threads,
         piece_bytes: ember_data::prepare::PIECE_BYTES,
+        bpe_sample_bytes: args.bpe_sample_mb << 20,
     };
     let started = Instant::now();
     let bar = indicatif::ProgressBar::new(0);

@@ -5,8 +5,8 @@
 //! byte and line); each block is cut into pieces that the tokenizer's workers encode in
 //! parallel, and the ids are written in order. A character vocabulary takes one pass of its
 //! own over the files first; a byte-level BPE is trained by the `tokenizers` library from the
-//! files (it counts words as it reads, so its memory grows with the distinct words, not the
-//! text). Pieces end after a newline followed by a character that is not whitespace: there
+//! files, or from their first [`BPE_SAMPLE_BYTES`] where they hold more (it counts words as it
+//! reads: its memory grows with the distinct words of what it reads). Pieces end after a newline followed by a character that is not whitespace: there
 //! the GPT-2 pre-tokenizer of a byte-level BPE always ends a word, so the ids are those of the
 //! whole text encoded at once, as `ember train` encodes a text file. (Another `tokenizer.json`
 //! may split words otherwise; its ids are those of each piece.)
@@ -51,7 +51,14 @@ pub struct PrepareOptions {
     pub threads: usize,
     /// Bytes of text each worker encodes at a time ([`PIECE_BYTES`]).
     pub piece_bytes: usize,
+    /// The most text a BPE is trained on: the inputs' first this many bytes, cut at a line
+    /// ([`BPE_SAMPLE_BYTES`]), so that training's memory and time stay bounded whatever the
+    /// corpus's size.
+    pub bpe_sample_bytes: u64,
 }
+
+/// The default of [`PrepareOptions::bpe_sample_bytes`]: 256 MB.
+pub const BPE_SAMPLE_BYTES: u64 = 256 << 20;
 
 /// What a stage of [`prepare`] has done so far: `done` of `total` bytes of text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,15 +119,50 @@ pub fn prepare(options: &PrepareOptions, progress: &mut dyn FnMut(Progress)) -> 
                 done: 0,
                 total,
             });
+            // Our own UTF-8 errors (file, byte, line) before the library reads the files; past
+            // the sample, the first text of the inputs is what the BPE learns from.
+            let sample = options.out.join("bpe-sample.txt.partial");
+            let mut writer = (total > options.bpe_sample_bytes)
+                .then(|| std::fs::File::create(&sample).map(std::io::BufWriter::new))
+                .transpose()
+                .map_err(|source| DataError::Write {
+                    path: sample.clone(),
+                    source,
+                })?;
+            let mut sampled = 0u64;
             for path in &paths {
-                // Our own UTF-8 errors (file, byte, line) before the library reads the files.
-                read_blocks(path, 1 << 24, false, &mut |_| Ok(()))?;
+                read_blocks(path, 1 << 24, true, &mut |text| {
+                    if let Some(w) = writer.as_mut() {
+                        let room = options.bpe_sample_bytes.saturating_sub(sampled) as usize;
+                        let take = match text.len() <= room {
+                            true => text.len(),
+                            // Whole lines only.
+                            false => text[..room].rfind('\n').map_or(0, |i| i + 1),
+                        };
+                        std::io::Write::write_all(w, &text.as_bytes()[..take]).map_err(
+                            |source| DataError::Write {
+                                path: sample.clone(),
+                                source,
+                            },
+                        )?;
+                        sampled += take as u64;
+                    }
+                    Ok(())
+                })?;
             }
-            Tokenizer::Bpe(Box::new(crate::bpe::train_bpe_unchecked(
-                &paths,
-                *vocab_size,
-                &[],
-            )?))
+            let trained = match writer {
+                Some(w) => {
+                    w.into_inner().map_err(|e| DataError::Write {
+                        path: sample.clone(),
+                        source: e.into_error(),
+                    })?;
+                    let trained = crate::bpe::train_bpe_unchecked(&[&sample], *vocab_size, &[]);
+                    let _ = std::fs::remove_file(&sample);
+                    trained?
+                }
+                None => crate::bpe::train_bpe_unchecked(&paths, *vocab_size, &[])?,
+            };
+            Tokenizer::Bpe(Box::new(trained))
         }
         TokenizerChoice::File(path) => Tokenizer::Bpe(Box::new(crate::bpe::load_bpe(path)?)),
         TokenizerChoice::Given(tokenizer) => tokenizer.clone(),
@@ -434,6 +476,7 @@ mod tests {
                     tokenizer: choice.clone(),
                     threads,
                     piece_bytes,
+                    bpe_sample_bytes: BPE_SAMPLE_BYTES,
                 };
                 let prepared = prepare(&options, &mut |_| {}).unwrap();
                 let whole = prepared.tokenizer.encode(&text).unwrap().ids;
@@ -444,5 +487,50 @@ mod tests {
                 assert_eq!(file.header.width, 2);
             }
         }
+    }
+
+    /// Past the sample size, the BPE learns from the inputs' first whole lines only; the sample
+    /// is not left behind, and the ids are still the whole text's under the trained tokenizer.
+    #[test]
+    fn a_bpe_learns_from_a_sample_of_a_large_corpus() {
+        let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tinyshakespeare.txt");
+        let text: String = std::fs::read_to_string(&corpus)
+            .unwrap()
+            .chars()
+            .take(60_000)
+            .collect();
+        let dir = temp_dir("sample");
+        let input = dir.join("part.txt");
+        std::fs::write(&input, &text).unwrap();
+        let out = dir.join("out");
+        let options = PrepareOptions {
+            inputs: vec![input],
+            out: out.clone(),
+            tokenizer: TokenizerChoice::Bpe(300),
+            threads: 2,
+            piece_bytes: PIECE_BYTES,
+            bpe_sample_bytes: 10_000,
+        };
+        let prepared = prepare(&options, &mut |_| {}).unwrap();
+        let names: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        assert!(names.iter().all(|n| !n.contains("sample")), "{names:?}");
+        let whole = prepared.tokenizer.encode(&text).unwrap().ids;
+        let file = TokenFile::open(&out, &prepared.tokenizer).unwrap();
+        assert_eq!(file.len(), whole.len());
+        // Learned from 10 KB, the merges compress the whole text less than the text's own.
+        let own = crate::bpe::train_bpe(&[&dir.join("part.txt")], 300, &[]).unwrap();
+        let own = Tokenizer::Bpe(Box::new(own))
+            .encode(&text)
+            .unwrap()
+            .ids
+            .len();
+        assert!(
+            whole.len() > own,
+            "{} tokens from the sample's BPE, {own} from the text's",
+            whole.len()
+        );
     }
 }

@@ -56,6 +56,7 @@ fn prepared(name: &str, tokenizer: TokenizerChoice) -> PathBuf {
         tokenizer,
         threads: 2,
         piece_bytes: PIECE_BYTES,
+        bpe_sample_bytes: ember_data::prepare::BPE_SAMPLE_BYTES,
     };
     prepare(&options, &mut |_| {}).unwrap();
     out
