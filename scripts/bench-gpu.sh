@@ -45,9 +45,10 @@
 # `stage[@device]:seconds` (default `speed:300 check:90 profile:110 memory:70 full:100000`; e.g.
 # `speed@cuda:200 speed@vulkan:150 check@vulkan:60 ...` for two devices of one binary in one
 # run). ENV_ARCHIVE a `tar.xz` of cubecl's environment (target/environment/: autotune results
-# and compiled kernels) to start from, written by an earlier `all` as $OUT/environment.tar.xz
-# where OUT is set (the GPU machine's folder that comes back): a fresh machine otherwise spends
-# 40-80 s compiling and tuning before its first steps. Backends draw
+# and compiled kernels; with the driver's ~/.nv/ComputeCache where it is under 40 MB) to start
+# from, written by an earlier `all` as $OUT/environment.tar.xz where OUT is set (the GPU
+# machine's folder that comes back): a fresh machine otherwise spends 40-80 s compiling and
+# tuning before its first steps. Backends draw
 # initial weights from their own random generators, so the two tiny runs of `check` end near
 # each other, not equal; the greedy text of one checkpoint must agree.
 set -euo pipefail
@@ -74,6 +75,12 @@ fi
 if [ -n "${ENV_ARCHIVE:-}" ]; then
     if [ -f "$ENV_ARCHIVE" ]; then
         tar -xJf "$ENV_ARCHIVE" && echo "cubecl environment from $ENV_ARCHIVE"
+        # The driver's cache of the kernels it compiled from CubeCL's PTX, where the archive
+        # has it (it belongs in the home folder).
+        if [ -d .nv/ComputeCache ]; then
+            mkdir -p "$HOME/.nv" && cp -r .nv/ComputeCache "$HOME/.nv/" && rm -rf .nv &&
+                echo "the driver's compiled kernels from $ENV_ARCHIVE"
+        fi
     else
         echo "ENV_ARCHIVE=$ENV_ARCHIVE is not a file; starting from a cold cache"
     fi
@@ -556,8 +563,15 @@ all() {
         grep -E "^step .*val" "$RUNS/full.log" || true
     fi
     if [ -n "${OUT:-}" ] && [ -d target/environment ]; then
-        tar -cJf "$OUT/environment.tar.xz" target/environment &&
-            echo "cubecl environment for the next run: $OUT/environment.tar.xz (ENV_ARCHIVE)"
+        # With the driver's cache of what it compiled from CubeCL's PTX, where it is small
+        # enough to carry: without it a new machine compiles every kernel again at first load.
+        local driver=()
+        if [ -d "$HOME/.nv/ComputeCache" ] &&
+            [ "$(du -sm "$HOME/.nv/ComputeCache" | cut -f1)" -lt 40 ]; then
+            driver=(-C "$HOME" .nv/ComputeCache)
+        fi
+        tar -cJf "$OUT/environment.tar.xz" target/environment "${driver[@]}" &&
+            echo "cubecl environment for the next run: $OUT/environment.tar.xz (ENV_ARCHIVE${driver:+, with the kernels the driver compiled})"
     fi
     echo "all: $(($(date +%s) - t0)) s"
 }
