@@ -12,10 +12,11 @@
 //! are not padding, 0 on the others.
 
 use crate::GpuKernel;
+use crate::cube::autodiff::tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
@@ -197,23 +198,11 @@ impl<B: CrossEntropyKernels, C: CheckpointStrategy> CrossEntropyKernels for Auto
         pad: i32,
         smoothing: f32,
     ) -> FloatTensor<Self> {
-        let node = CrossEntropy { pad, smoothing };
-        match node
-            .prepare::<C>([logits.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let logits = logits.into_primitive();
-                let (loss, stats) =
-                    B::cross_entropy_forward(logits.clone(), targets.clone(), pad, smoothing);
-                prep.finish((logits, targets, stats), loss)
-            }
-            OpsKind::UnTracked(prep) => {
-                let logits = logits.into_primitive();
-                prep.finish(B::cross_entropy_forward(logits, targets, pad, smoothing).0)
-            }
-        }
+        tracked::<B, C, _, _>(CrossEntropy { pad, smoothing }, [logits], |[logits]| {
+            let (loss, stats) =
+                B::cross_entropy_forward(logits.clone(), targets.clone(), pad, smoothing);
+            (loss, (logits, targets, stats))
+        })
     }
 
     // The two passes on their own are not differentiated: only the op above is.

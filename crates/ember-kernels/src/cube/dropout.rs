@@ -10,10 +10,11 @@
 //! hold the kernel to the reference's arithmetic with the kernel's own mask rebuilt on the host.
 
 use crate::GpuKernel;
+use crate::cube::autodiff::tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
@@ -97,17 +98,9 @@ impl DropoutKernels for CubeBackend {
 impl<B: DropoutKernels, C: CheckpointStrategy> DropoutKernels for Autodiff<B, C> {
     fn dropout_kernel(x: FloatTensor<Self>, seed: FloatTensor<Self>, p: f32) -> FloatTensor<Self> {
         let seed = Self::inner(seed);
-        match HashedDropout
-            .prepare::<C>([x.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let y = B::dropout_kernel(x.into_primitive(), seed.clone(), p);
-                prep.finish((seed, p), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::dropout_kernel(x.into_primitive(), seed, p)),
-        }
+        tracked::<B, C, _, _>(HashedDropout, [x], |[x]| {
+            (B::dropout_kernel(x, seed.clone(), p), (seed, p))
+        })
     }
 }
 

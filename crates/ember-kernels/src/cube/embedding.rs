@@ -13,10 +13,11 @@
 //! Burn's `select` either way.
 
 use crate::GpuKernel;
+use crate::cube::autodiff::tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{
@@ -147,17 +148,9 @@ impl EmbeddingKernels for CubeBackend {
 impl<B: EmbeddingKernels, C: CheckpointStrategy> EmbeddingKernels for Autodiff<B, C> {
     fn embedding_rows(table: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
         let vocab = table.shape().dims::<2>()[0];
-        match Lookup(vocab)
-            .prepare::<C>([table.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let rows = B::embedding_rows(table.into_primitive(), ids.clone());
-                prep.finish(ids, rows)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::embedding_rows(table.into_primitive(), ids)),
-        }
+        tracked::<B, C, _, _>(Lookup(vocab), [table], |[table]| {
+            (B::embedding_rows(table, ids.clone()), ids)
+        })
     }
 
     // Not differentiated on its own: only the lookup is.

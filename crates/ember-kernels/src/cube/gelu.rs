@@ -9,10 +9,11 @@
 //! Burn's `gelu` and `gelu_approximate` (`crate::ops`).
 
 use crate::GpuKernel;
+use crate::cube::autodiff::tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, TensorMetadata, backend_extension,
@@ -117,17 +118,7 @@ impl GeluKernels for CubeBackend {
 
 impl<B: GeluKernels, C: CheckpointStrategy> GeluKernels for Autodiff<B, C> {
     fn gelu_kernel(x: FloatTensor<Self>, tanh: bool) -> FloatTensor<Self> {
-        match Gelu(tanh)
-            .prepare::<C>([x.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let x = x.into_primitive();
-                prep.finish(x.clone(), B::gelu_kernel(x, tanh))
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::gelu_kernel(x.into_primitive(), tanh)),
-        }
+        tracked::<B, C, _, _>(Gelu(tanh), [x], |[x]| (B::gelu_kernel(x.clone(), tanh), x))
     }
 
     // Not differentiated on its own: only the op above is.

@@ -21,10 +21,11 @@
 //! their sums through shared memory ([`super::reduce_cube`]).
 
 use crate::GpuKernel;
+use crate::cube::autodiff::tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{
@@ -220,46 +221,17 @@ impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B
         bias: bool,
     ) -> FloatTensor<Self> {
         if !bias {
-            return match ScaledNorm
-                .prepare::<C>([x.node(), gamma.node()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => {
-                    let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
-                    let (y, stats) =
-                        B::layer_norm_forward(x.clone(), gamma.clone(), gamma.clone(), eps, false);
-                    prep.finish((x, gamma, stats), y)
-                }
-                OpsKind::UnTracked(prep) => {
-                    let gamma = gamma.into_primitive();
-                    let y =
-                        B::layer_norm_forward(x.into_primitive(), gamma.clone(), gamma, eps, false);
-                    prep.finish(y.0)
-                }
-            };
+            // No shift: `beta` is not an input (the kernel reads `gamma` in its place).
+            return tracked::<B, C, _, _>(ScaledNorm, [x, gamma], |[x, gamma]| {
+                let (y, stats) =
+                    B::layer_norm_forward(x.clone(), gamma.clone(), gamma.clone(), eps, false);
+                (y, (x, gamma, stats))
+            });
         }
-        match ShiftedNorm
-            .prepare::<C>([x.node(), gamma.node(), beta.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
-                let (y, stats) = B::layer_norm_forward(
-                    x.clone(),
-                    gamma.clone(),
-                    beta.into_primitive(),
-                    eps,
-                    true,
-                );
-                prep.finish((x, gamma, stats), y)
-            }
-            OpsKind::UnTracked(prep) => {
-                let [x, gamma, beta] = [x, gamma, beta].map(|t| t.into_primitive());
-                prep.finish(B::layer_norm_forward(x, gamma, beta, eps, true).0)
-            }
-        }
+        tracked::<B, C, _, _>(ShiftedNorm, [x, gamma, beta], |[x, gamma, beta]| {
+            let (y, stats) = B::layer_norm_forward(x.clone(), gamma.clone(), beta, eps, true);
+            (y, (x, gamma, stats))
+        })
     }
 
     // The two passes on their own are not differentiated: only the op above is.

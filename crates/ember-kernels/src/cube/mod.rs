@@ -11,6 +11,7 @@
 pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod attention_products;
+pub(crate) mod autodiff;
 pub(crate) mod cache_write;
 pub(crate) mod cross_entropy;
 #[cfg(feature = "cudnn")]

@@ -11,10 +11,11 @@
 //! `products::cublas::product`) the op runs Burn's `matmul` on the transposed views: the reference
 //! the tests compare it with on wgpu.
 
+use crate::cube::autodiff::tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
+use burn::backend::autodiff::ops::{Backward, Ops, binary};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
@@ -202,20 +203,9 @@ impl<B: ProductKernels, C: CheckpointStrategy> ProductKernels for Autodiff<B, C>
         ta: bool,
         tb: bool,
     ) -> FloatTensor<Self> {
-        let node = Product { ta, tb };
-        match node
-            .prepare::<C>([a.node(), b.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let (a, b) = (a.into_primitive(), b.into_primitive());
-                prep.finish((a.clone(), b.clone()), B::product(a, b, ta, tb))
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::product(a.into_primitive(), b.into_primitive(), ta, tb))
-            }
-        }
+        tracked::<B, C, _, _>(Product { ta, tb }, [a, b], |[a, b]| {
+            (B::product(a.clone(), b.clone(), ta, tb), (a, b))
+        })
     }
 }
 

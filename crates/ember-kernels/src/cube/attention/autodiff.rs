@@ -2,10 +2,11 @@
 //! the log-sum-exps, and the backward pass is the kernels' own.
 
 use super::backend::AttentionKernels;
+use crate::cube::autodiff::tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, AutodiffBackend};
 
@@ -21,23 +22,11 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
         // compute in f32 (the batched products from the narrow matrices, the fused kernels from
         // widened copies).
         let seed = Self::inner(seed);
-        match FusedAttention
-            .prepare::<C>([qkv.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let qkv = qkv.into_primitive();
-                let (out, lse) =
-                    B::causal_self_attention_forward(qkv.clone(), seed.clone(), heads, dropout);
-                prep.finish((qkv, seed, out.clone(), lse, heads, dropout), out)
-            }
-            OpsKind::UnTracked(prep) => {
-                let out =
-                    B::causal_self_attention_forward(qkv.into_primitive(), seed, heads, dropout).0;
-                prep.finish(out)
-            }
-        }
+        tracked::<B, C, _, _>(FusedAttention, [qkv], |[qkv]| {
+            let (out, lse) =
+                B::causal_self_attention_forward(qkv.clone(), seed.clone(), heads, dropout);
+            (out.clone(), (qkv, seed, out, lse, heads, dropout))
+        })
     }
 
     // The two passes on their own are not differentiated: only the op above is.
