@@ -38,6 +38,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 mod check;
+mod diagnose;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
