@@ -218,8 +218,12 @@ mod tests {
             let ones = Tensor::<2>::ones([64, 100], &device);
             crate::dropout(&module, ones).inner().into_data()
         };
-        let (a, again, other) = (run(1), run(1), run(2));
-        a.assert_eq(&again, true);
+        // Burn's CubeCL backends keep one random generator for the process: a test drawing
+        // beside this one between `seed` and the op's own draw changes the mask. A repeatable
+        // mask shows it in one of three tries; a mask that is not repeatable, in none.
+        let repeatable = (0..3).any(|_| run(1) == run(1));
+        assert!(repeatable, "the same seed, another mask, three times");
+        let (a, other) = (run(1), run(2));
         assert_ne!(a, other, "another seed, the same mask");
         let values = a.try_to_vec::<f32>().unwrap();
         let zeroed = values.iter().filter(|&&v| v == 0.0).count() as f32 / values.len() as f32;

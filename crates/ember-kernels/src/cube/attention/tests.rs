@@ -450,12 +450,12 @@ fn dropout_in_training_only_and_repeatable() {
     };
     let tracked = device.clone().autodiff();
     let plain = run(&tracked, &none, 1);
-    let (a, again, other) = (
-        run(&tracked, &dropout, 1),
-        run(&tracked, &dropout, 1),
-        run(&tracked, &dropout, 2),
-    );
-    a.assert_eq(&again, true);
+    // Burn's CubeCL backends keep one random generator for the process: a test drawing beside
+    // this one between `seed` and the op's own draw changes the mask. A repeatable mask shows
+    // it in one of three tries; a mask that is not repeatable, in none.
+    let repeatable = (0..3).any(|_| run(&tracked, &dropout, 1) == run(&tracked, &dropout, 1));
+    assert!(repeatable, "the same seed, another mask, three times");
+    let (a, other) = (run(&tracked, &dropout, 1), run(&tracked, &dropout, 2));
     assert_ne!(a, plain, "dropout changed nothing");
     assert_ne!(a, other, "another seed, the same mask");
     run(&device, &dropout, 1).assert_approx_eq::<f32>(&plain, Default::default());
