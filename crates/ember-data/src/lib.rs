@@ -1,7 +1,8 @@
 //! # ember-data
 //!
 //! Text in, token ids out: corpus loading with clear errors, character-level and BPE
-//! tokenizers, and language-model batches of random windows.
+//! tokenizers, corpora tokenized once into memory-mapped token files (`prepare`,
+//! `token_file`), and language-model batches of random windows.
 
 pub mod batches;
 pub mod bleu;
