@@ -167,6 +167,10 @@ pub fn prepare(options: &PrepareOptions, progress: &mut dyn FnMut(Progress)) -> 
         TokenizerChoice::File(path) => Tokenizer::Bpe(Box::new(crate::bpe::load_bpe(path)?)),
         TokenizerChoice::Given(tokenizer) => tokenizer.clone(),
     };
+    // A folder prepared before with the other kind of tokenizer keeps only this one's file.
+    for stale in [crate::tokenizer::CHAR_FILE, crate::tokenizer::BPE_FILE] {
+        let _ = std::fs::remove_file(options.out.join(stale));
+    }
     tokenizer.save(&options.out)?;
 
     let started = Instant::now();
@@ -532,5 +536,36 @@ mod tests {
             "{} tokens from the sample's BPE, {own} from the text's",
             whole.len()
         );
+    }
+
+    /// Preparing a folder again with the other kind of tokenizer leaves only the new one.
+    #[test]
+    fn a_folder_prepared_again_keeps_only_its_new_tokenizer() {
+        let dir = temp_dir("again");
+        let input = dir.join("t.txt");
+        std::fs::write(
+            &input,
+            "First Citizen:\nBefore we proceed any further, hear me speak.\n".repeat(50),
+        )
+        .unwrap();
+        let out = dir.join("out");
+        for tokenizer in [
+            TokenizerChoice::Char,
+            TokenizerChoice::Bpe(260),
+            TokenizerChoice::Char,
+        ] {
+            let options = PrepareOptions {
+                inputs: vec![input.clone()],
+                out: out.clone(),
+                tokenizer,
+                threads: 1,
+                piece_bytes: PIECE_BYTES,
+                bpe_sample_bytes: BPE_SAMPLE_BYTES,
+            };
+            let prepared = prepare(&options, &mut |_| {}).unwrap();
+            let loaded = Tokenizer::load(&out).unwrap();
+            assert_eq!(loaded.is_char(), prepared.tokenizer.is_char());
+            TokenFile::open(&out, &loaded).unwrap();
+        }
     }
 }
