@@ -172,6 +172,12 @@ const CASES: &[Case] = &[
     ),
     case(
         "data",
+        "`data.path` a folder that was not prepared",
+        &["train", "--config", "$TMP/data-folder.toml"],
+        &["data.path", "empty-dir", "ember prepare"],
+    ),
+    case(
+        "data",
         "prepared corpus: token file cut short",
         &["train", "--config", "$TMP/prep-truncated.toml"],
         &["prep-truncated/tokens.bin", "cut short"],
@@ -939,6 +945,7 @@ fn fixtures(dir: &Path) {
         .set_len(65 << 20)
         .unwrap();
     write(dir, "data-huge.toml", data(&format!("{d}/huge.txt")));
+    write(dir, "data-folder.toml", data(&format!("{d}/empty-dir")));
     let prepared = dir.join("prep");
     ember_ok(&["prepare", corpus, "--out", prepared.to_str().unwrap()]);
     write(

@@ -41,6 +41,18 @@ pub fn prepare(config: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<LmDat
     if token_file::is_prepared(path) {
         return prepared(config, tokenizer);
     }
+    if path.is_dir() {
+        return Err(TrainError::ConfigValue {
+            key: "data.path".into(),
+            message: format!(
+                "= {}: a folder without {}; a folder of text files is tokenized once with \
+                 `ember prepare {} --out DIR`, and data.path set to DIR",
+                path.display(),
+                token_file::TOKENS_FILE,
+                path.display()
+            ),
+        });
+    }
     if let Ok(meta) = std::fs::metadata(path)
         && meta.is_file()
         && meta.len() > TEXT_LIMIT
