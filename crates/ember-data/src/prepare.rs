@@ -279,14 +279,15 @@ pub fn read_blocks(
     let mut file = std::fs::File::open(path).map_err(read_err)?;
     let mut buffer: Vec<u8> = Vec::with_capacity(block + 4);
     let (mut offset, mut line) = (0usize, 1usize);
-    let mut eof = false;
+    // The bytes to hold before cutting: a block, or more while none can be cut.
+    let (mut want, mut eof) = (block, false);
     while !eof || !buffer.is_empty() {
-        if !eof && buffer.len() < block {
+        if !eof && buffer.len() < want {
             let before = buffer.len();
-            buffer.resize(block, 0);
+            buffer.resize(want, 0);
             let n = read_full(&mut file, &mut buffer[before..]).map_err(read_err)?;
             buffer.truncate(before + n);
-            eof = before + n < block;
+            eof = before + n < want;
         }
         let valid = match std::str::from_utf8(&buffer) {
             Ok(_) => buffer.len(),
@@ -306,18 +307,11 @@ pub fn read_blocks(
             _ => valid,
         };
         if cut == 0 {
-            // A block with no boundary yet: read more before cutting.
-            if eof {
-                break;
-            }
-            buffer.reserve(block);
-            let before = buffer.len();
-            buffer.resize(before + block, 0);
-            let n = read_full(&mut file, &mut buffer[before..]).map_err(read_err)?;
-            buffer.truncate(before + n);
-            eof = n < block;
+            // Not one whole character yet: read more before cutting.
+            want = buffer.len() + block;
             continue;
         }
+        want = block;
         let text = std::str::from_utf8(&buffer[..cut]).expect("checked above");
         each(text)?;
         offset += cut;

@@ -53,15 +53,9 @@ pub struct Header {
 }
 
 impl Header {
-    /// The header of `tokens` ids of a vocabulary of `vocab_size` by the tokenizer of hash
-    /// `tokenizer_hash`: 2 bytes per id where every id fits in `u16`.
-    pub fn new(tokens: u64, vocab_size: u64, tokenizer_hash: u64) -> Self {
-        Self {
-            width: if vocab_size <= 1 << 16 { 2 } else { 4 },
-            tokens,
-            vocab_size,
-            tokenizer_hash,
-        }
+    /// Bytes per id of a vocabulary of `vocab_size`: 2 where every id fits in `u16`, else 4.
+    pub fn width_for(vocab_size: u64) -> usize {
+        if vocab_size <= 1 << 16 { 2 } else { 4 }
     }
 
     /// The 64 bytes written before the ids.
@@ -151,7 +145,7 @@ impl TokenWriter {
         // A zero header until the end: an unfinished file is not a token file.
         file.write_all(&[0u8; HEADER_BYTES]).map_err(write_err)?;
         Ok(Self {
-            width: Header::new(0, vocab_size, 0).width,
+            width: Header::width_for(vocab_size),
             path,
             partial,
             file,

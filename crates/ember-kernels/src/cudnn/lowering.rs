@@ -108,6 +108,26 @@ impl Descriptor {
         self.set(name, Type::CUDNN_TYPE_BACKEND_DESCRIPTOR, &raw)
     }
 
+    /// The one `int64` value of attribute `name`; the error names `what` was read.
+    fn int64(&self, name: Name, what: &str) -> Result<i64, CudnnError> {
+        let (mut value, mut n) = (0i64, 0i64);
+        // SAFETY: cuDNN writes at most one int64 into `value`.
+        check(
+            unsafe {
+                (api()?.get_attribute)(
+                    self.0,
+                    name,
+                    Type::CUDNN_TYPE_INT64,
+                    1,
+                    &mut n,
+                    &mut value as *mut i64 as *mut c_void,
+                )
+            },
+            what,
+        )?;
+        Ok(value)
+    }
+
     fn finalize(&self, what: &str) -> Result<(), CudnnError> {
         // SAFETY: a descriptor of ours with its attributes set.
         check(
@@ -329,20 +349,8 @@ fn build_plans(
     found
         .into_iter()
         .map(|(engine, plan)| {
-            let mut workspace = 0i64;
-            let mut n = 0i64;
-            // SAFETY: one int64 into `workspace`.
-            check(
-                unsafe {
-                    (api()?.get_attribute)(
-                        plan.0,
-                        Name::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                        Type::CUDNN_TYPE_INT64,
-                        1,
-                        &mut n,
-                        &mut workspace as *mut i64 as *mut c_void,
-                    )
-                },
+            let workspace = plan.int64(
+                Name::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                 "read the plan's workspace size",
             )?;
             Ok(Plan {
@@ -377,23 +385,12 @@ fn engine_index(config: &Descriptor) -> Option<i64> {
         "read the configuration's engine",
     )
     .ok()?;
-    let mut index = 0i64;
-    // SAFETY: one int64 into `index`.
-    check(
-        unsafe {
-            (api().ok()?.get_attribute)(
-                engine.0,
-                Name::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
-                Type::CUDNN_TYPE_INT64,
-                1,
-                &mut n,
-                &mut index as *mut i64 as *mut c_void,
-            )
-        },
-        "read the engine's index",
-    )
-    .ok()?;
-    Some(index)
+    engine
+        .int64(
+            Name::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
+            "read the engine's index",
+        )
+        .ok()
 }
 
 /// The operation descriptor of `op` (and the descriptor of its parameters, if it has one),

@@ -134,10 +134,9 @@ impl AttentionKernels for CubeBackend {
         // fused kernels'): the same shape, type and dropout take the same path.
         #[cfg(feature = "cudnn")]
         if let Some(shape) = crate::cube::cudnn_attention::takes(&qkv, heads, dropout) {
-            // Cast, then packed: a cast's output may have padded rows.
             let (out, grad) = (
                 into_contiguous(out.clone()),
-                into_contiguous(float_cast_to::<Self>(grad.clone(), dtype)),
+                float_cast_to::<Self>(grad.clone(), dtype),
             );
             if let Some(dqkv) = on_device_thread(&qkv.client, || {
                 crate::cube::cudnn_attention::backward(&qkv, &seed, &out, &lse, &grad, &shape)
@@ -146,7 +145,7 @@ impl AttentionKernels for CubeBackend {
             }
         }
         if by_products(&qkv) {
-            let grad = into_contiguous(float_cast_to::<Self>(grad, dtype));
+            let grad = float_cast_to::<Self>(grad, dtype);
             return on_device_thread(&qkv.client, || {
                 crate::cube::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout)
             });
