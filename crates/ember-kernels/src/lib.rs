@@ -87,6 +87,12 @@ pub(crate) mod cudnn;
 #[cfg(feature = "flex")]
 pub mod flex;
 pub mod kernels;
+/// Where NVIDIA's run-time libraries may lie (cuDNN, NCCL).
+#[cfg(any(feature = "cudnn", feature = "nccl"))]
+mod libraries;
+/// NCCL's collectives across processes on CUDA devices (data-parallel training's gradients).
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 pub use adamw::{AdamWStep, adamw_step, adamw_step_reference};
 pub use attention::{

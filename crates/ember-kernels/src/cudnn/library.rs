@@ -22,11 +22,12 @@
 //! The functions are looked up in the loaded front library itself ([`Api`]), not by name
 //! through the process (which could reach another copy).
 
+use crate::libraries::{open, symbol};
 use cudarc::cudnn::sys::{
     cudaStream_t, cudnnBackendAttributeName_t, cudnnBackendAttributeType_t,
     cudnnBackendDescriptor_t, cudnnBackendDescriptorType_t, cudnnHandle_t,
 };
-use std::ffi::{CStr, CString, c_char, c_void};
+use std::ffi::{CStr, c_char, c_void};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -83,20 +84,21 @@ pub(crate) fn api() -> Result<&'static Api, String> {
         let (front, folder) = open_front()?;
         // SAFETY: `front` is a loaded cuDNN; each symbol is cast to its C signature.
         let api = unsafe {
-            let get_version: unsafe extern "C" fn() -> usize = symbol(front, "cudnnGetVersion")?;
+            let get_version: unsafe extern "C" fn() -> usize =
+                symbol(front, "cudnnGetVersion", "cuDNN")?;
             Api {
                 version: get_version(),
                 folder,
-                create: symbol(front, "cudnnCreate")?,
-                set_stream: symbol(front, "cudnnSetStream")?,
-                error_string: symbol(front, "cudnnGetErrorString")?,
-                last_error: symbol(front, "cudnnGetLastErrorString")?,
-                create_descriptor: symbol(front, "cudnnBackendCreateDescriptor")?,
-                destroy_descriptor: symbol(front, "cudnnBackendDestroyDescriptor")?,
-                set_attribute: symbol(front, "cudnnBackendSetAttribute")?,
-                get_attribute: symbol(front, "cudnnBackendGetAttribute")?,
-                finalize: symbol(front, "cudnnBackendFinalize")?,
-                execute: symbol(front, "cudnnBackendExecute")?,
+                create: symbol(front, "cudnnCreate", "cuDNN")?,
+                set_stream: symbol(front, "cudnnSetStream", "cuDNN")?,
+                error_string: symbol(front, "cudnnGetErrorString", "cuDNN")?,
+                last_error: symbol(front, "cudnnGetLastErrorString", "cuDNN")?,
+                create_descriptor: symbol(front, "cudnnBackendCreateDescriptor", "cuDNN")?,
+                destroy_descriptor: symbol(front, "cudnnBackendDestroyDescriptor", "cuDNN")?,
+                set_attribute: symbol(front, "cudnnBackendSetAttribute", "cuDNN")?,
+                get_attribute: symbol(front, "cudnnBackendGetAttribute", "cuDNN")?,
+                finalize: symbol(front, "cudnnBackendFinalize", "cuDNN")?,
+                execute: symbol(front, "cudnnBackendExecute", "cuDNN")?,
             }
         };
         match api.version >= OLDEST {
@@ -120,30 +122,6 @@ pub(crate) fn name(version: usize) -> String {
         version / 100 % 100,
         version % 100
     )
-}
-
-/// The function `name` of the library `handle`, as `F`.
-///
-/// # Safety
-/// `F` is the function's C signature.
-unsafe fn symbol<F: Copy>(handle: *mut c_void, name: &str) -> Result<F, String> {
-    let c = CString::new(name).expect("a symbol name");
-    // SAFETY: a symbol lookup in a loaded library.
-    let address = unsafe { libc::dlsym(handle, c.as_ptr()) };
-    if address.is_null() {
-        return Err(format!("cuDNN has no {name}"));
-    }
-    // SAFETY (the caller's): `F` is a function pointer of the symbol's signature.
-    Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address) })
-}
-
-/// Opens `path` (a library file's path or name), `RTLD_LOCAL`; null where it fails.
-fn open(path: &str) -> *mut c_void {
-    let Ok(c) = CString::new(path) else {
-        return std::ptr::null_mut();
-    };
-    // SAFETY: dlopen of a library; a failure leaves nothing loaded.
-    unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) }
 }
 
 /// The last `dlerror`, for messages.
@@ -175,7 +153,7 @@ fn open_front() -> Result<(*mut c_void, String), String> {
         return Ok((found, "the dynamic linker's search path".into()));
     }
     let mut last = "libcudnn.so.9 was not found (set CUDNN_PATH to its folder)".to_string();
-    for dir in folders() {
+    for dir in crate::libraries::folders("cudnn", "libcudnn.so.9") {
         match open_folder(&dir) {
             Ok(handle) => return Ok((handle, dir.display().to_string())),
             Err(e) => last = e,
@@ -206,36 +184,4 @@ fn open_folder(dir: &Path) -> Result<*mut c_void, String> {
         true => Err(format!("{}: {}", front.display(), dl_error())),
         false => Ok(handle),
     }
-}
-
-/// The toolkit's and Python environments' folders that may hold cuDNN, in the order tried.
-fn folders() -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    let mut roots: Vec<PathBuf> = Vec::new();
-    if let Some(path) = std::env::var_os("CUDA_PATH") {
-        roots.push(path.into());
-    }
-    roots.extend(["/usr/local/cuda", "/opt/cuda", "/usr/lib/cuda"].map(Into::into));
-    for root in roots {
-        for dir in ["lib64", "lib", "targets/x86_64-linux/lib"] {
-            dirs.push(root.join(dir));
-        }
-    }
-    // PyTorch's wheels: <env>/bin/python3 beside <env>/lib/python3.X/site-packages/nvidia/.
-    for bin in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
-        if !bin.join("python3").exists() {
-            continue;
-        }
-        let Some(env) = bin.parent() else { continue };
-        let Ok(entries) = std::fs::read_dir(env.join("lib")) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            if entry.file_name().to_string_lossy().starts_with("python3") {
-                dirs.push(entry.path().join("site-packages/nvidia/cudnn/lib"));
-            }
-        }
-    }
-    dirs.retain(|d| d.join("libcudnn.so.9").exists());
-    dirs
 }

@@ -314,24 +314,40 @@ fn enqueue_here(
                 handle
             }
         };
-        let timing = crate::external_launches::observer().and_then(|observer| {
-            let start = event_on(stream)?;
-            Some((observer, start))
-        });
         let pointers = [
             c_res.resource().ptr,
             a_res.resource().ptr,
             b_res.resource().ptr,
         ];
-        let done =
-            blas::set_stream(handle, stream as sys::cudaStream_t).is_ok() && call(handle, pointers);
-        if let Some((observer, start)) = timing
-            && let Some(end) = event_on(stream)
-        {
-            observer.launched(name, elapsed_between(context, start, end));
-        }
-        done
+        timed(name, stream, context, || {
+            blas::set_stream(handle, stream as sys::cudaStream_t).is_ok() && call(handle, pointers)
+        })
     }
+}
+
+/// `work` (which enqueues on `stream`, in `context`, made current) timed on the stream as one
+/// launch named `name` where a profiler observes ([`crate::external_launches`]): cuBLAS's,
+/// cuDNN's and NCCL's calls, which CubeCL does not see.
+///
+/// # Safety
+/// `stream` is a live stream of `context`, which is current on this thread.
+pub(crate) unsafe fn timed<R>(
+    name: &'static str,
+    stream: driver::CUstream,
+    context: driver::CUcontext,
+    work: impl FnOnce() -> R,
+) -> R {
+    // SAFETY (the caller's): the stream is live and its context current.
+    let timing = crate::external_launches::observer()
+        .and_then(|observer| Some((observer, unsafe { event_on(stream) }?)));
+    let done = work();
+    if let Some((observer, start)) = timing
+        // SAFETY: as above.
+        && let Some(end) = unsafe { event_on(stream) }
+    {
+        observer.launched(name, elapsed_between(context, start, end));
+    }
+    done
 }
 
 /// A CUDA event recorded on `stream` now, or `None` where the driver refuses (the context is

@@ -401,32 +401,21 @@ fn execute(
                     .result()
                     .map_err(|e| CudnnError(format!("clear the accumulator: {e:?}")))?;
             }
-            let timing = crate::external_launches::observer()
-                .and_then(|observer| Some((observer, crate::products::cublas::event_on(stream)?)));
-            if synchronizes() {
-                driver::cuCtxSynchronize()
-                    .result()
-                    .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
-            }
-            let ran = plan.execute(handle, &addresses, space.resource().ptr);
-            if synchronizes() {
-                driver::cuCtxSynchronize()
-                    .result()
-                    .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
-            }
-            if let Some((observer, start)) = timing
-                && let Some(end) = crate::products::cublas::event_on(stream)
-            {
-                observer.launched(
-                    name,
-                    crate::products::cublas::elapsed_between(
-                        context as driver::CUcontext,
-                        start,
-                        end,
-                    ),
-                );
-            }
-            ran
+            let context = context as driver::CUcontext;
+            crate::products::cublas::timed(name, stream, context, || {
+                if synchronizes() {
+                    driver::cuCtxSynchronize()
+                        .result()
+                        .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
+                }
+                let ran = plan.execute(handle, &addresses, space.resource().ptr);
+                if synchronizes() {
+                    driver::cuCtxSynchronize()
+                        .result()
+                        .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
+                }
+                ran
+            })
         }
     });
     done.unwrap_or_else(|| Err(CudnnError("no cuDNN handle for the device".into())))
