@@ -82,7 +82,10 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         init_from,
         interrupt: Some(crate::signals::stop_on_signals()),
         profile_steps: args.profile_steps,
+        ranks: ember_train::distributed::Ranks::from_env()?,
     };
+    // Across processes rank 0 alone reports (the others' share is in its lines).
+    let main = launch.ranks.as_ref().is_none_or(|r| r.is_main());
     let trained = if task == "translation" {
         let config = TranslationRunConfig::load_with(&args.config, &overrides)?;
         ember_train::train_translation(config, &launch)
@@ -90,6 +93,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         ember_train::train_lm(RunConfig::load_with(&args.config, &overrides)?, &launch)
     };
     let summary = match trained {
+        Err(TrainError::Interrupted { .. }) if !main => {
+            return Ok(ExitCode::from(crate::signals::exit_code()));
+        }
         Err(TrainError::Interrupted { step, checkpoint }) => {
             eprintln!("interrupted at step {step}: saved {}", checkpoint.display());
             let sets: String = args
@@ -97,8 +103,12 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 .iter()
                 .map(|o| format!(" --set {}", shell_word(o)))
                 .collect();
+            let how = match &launch.ranks {
+                Some(ranks) => format!("{} as before, running ", ranks.launcher),
+                None => String::new(),
+            };
             eprintln!(
-                "continue with: ember train --config {}{sets} --out {} --resume",
+                "continue with: {how}ember train --config {}{sets} --out {} --resume",
                 shell_word(&args.config.to_string_lossy()),
                 shell_word(&out.to_string_lossy())
             );
@@ -106,6 +116,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         }
         other => other?,
     };
+    if !main {
+        return Ok(ExitCode::SUCCESS);
+    }
     eprintln!(
         "done: {} steps in {:.1}s ({:.1} ms/step, {:.0} tokens/s){}",
         summary.step,

@@ -22,8 +22,8 @@ struct Case {
     args: &'static [&'static str],
     /// Fed to standard input, if any.
     stdin: Option<&'static str>,
-    /// An environment variable set for the run, if any.
-    env: Option<(&'static str, &'static str)>,
+    /// Environment variables set for the run.
+    env: &'static [(&'static str, &'static str)],
     /// What the error line must contain (besides what the table records).
     needles: &'static [&'static str],
 }
@@ -39,17 +39,14 @@ const fn case(
         input,
         args,
         stdin: None,
-        env: None,
+        env: &[],
         needles,
     }
 }
 
-/// `case` run with the environment variable `name` set to `value`.
-const fn with_env(case: Case, name: &'static str, value: &'static str) -> Case {
-    Case {
-        env: Some((name, value)),
-        ..case
-    }
+/// `case` run with the environment variables `env` set (name, value).
+const fn with_env(case: Case, env: &'static [(&'static str, &'static str)]) -> Case {
+    Case { env, ..case }
 }
 
 /// Every bad input the suite covers. Files named here are made by [`fixtures`].
@@ -729,8 +726,7 @@ const CASES: &[Case] = &[
             &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
             &["EMBER_GPU_KERNELS", "softmax", "layer-norm"],
         ),
-        "EMBER_GPU_KERNELS",
-        "-attention,-softmax",
+        &[("EMBER_GPU_KERNELS", "-attention,-softmax")],
     ),
     with_env(
         case(
@@ -739,8 +735,7 @@ const CASES: &[Case] = &[
             &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
             &["EMBER_SPLIT_K", "\"3\"", "power of two"],
         ),
-        "EMBER_SPLIT_K",
-        "3",
+        &[("EMBER_SPLIT_K", "3")],
     ),
     with_env(
         case(
@@ -749,8 +744,43 @@ const CASES: &[Case] = &[
             &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
             &["EMBER_CUDNN_ATTENTION", "\"yes\"", "expected on"],
         ),
-        "EMBER_CUDNN_ATTENTION",
-        "yes",
+        &[("EMBER_CUDNN_ATTENTION", "yes")],
+    ),
+    // Launched across processes.
+    with_env(
+        case(
+            "processes",
+            "a rank outside the launcher's world",
+            &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
+            &["RANK=2", "WORLD_SIZE=2"],
+        ),
+        &[("RANK", "2"), ("WORLD_SIZE", "2")],
+    ),
+    with_env(
+        case(
+            "processes",
+            "a list of devices for one launched process",
+            &[
+                "train",
+                "--config",
+                "$TMP/ok.toml",
+                "--out",
+                "$TMP/new-run",
+                "--devices",
+                "flex,flex",
+            ],
+            &["flex,flex", "one device"],
+        ),
+        &[("RANK", "0"), ("WORLD_SIZE", "2")],
+    ),
+    with_env(
+        case(
+            "processes",
+            "a rendezvous port that is not a number",
+            &["train", "--config", "$TMP/ok.toml", "--out", "$TMP/new-run"],
+            &["MASTER_PORT", "port number"],
+        ),
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "http")],
     ),
     // Output and training.
     case(
@@ -1010,7 +1040,7 @@ fn run_case(dir: &Path, case: &Case) -> Output {
         .map(|a| a.replace(TMP, d).replace("$LONG", &long))
         .collect();
     let mut command = Command::new(env!("CARGO_BIN_EXE_ember"));
-    if let Some((name, value)) = case.env {
+    for (name, value) in case.env {
         command.env(name, value);
     }
     let mut child = command
@@ -1071,8 +1101,9 @@ fn table(rows: &[(&Case, String)]) -> String {
             case.area,
             cell(case.input),
             case.env
+                .iter()
                 .map(|(name, value)| format!("{name}={value:?} "))
-                .unwrap_or_default(),
+                .collect::<String>(),
             cell(&command),
             cell(line)
         );

@@ -49,6 +49,13 @@ pub struct CheckpointState {
     pub elapsed_secs: f64,
     /// The last validation loss, if one was measured.
     pub val_loss: Option<f64>,
+    /// Micro-batches of one step over every process (`grad_accum` x world size; 0 in
+    /// checkpoints that predate it): what a run resumed with another world size keeps.
+    #[serde(default)]
+    pub micro_batches: u64,
+    /// The number of processes that trained it (0 in checkpoints that predate it).
+    #[serde(default)]
+    pub world_size: u64,
 }
 
 /// What a checkpoint's `model_kind` means to a user.
@@ -438,6 +445,8 @@ mod tests {
             tokens_seen: step * 10,
             elapsed_secs: 1.0,
             val_loss: None,
+            micro_batches: 1,
+            world_size: 1,
         }
     }
 

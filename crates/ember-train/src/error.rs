@@ -70,6 +70,10 @@ pub enum TrainError {
         /// The checkpoint written at that step.
         checkpoint: PathBuf,
     },
+    /// A run across processes could not start or go on: the launcher's environment, the
+    /// rendezvous, the collective library, or another rank.
+    #[error("{0}")]
+    Distributed(String),
     /// The loss stopped being a finite number.
     #[error(
         "loss is {loss} at step {step}: training diverged; the last good checkpoint is kept (try a lower training.lr or gradient clipping)"

@@ -9,6 +9,7 @@ pub mod average;
 pub mod checkpoint;
 pub mod config;
 pub mod device;
+pub mod distributed;
 pub mod error;
 pub mod eval;
 pub mod hf;

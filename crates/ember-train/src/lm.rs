@@ -13,7 +13,7 @@ use crate::config::{RunConfig, TokenizerKind};
 use crate::error::{Result, TrainError, write_err};
 use crate::lm_source::{LmSource, open_lm};
 use crate::task::{Split, Task};
-use crate::trainer::{Launch, RunOptions, RunSummary};
+use crate::trainer::{Claimed, Launch, RunOptions, RunSummary};
 
 /// Seed salt for evaluation batches: fixed, so every evaluation sees the same windows.
 const EVAL_SALT: u64 = 0xE7A1;
@@ -180,6 +180,7 @@ impl Task for LmTask {
         model: &DecoderOnly,
         step: u64,
         micro: u64,
+        _micros: u64,
         device: &Device,
     ) -> (Tensor<1>, usize) {
         let seed = batch_seed(self.config.training.seed, step, micro);
@@ -250,12 +251,14 @@ fn model_source(
 /// Everything `ember train` does for a language model: prepare data, build (or resume) the
 /// model, train, and report. `config.model.vocab_size` is set from the tokenizer.
 pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
-    let (devices, folder) = launch.claim(&mut config.training)?;
-    let device = devices[0].clone();
+    let fingerprint = crate::distributed::fingerprint(&config.to_toml());
+    let claimed = launch.claim(&mut config.training, fingerprint)?;
+    let main = claimed.is_main();
+    let device = claimed.devices[0].clone();
     let out_dir = launch.out_dir.clone();
     let (tokenizer, source) = model_source(&mut config, launch)?;
     let data = prepare(&config, tokenizer)?;
-    if data.unknown > 0 {
+    if data.unknown > 0 && main {
         eprintln!(
             "note: {} characters of {} are outside the vocabulary (mapped to unknown)",
             data.unknown,
@@ -266,17 +269,31 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         config.model.vocab_size = data.tokenizer.vocab_size();
     }
     config.validate()?;
-    eprintln!("resolved config:\n{}", config.to_toml());
-    eprintln!(
-        "data: {} ({} train tokens, {} val tokens, tokenizer {})",
-        config.data.path.display(),
-        data.train.len(),
-        data.val.len(),
-        data.tokenizer.describe()
-    );
-    std::fs::create_dir_all(&out_dir).map_err(|e| write_err(&out_dir, e))?;
-    let config_path = out_dir.join(CONFIG_FILE);
-    std::fs::write(&config_path, config.to_toml()).map_err(|e| write_err(&config_path, e))?;
+    if main {
+        eprintln!("resolved config:\n{}", config.to_toml());
+        if let Some(world) = &claimed.world {
+            let t = &config.training;
+            let sequences = t.batch_size * t.grad_accum * world.size();
+            eprintln!(
+                "global batch: batch_size {} x grad_accum {} x {} processes = {sequences} \
+                 sequences of {} tokens",
+                t.batch_size,
+                t.grad_accum,
+                world.size(),
+                config.model.context_len
+            );
+        }
+        eprintln!(
+            "data: {} ({} train tokens, {} val tokens, tokenizer {})",
+            config.data.path.display(),
+            data.train.len(),
+            data.val.len(),
+            data.tokenizer.describe()
+        );
+        std::fs::create_dir_all(&out_dir).map_err(|e| write_err(&out_dir, e))?;
+        let config_path = out_dir.join(CONFIG_FILE);
+        std::fs::write(&config_path, config.to_toml()).map_err(|e| write_err(&config_path, e))?;
+    }
 
     let train_device = device.clone().autodiff();
     train_device.seed(config.training.seed);
@@ -284,11 +301,19 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         Some(source) => source.load_model(&config.model, &train_device)?,
         None => config.model.init(&train_device)?,
     };
-    eprintln!("{}", model.summary());
+    if main {
+        eprintln!("{}", model.summary());
+    }
+    let Claimed {
+        devices,
+        folder,
+        world,
+    } = claimed;
     let options = RunOptions {
         out_dir,
         training: config.training.clone(),
         devices,
+        world,
         resume: launch.resume,
         stop_after: launch.stop_after,
         profile_steps: launch.profile_steps,

@@ -14,7 +14,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 
 use crate::config::TrainingConfig;
-use crate::task::{DROPOUT_SALT, Task, combine};
+use crate::task::{Task, combine, micro_seed};
 
 /// One micro-batch's share of a step: its index, loss (already divided by the number of
 /// micro-batches, detached, on the main device), tokens and gradients (on the main device).
@@ -36,20 +36,22 @@ pub fn accumulate<T: Task>(
     // Burn initialises parameters lazily, on first use, from the process-wide RNG. Do it here,
     // in order, before the workers start: otherwise the first step's workers would race to
     // initialise the shared parameters while seeding and drawing from the same RNG.
+    // From the generator as the first micro-batch sets it, as one device's first forward pass
+    // initialises them.
+    main.clone()
+        .autodiff()
+        .seed(micro_seed(config.seed, step, 0));
     ember_model::precision::initialize(model);
     // Device `j`'s share of the step, on a fork of the model on that device.
     let share = |j: usize, device: &Device, model: T::Model| -> Vec<Micro> {
         let device = device.clone().autodiff();
-        if j > 0 {
-            let salt = DROPOUT_SALT ^ ((j as u64) << 32);
-            device.seed(ember_data::batch_seed(config.seed, step, salt));
-        }
         let model = model.fork(&device);
         (j as u64..n)
             .step_by(k as usize)
             .map(|micro| {
+                device.seed(micro_seed(config.seed, step, micro));
                 let compute = config.precision.compute(&model);
-                let (loss, tokens) = task.train_loss(&compute, step, micro, &device);
+                let (loss, tokens) = task.train_loss(&compute, step, micro, n, &device);
                 let loss = loss.div_scalar(n as f64);
                 let grads =
                     GradientsParams::from_grads(loss.backward(), &model).to_device(&main, &model);

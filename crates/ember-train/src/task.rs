@@ -24,14 +24,16 @@ pub trait Task: Sync {
     /// The model being trained.
     type Model: Module + Clone + Send;
 
-    /// Loss of micro-batch `micro` of optimizer step `step`, with the batch built on `device`
-    /// (the autodiff device `model` lives on), and the number of tokens it covers. The batch must
-    /// depend only on `(seed, step, micro)`.
+    /// Loss of micro-batch `micro` of the `micros` of optimizer step `step` (numbered over every
+    /// process of a run across processes), with the batch built on `device` (the autodiff
+    /// device `model` lives on), and the number of tokens it covers. The batch must depend only
+    /// on `(seed, step, micro, micros)`.
     fn train_loss(
         &self,
         model: &Self::Model,
         step: u64,
         micro: u64,
+        micros: u64,
         device: &Device,
     ) -> (Tensor<1>, usize);
 
@@ -54,35 +56,53 @@ pub trait Task: Sync {
 /// Salt that separates dropout seeds from batch seeds.
 pub(crate) const DROPOUT_SALT: u64 = 0x0D20_0F00;
 
-/// Forward and backward over `n` micro-batches at `precision`; the loss is their mean. With
+/// The dropout seed of micro-batch `micro` of `step`: each micro-batch its own, so that its
+/// masks do not depend on which process or device runs it (micro-batch 0's is the step's).
+pub(crate) fn micro_seed(seed: u64, step: u64, micro: u64) -> u64 {
+    ember_data::batch_seed(seed, step, DROPOUT_SALT ^ (micro << 32))
+}
+
+/// Forward and backward over the micro-batches `micros` of a step of `total` (the loss of each
+/// divided by `total`) at `precision`; with `total` 1 the one micro-batch's loss as it is. With
 /// `live`, raises it to the bytes of live tensors on the device (where its allocator reports
 /// them) after each forward pass, just before its backward pass: the weights, the optimizer's
 /// moments and the pass's saved activations, the most a step keeps alive besides the backward
 /// pass's own buffers.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate<T: Task>(
     task: &T,
     model: &T::Model,
     step: u64,
-    n: usize,
+    micros: std::ops::Range<u64>,
+    total: u64,
+    seed: u64,
     precision: Precision,
     mut live: Option<&mut u64>,
 ) -> (Tensor<1>, usize, GradientsParams) {
     let device = param_device(model);
     // Each forward pass runs a fresh `compute` model (a backward pass consumes the casts of a
     // bf16 view); the gradients are read off `model`'s own parameters.
-    if n == 1 {
-        let (loss, tokens) = task.train_loss(&precision.compute(model), step, 0, &device);
+    if total == 1 {
+        device.seed(micro_seed(seed, step, micros.start));
+        let (loss, tokens) = task.train_loss(
+            &precision.compute(model),
+            step,
+            micros.start,
+            total,
+            &device,
+        );
         note_live(&device, live);
         let grads = GradientsParams::from_grads(loss.backward(), model);
         return (loss.detach(), tokens, grads);
     }
     combine(
         model,
-        (0..n as u64).map(|micro| {
+        micros.map(|micro| {
+            device.seed(micro_seed(seed, step, micro));
             let compute = precision.compute(model);
-            let (loss, tokens) = task.train_loss(&compute, step, micro, &device);
+            let (loss, tokens) = task.train_loss(&compute, step, micro, total, &device);
             note_live(&device, live.as_deref_mut());
-            let loss = loss.div_scalar(n as f64);
+            let loss = loss.div_scalar(total as f64);
             let grads = GradientsParams::from_grads(loss.backward(), model);
             (loss.detach(), tokens, grads)
         }),

@@ -16,7 +16,7 @@ use ember_model::loss::cross_entropy;
 use crate::checkpoint::CONFIG_FILE;
 use crate::error::{Result, TrainError, write_err};
 use crate::task::{Split, Task};
-use crate::trainer::{Launch, RunOptions, RunSummary};
+use crate::trainer::{Claimed, Launch, RunOptions, RunSummary};
 use crate::translation_config::TranslationRunConfig;
 
 /// File of the shared vocabulary inside a checkpoint.
@@ -181,9 +181,12 @@ impl Task for TranslationTask {
         model: &EncoderDecoder,
         step: u64,
         micro: u64,
+        micros: u64,
         device: &Device,
     ) -> (Tensor<1>, usize) {
-        let index = step * self.config.training.grad_accum as u64 + micro;
+        // The bucketed batches in the order of an epoch: the step's micro-batches over every
+        // process are consecutive.
+        let index = step * micros + micro;
         let batch = self.train.batch(self.config.training.seed, index);
         (
             self.loss(model, &batch, device, self.config.training.label_smoothing),
@@ -282,8 +285,10 @@ fn limit<T>(mut v: Vec<T>, n: Option<usize>) -> Vec<T> {
 
 /// Everything `ember train` does for a translation config.
 pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> Result<RunSummary> {
-    let (devices, folder) = launch.claim(&mut config.training)?;
-    let device = devices[0].clone();
+    let fingerprint = crate::distributed::fingerprint(&config.to_toml());
+    let claimed = launch.claim(&mut config.training, fingerprint)?;
+    let main = claimed.is_main();
+    let device = claimed.devices[0].clone();
     let (out_dir, resume) = (launch.out_dir.clone(), launch.resume);
     let d = config.data.clone();
     let train_pairs = limit(
@@ -308,15 +313,28 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     config.model.src_vocab_size = tokenizers.src.vocab_size();
     config.model.tgt_vocab_size = tokenizers.tgt.vocab_size();
     config.validate()?;
-    eprintln!("resolved config:\n{}", config.to_toml());
-    eprintln!(
-        "data: {} training pairs ({dropped} longer than {} tokens dropped), {} validation pairs; vocabulary {} / {}",
-        train.len(),
-        d.max_len,
-        val.len(),
-        tokenizers.src.describe(),
-        tokenizers.tgt.describe()
-    );
+    if main {
+        eprintln!("resolved config:\n{}", config.to_toml());
+        if let Some(world) = &claimed.world {
+            let t = &config.training;
+            eprintln!(
+                "global batch: about {} tokens x grad_accum {} x {} processes",
+                d.batch_tokens,
+                t.grad_accum,
+                world.size()
+            );
+        }
+    }
+    if main {
+        eprintln!(
+            "data: {} training pairs ({dropped} longer than {} tokens dropped), {} validation pairs; vocabulary {} / {}",
+            train.len(),
+            d.max_len,
+            val.len(),
+            tokenizers.src.describe(),
+            tokenizers.tgt.describe()
+        );
+    }
     let empty = |what: &str| {
         TrainError::Data(DataError::Invalid(format!(
             "no {what} pairs left after length filtering (data.max_len = {})",
@@ -325,18 +343,28 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     };
     let train = Bucketed::new(train, d.batch_tokens).map_err(|_| empty("training"))?;
     let val = Bucketed::new(val, d.batch_tokens).map_err(|_| empty("validation"))?;
-    std::fs::create_dir_all(&out_dir).map_err(|e| write_err(&out_dir, e))?;
-    let config_path = out_dir.join(CONFIG_FILE);
-    std::fs::write(&config_path, config.to_toml()).map_err(|e| write_err(&config_path, e))?;
+    if main {
+        std::fs::create_dir_all(&out_dir).map_err(|e| write_err(&out_dir, e))?;
+        let config_path = out_dir.join(CONFIG_FILE);
+        std::fs::write(&config_path, config.to_toml()).map_err(|e| write_err(&config_path, e))?;
+    }
 
     let train_device = device.clone().autodiff();
     train_device.seed(config.training.seed);
     let model = config.model.init(&train_device)?;
-    eprintln!("{}", model.summary());
+    if main {
+        eprintln!("{}", model.summary());
+    }
+    let Claimed {
+        devices,
+        folder,
+        world,
+    } = claimed;
     let options = RunOptions {
         out_dir,
         training: config.training.clone(),
         devices,
+        world,
         resume,
         stop_after: launch.stop_after,
         profile_steps: launch.profile_steps,

@@ -14,6 +14,7 @@ use crate::metrics::Metrics;
 
 /// The best validation loss so far with its step, and how many evaluations since have not
 /// beaten it.
+#[derive(Default)]
 pub(super) struct Best {
     best: Option<(f64, u64)>,
     evals_since: u64,

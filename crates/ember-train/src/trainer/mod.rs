@@ -12,6 +12,7 @@ mod options;
 mod progress;
 mod summary;
 
+pub(crate) use options::Claimed;
 pub use options::{Launch, RunOptions};
 pub use summary::{DeviceMemory, RunSummary};
 
@@ -22,18 +23,19 @@ use std::path::PathBuf;
 
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 use indicatif::ProgressBar;
 
 use crate::adamw::GradScale;
 use crate::checkpoint::{
     self, CheckpointState, FORMAT_VERSION, load_model, load_optimizer, save_weights,
 };
+use crate::distributed::World;
 use crate::error::{Result, TrainError};
 use crate::kernel_profile::{self, KernelProfiler, Part};
 use crate::metrics::Metrics;
 use crate::optimizer::{adamw_scaled, clip_factor};
-use crate::task::{DROPOUT_SALT, Split, Task, accumulate, param_device};
+use crate::task::{Split, Task, accumulate, param_device};
 
 /// Trains `model` (built on `device.autodiff()`) on `task`. On resume, weights, optimizer state
 /// and the step are read from the newest checkpoint in `options.out_dir`; batches, dropout and
@@ -41,17 +43,41 @@ use crate::task::{DROPOUT_SALT, Split, Task, accumulate, param_device};
 pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result<RunSummary> {
     let config = &options.training;
     let out = &options.out_dir;
-    std::fs::create_dir_all(out).map_err(|e| crate::error::write_err(out, e))?;
-    check_writable(out)?;
+    let world = options.world.as_deref();
+    // Rank 0 of a run across processes (or the one process) logs, evaluates and saves.
+    let main = world.is_none_or(World::is_main);
+    if main {
+        std::fs::create_dir_all(out).map_err(|e| crate::error::write_err(out, e))?;
+        check_writable(out)?;
+    }
     let schedule = config.schedule();
     // Clipping's factor, applied by the optimizer as it reads each gradient.
     let grad_scale = GradScale::default();
     let (mut state, mut model, mut optim, mut last_checkpoint) =
         start(task, model, options, &grad_scale)?;
-    let metrics = Metrics::open(out, options.resume.then_some(state.step))?;
-    let mut best = Best::open(out, &metrics, options.resume);
     let device = param_device(&model);
-    let bar = progress_bar(config.max_steps, state.step, options.progress);
+    if let Some(world) = world {
+        // Burn initialises parameters lazily, from the process-wide generator, when they are
+        // first read. Every rank reads them here, from the generator as the first micro-batch
+        // sets it (where one process initialises them: its first forward pass), so that every
+        // rank starts from one process's weights; then that is checked.
+        device.seed(crate::task::micro_seed(config.seed, state.step, 0));
+        ember_model::precision::initialize(&model);
+        world.check_same_weights(&model)?;
+    }
+    let ranks = world.map_or(1, World::size) as u64;
+    let per_rank = micro_batches_per_rank(&state, config.grad_accum as u64, ranks, main)?;
+    state.micro_batches = per_rank * ranks;
+    state.world_size = ranks;
+    let metrics = match main {
+        true => Some(Metrics::open(out, options.resume.then_some(state.step))?),
+        false => None,
+    };
+    let mut best = match &metrics {
+        Some(metrics) => Best::open(out, metrics, options.resume),
+        None => Best::default(),
+    };
+    let bar = progress_bar(config.max_steps, state.step, options.progress && main);
     let mut clock = Clock::new(&state);
     let mut window = LogWindow::new(state.step);
     let (mut train_loss, mut val_loss) = (None, state.val_loss);
@@ -73,33 +99,56 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         }
         None => None,
     };
+    // Across processes: each step's tokens and stop flags, summed over the ranks.
+    let mut summed = Summed::default();
 
     // The most bytes live before a backward pass in this process's first two steps (0 where
     // not measured: a measured step holds at least the weights).
     let (first, mut live) = (state.step, 0u64);
     while state.step < stop {
         let step = state.step;
-        device.seed(ember_data::batch_seed(config.seed, step, DROPOUT_SALT));
         let lr = schedule.at(step);
         let mut profiled = match &profiler {
             Some(profiler) => profiler.begin(step + 1)?,
             None => None,
         };
-        let (loss, tokens, grads) = kernel_profile::part(&mut profiled, Part::Gradients, || {
-            if options.devices.len() > 1 {
+        let rank = world.map_or(0, |w| w.ranks.rank) as u64;
+        // Across processes the gradients are summed over the ranks as part of the step's
+        // gradients, in one collective with the step's tokens and stop flags.
+        let gradients = kernel_profile::part(&mut profiled, Part::Gradients, || -> Result<_> {
+            let (loss, tokens, grads) = if options.devices.len() > 1 {
                 crate::parallel::accumulate(task, &model, step, config, &options.devices)
             } else {
                 let probe = (step < first + 2).then_some(&mut live);
+                let micros = rank * per_rank..(rank + 1) * per_rank;
                 accumulate(
                     task,
                     &model,
                     step,
-                    config.grad_accum,
+                    micros,
+                    per_rank * ranks,
+                    config.seed,
                     config.precision,
                     probe,
                 )
+            };
+            match world {
+                Some(world) => {
+                    let flags = [tokens as f32, options.interrupted() as u8 as f32];
+                    let (loss, sums, grads) = world.all_reduce_step(&model, loss, &flags, grads)?;
+                    Ok((loss, tokens, Some(sums), grads))
+                }
+                None => Ok((loss, tokens, None, grads)),
             }
         })?;
+        let (loss, tokens, sums, grads) = gradients?;
+        // Across processes the summed tokens and stop flags are read a step late (the host need
+        // not wait for the step it has just queued), or at once where the step evaluates or
+        // saves; every rank reads them at the same steps, so all stop together.
+        let (mut tokens, mut interrupted) = match sums {
+            Some(sums) => summed.push(sums)?,
+            None => (tokens, options.interrupted()),
+        };
         let norm = kernel_profile::part(&mut profiled, Part::Clip, || {
             let (norm, factor) = clip_factor(&model, &grads, config.grad_clip).unzip();
             grad_scale.set(factor.flatten());
@@ -116,49 +165,70 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             release_replaced_weights(&device, &options.devices);
         }
         state.step += 1;
+        let done = state.step == stop;
+        let eval_due =
+            state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps;
+        let saves = state.step.is_multiple_of(config.checkpoint_interval) || done;
+        if world.is_some() && (saves || eval_due) {
+            let (more, stop) = summed.drain()?;
+            tokens += more;
+            interrupted |= stop;
+        }
         state.tokens_seen += tokens as u64;
         clock.tokens += tokens as u64;
-        window.push(loss, norm, tokens);
-
-        let interrupted = options.interrupted();
-        let done = state.step == stop;
-        let mut checkpoint_due =
-            state.step.is_multiple_of(config.checkpoint_interval) || done || interrupted;
-        if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
-            let record = window.flush(state.step, lr, clock.elapsed())?;
-            log_line(&bar, &record, config.max_steps);
-            metrics.append(&record)?;
-        }
-        let mut improved = false;
-        if state.step.is_multiple_of(config.eval_interval) || state.step == config.max_steps {
-            let valid = model.valid();
-            let eval_model = config.precision.compute(&valid);
-            let (train, val) = evaluate(task, &eval_model, config.eval_batches, state.step, &bar);
-            metrics.append(&clock.eval_record(state.step, lr, train, val))?;
-            (train_loss, val_loss) = (Some(train), Some(val));
-            state.val_loss = val_loss;
-            // Every improvement is saved, so the best model is on disk however late the run
-            // overfits (nanoGPT's GPU config does after about 2000 of its 5000 steps).
-            improved = best.record(val, state.step);
-            stopped_early = best.patience_spent(config.early_stop_patience, &bar);
-            checkpoint_due |= improved || stopped_early;
-            draw_plot(&metrics, &options.title, out);
-        }
-        if checkpoint_due {
-            ensure_finite(&model, state.step)?;
-            state.elapsed_secs = clock.elapsed();
-            let (m, o) = (&model, &optim);
-            last_checkpoint = checkpoint::save(out, &state, config.keep_checkpoints, |dir| {
-                save_weights(m, o, dir)?;
-                task.write_files(dir)
-            })?;
-            if improved {
-                checkpoint::mark_best(out, &last_checkpoint)?;
+        let mut checkpoint_due = saves || interrupted;
+        if let Some(metrics) = &metrics {
+            window.push(loss, norm, tokens);
+            if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
+                let record = window.flush(state.step, lr, clock.elapsed())?;
+                log_line(&bar, &record, config.max_steps);
+                metrics.append(&record)?;
             }
+            let mut improved = false;
+            if eval_due {
+                let valid = model.valid();
+                let eval_model = config.precision.compute(&valid);
+                let (train, val) =
+                    evaluate(task, &eval_model, config.eval_batches, state.step, &bar);
+                metrics.append(&clock.eval_record(state.step, lr, train, val))?;
+                (train_loss, val_loss) = (Some(train), Some(val));
+                state.val_loss = val_loss;
+                // Every improvement is saved, so the best model is on disk however late the
+                // run overfits (nanoGPT's GPU config does after about 2000 of its 5000 steps).
+                improved = best.record(val, state.step);
+                stopped_early = best.patience_spent(config.early_stop_patience, &bar);
+                checkpoint_due |= improved || stopped_early;
+                draw_plot(metrics, &options.title, out);
+            }
+            if checkpoint_due {
+                ensure_finite(&model, state.step)?;
+                state.elapsed_secs = clock.elapsed();
+                let (m, o) = (&model, &optim);
+                last_checkpoint = checkpoint::save(out, &state, config.keep_checkpoints, |dir| {
+                    save_weights(m, o, dir)?;
+                    task.write_files(dir)
+                })?;
+                if improved {
+                    checkpoint::mark_best(out, &last_checkpoint)?;
+                }
+            }
+        }
+        // The other ranks wait for rank 0's evaluation and save, and learn whether it stops
+        // the run early.
+        if let Some(world) = world
+            && (eval_due || checkpoint_due)
+        {
+            stopped_early =
+                world.decide(&[stopped_early as u8 as f32], &device.clone().inner())?[0] > 0.0;
         }
         if interrupted && !done {
             bar.finish_and_clear();
-            draw_plot(&metrics, &options.title, out);
+            if let Some(metrics) = &metrics {
+                draw_plot(metrics, &options.title, out);
+            }
+            if let Some(world) = world {
+                world.finish();
+            }
             return Err(TrainError::Interrupted {
                 step: state.step,
                 checkpoint: last_checkpoint,
@@ -169,15 +239,83 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         }
     }
     bar.finish_and_clear();
-    draw_plot(&metrics, &options.title, out);
+    if let Some(metrics) = &metrics {
+        draw_plot(metrics, &options.title, out);
+    }
+    if let Some(world) = world {
+        world.finish();
+    }
     let mut summary = clock.summary(state.step, last_checkpoint);
     summary.train_loss = train_loss;
     summary.val_loss = val_loss;
-    summary.best = checkpoint::resolve_best(out).ok().zip(best.loss());
+    summary.best = match main {
+        true => checkpoint::resolve_best(out).ok().zip(best.loss()),
+        false => None,
+    };
     summary.stopped_early = stopped_early;
     summary.kernel_profile = profiler.and_then(KernelProfiler::finish);
     summary.device_memory = DeviceMemory::of(&device, (live > 0).then_some(live));
     Ok(summary)
+}
+
+/// A step's tokens and stop flags summed over the ranks (`[tokens, stop]` on the device), kept
+/// until read.
+#[derive(Default)]
+struct Summed {
+    unread: Option<Tensor<1>>,
+}
+
+impl Summed {
+    /// Keeps this step's sums and reads the step before's: (tokens, whether any rank stops).
+    fn push(&mut self, sums: Tensor<1>) -> Result<(usize, bool)> {
+        let earlier = self.unread.replace(sums);
+        Self::read(earlier)
+    }
+
+    /// Reads what is kept.
+    fn drain(&mut self) -> Result<(usize, bool)> {
+        Self::read(self.unread.take())
+    }
+
+    fn read(sums: Option<Tensor<1>>) -> Result<(usize, bool)> {
+        let Some(sums) = sums else {
+            return Ok((0, false));
+        };
+        let values = sums
+            .try_into_vec_as::<f32>()
+            .map_err(|e| TrainError::Distributed(format!("read the summed step: {e:?}")))?;
+        Ok((values[0] as usize, values[1] > 0.0))
+    }
+}
+
+/// Micro-batches each process runs a step: `grad_accum`, unless a checkpoint trained by another
+/// number of processes is resumed, whose global batch is kept (`micro_batches / ranks` each,
+/// which must divide evenly).
+fn micro_batches_per_rank(
+    state: &CheckpointState,
+    grad_accum: u64,
+    ranks: u64,
+    say: bool,
+) -> Result<u64> {
+    let (saved, saved_ranks) = (state.micro_batches, state.world_size);
+    if saved == 0 || saved_ranks == 0 || saved_ranks == ranks || saved == grad_accum * ranks {
+        return Ok(grad_accum);
+    }
+    if !saved.is_multiple_of(ranks) {
+        return Err(TrainError::Distributed(format!(
+            "the checkpoint was trained by {saved_ranks} process(es) on {saved} micro-batches a \
+             step, which {ranks} process(es) cannot share evenly: resume with a number of \
+             processes that divides {saved}"
+        )));
+    }
+    let per_rank = saved / ranks;
+    if say {
+        eprintln!(
+            "note: the checkpoint was trained by {saved_ranks} process(es) on {saved} micro-batches \
+             a step; {ranks} process(es) keep that batch with grad_accum {per_rank} each"
+        );
+    }
+    Ok(per_rank)
 }
 
 /// Hands back to the GPU driver the memory of the weights the first optimizer step replaced. Burn
@@ -232,6 +370,8 @@ fn start<T: Task>(
         tokens_seen: 0,
         elapsed_secs: 0.0,
         val_loss: None,
+        micro_batches: 0,
+        world_size: 0,
     };
     // The optimizer is built from the model it will update: its weight-decay groups are keyed
     // by parameter id, and loading a checkpoint restores the ids its state was saved under.
@@ -253,7 +393,9 @@ fn start<T: Task>(
     }
     let model = load_model(model, &dir)?;
     let optim = load_optimizer(adamw_scaled(config, &model, grad_scale), &dir)?;
-    eprintln!("resuming from {} (step {})", dir.display(), saved.step);
+    if options.world.as_ref().is_none_or(|w| w.is_main()) {
+        eprintln!("resuming from {} (step {})", dir.display(), saved.step);
+    }
     saved.seed = config.seed;
     Ok((saved, model, optim, dir))
 }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::tensor::Device;
 
 use crate::config::TrainingConfig;
+use crate::distributed::World;
 use crate::error::Result;
 use crate::kernel_profile::KernelProfiler;
 
@@ -34,6 +35,9 @@ pub struct RunOptions {
     pub interrupt: Option<Arc<AtomicBool>>,
     /// Time every GPU kernel of the last this many steps ([`crate::kernel_profile`]).
     pub profile_steps: Option<u64>,
+    /// This process's place in a run across processes ([`crate::distributed`]), if launched as
+    /// one.
+    pub world: Option<Arc<World>>,
 }
 
 /// How `ember train` starts a run: where, on what, and whether it continues an earlier one.
@@ -58,6 +62,24 @@ pub struct Launch {
     pub interrupt: Option<Arc<AtomicBool>>,
     /// Time every GPU kernel of the last this many steps (the summary's kernel profile).
     pub profile_steps: Option<u64>,
+    /// This process's place in a run across processes, from the launcher's environment
+    /// ([`crate::distributed::Ranks::from_env`]); `None` for one process.
+    pub ranks: Option<crate::distributed::Ranks>,
+}
+
+/// What [`Launch::claim`] hands a task: its devices, the run folder (held by rank 0 alone
+/// across processes) and the run's place across processes.
+pub(crate) struct Claimed {
+    pub devices: Vec<Device>,
+    pub folder: Option<crate::run_folder::RunFolder>,
+    pub world: Option<Arc<World>>,
+}
+
+impl Claimed {
+    /// Whether this process logs, evaluates and writes the run folder (rank 0, or the only one).
+    pub fn is_main(&self) -> bool {
+        self.world.as_ref().is_none_or(|w| w.is_main())
+    }
 }
 
 impl Launch {
@@ -80,17 +102,18 @@ impl Launch {
     }
 
     /// The start every task shares: the devices (this launch's `--device` written into
-    /// `training`, so the saved config names it) and the run folder, claimed before anything
-    /// reads or writes it: locked for this process, and refused if it holds another run that
-    /// this one would neither resume nor replace.
-    pub(crate) fn claim(
-        &self,
-        training: &mut TrainingConfig,
-    ) -> Result<(Vec<Device>, crate::run_folder::RunFolder)> {
-        let devices = training.devices(self.device.as_deref())?;
+    /// `training`, so the saved config names it), the meeting of the ranks where launched
+    /// across processes (`fingerprint`: the run's config, equal on every rank), and the run
+    /// folder, claimed by rank 0 before anything reads or writes it: locked for this process,
+    /// and refused if it holds another run that this one would neither resume nor replace.
+    pub(crate) fn claim(&self, training: &mut TrainingConfig, fingerprint: u64) -> Result<Claimed> {
         if let Some(name) = &self.device {
             training.device = name.clone();
         }
+        if let Some(ranks) = &self.ranks {
+            training.device = rank_device(&training.device, ranks)?;
+        }
+        let devices = training.devices(None)?;
         training.precision.check(&devices, &training.device)?;
         if let Some(steps) = self.profile_steps {
             // Before the run folder is touched; a resumed run is checked again once its step
@@ -98,9 +121,55 @@ impl Launch {
             let stop = self.stop_after.unwrap_or(u64::MAX).min(training.max_steps);
             KernelProfiler::new(devices.clone(), &training.device, steps, 0, stop)?;
         }
-        let folder = crate::run_folder::RunFolder::claim(&self.out_dir, self.reuse())?;
-        Ok((devices, folder))
+        // Ranks meet before rank 0 claims the folder: a rank that fails then ends them all.
+        let world = match &self.ranks {
+            Some(ranks) => Some(Arc::new(World::join(
+                ranks.clone(),
+                &devices[0],
+                &training.device,
+                fingerprint,
+            )?)),
+            None => None,
+        };
+        let main = world.as_ref().is_none_or(|w| w.is_main());
+        let folder = match main {
+            true => Some(crate::run_folder::RunFolder::claim(
+                &self.out_dir,
+                self.reuse(),
+            )?),
+            false => None,
+        };
+        if let Some(world) = world.as_ref().filter(|w| w.is_main()) {
+            eprintln!(
+                "{} process{} ({}), collectives by {}",
+                world.size(),
+                if world.size() == 1 { "" } else { "es" },
+                world.ranks.launcher,
+                world.engine_name()
+            );
+        }
+        Ok(Claimed {
+            devices,
+            folder,
+            world,
+        })
     }
+}
+
+/// The device of a rank: a CUDA device named without an index becomes `cuda:LOCAL_RANK` (one GPU
+/// per process, as `torchrun` places them); several devices in one process are refused.
+fn rank_device(name: &str, ranks: &crate::distributed::Ranks) -> Result<String> {
+    if name.contains(',') {
+        return Err(crate::error::TrainError::Distributed(format!(
+            "device \"{name}\": a process launched by {} takes one device (each rank its own), \
+             not a list",
+            ranks.launcher
+        )));
+    }
+    Ok(match name.trim() {
+        "cuda" => format!("cuda:{}", ranks.local_rank),
+        other => other.to_string(),
+    })
 }
 
 impl RunOptions {
