@@ -13,6 +13,8 @@
 #   DEVICE=cuda bash scripts/bench-gpu.sh kernels   # what limits each attention kernel (ncu)
 #   DEVICE=cuda bash scripts/bench-gpu.sh cudnn     # cuDNN's flash attention: found, checked, run
 #   DEVICE=cuda bash scripts/bench-gpu.sh gpt2      # GPT-2 124M's body: ember and PyTorch, ms/step
+#   DEVICE=cuda bash scripts/bench-gpu.sh nccl      # NCCL at world size 1 (torchrun's variables) vs none
+#   DEVICE=cuda bash scripts/bench-gpu.sh firstrun  # a first generation with and without the caches
 #   DEVICE=cuda BUDGET=550 bash scripts/bench-gpu.sh all  # speed, check, profile, memory, full
 #                                                   # in BUDGET seconds (for a GPU available briefly)
 #
@@ -71,6 +73,13 @@ mkdir -p "$RUNS"
 if [ -z "${CUDNN_PATH:-}" ]; then
     CUDNN_PATH=$("$PYTHON" -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cudnn", "lib"))' 2>/dev/null) || true
     [ -n "$CUDNN_PATH" ] && [ -e "$CUDNN_PATH/libcudnn.so.9" ] && export CUDNN_PATH || unset CUDNN_PATH
+fi
+# ember's NCCL (training across processes): the one PyTorch's wheels bring, unless NCCL_PATH
+# names another (ember's own default is the system's, then PyTorch's: README, Training across
+# processes).
+if [ -z "${NCCL_PATH:-}" ]; then
+    NCCL_PATH=$("$PYTHON" -c 'import glob, os, nvidia; print((sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "**", "libnccl.so.2"), recursive=True)) or [""])[0])' 2>/dev/null) || true
+    [ -n "$NCCL_PATH" ] && export NCCL_PATH || unset NCCL_PATH
 fi
 if [ -n "${ENV_ARCHIVE:-}" ]; then
     if [ -f "$ENV_ARCHIVE" ]; then
@@ -196,10 +205,15 @@ check() {
     local run compiled=()
     for run in 1 2; do
         rm -f "$RUNS/compiled-$run.log"
-        CUBECL_DEBUG_LOG="$RUNS/compiled-$run.log" "$EMBER_GEN" generate --checkpoint \
+        # Steps launched one by one: cubecl's debug log records profiling events, which a
+        # replayed step's capture cannot hold.
+        EMBER_GPU_KERNELS=-step-graph CUBECL_DEBUG_LOG="$RUNS/compiled-$run.log" "$EMBER_GEN" generate --checkpoint \
             "$RUNS/tiny-flex" --device "$DEVICE" --prompt ROMEO: --max-tokens 20 --seed 4 \
-            >/dev/null 2>&1 || echo "FAILED: generate on $DEVICE with CUBECL_DEBUG_LOG"
-        compiled+=("$(grep -c START_KERNEL_COMPILATION "$RUNS/compiled-$run.log" 2>/dev/null)")
+            >"$RUNS/compiled-$run.out" 2>&1 || {
+            echo "FAILED: generate on $DEVICE with CUBECL_DEBUG_LOG; its end:"
+            tail -3 "$RUNS/compiled-$run.out"
+        }
+        compiled+=("$(grep -c START_KERNEL_COMPILATION "$RUNS/compiled-$run.log" 2>/dev/null || true)")
     done
     echo "kernels compiled by two identical runs on $DEVICE: ${compiled[0]:-?}, then ${compiled[1]:-?}" \
         "(0 the second time: compiled kernels are kept between runs)"
@@ -277,6 +291,7 @@ full() {
         [ "$seed" = config ] || extra=(--set "training.seed=$seed")
         echo "seed: $seed"
         start=$(date +%s)
+        [ -n "${FULL_STEPS:-}" ] && extra+=(--stop-after "$FULL_STEPS")
         logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full" \
             --set "training.precision=\"${PRECISION:-f32}\"" "${extra[@]}"
         echo "wall: $(($(date +%s) - start)) s"
@@ -284,6 +299,71 @@ full() {
         ms_per_step "$RUNS/full"
     done
     "$EMBER_GEN" generate --checkpoint "$RUNS/full" --device "$DEVICE" --prompt ROMEO: --max-tokens 300 --seed 1
+}
+
+# Training as `torchrun --nproc-per-node 1` launches it: NCCL with world size 1 (the path taken:
+# the start-up line), ms/step and the last logged losses against the same run without a
+# launcher, alternating ROUNDS times, at PRECISION; then the collective's own time in the kernel
+# profile of the last PROFILE_STEPS steps.
+nccl() {
+    local round run env n=${PROFILE_STEPS:-10}
+    local launched=(RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
+        MASTER_PORT=${MASTER_PORT:-29517})
+    echo "NCCL_PATH=${NCCL_PATH:-} (unset: the dynamic linker's search, then the toolkit and Python's wheels)"
+    for round in $(seq "${ROUNDS:-1}"); do
+        for run in plain launched; do
+            env=()
+            [ "$run" = launched ] && env=("${launched[@]}")
+            rm -rf "$RUNS/nccl-$run"
+            echo "round $round: $run ${env[*]}"
+            logged "$RUNS/nccl.log" env "${env[@]}" "$EMBER" train --config "$CONFIG" \
+                --device "$DEVICE" --out "$RUNS/nccl-$run" --stop-after "$STEPS" \
+                --set "training.precision=\"${PRECISION:-f32}\"" || continue
+            grep -aE "^(peak|GPU memory|[0-9]+ process|step .*/.*loss)" "$RUNS/nccl.log" | tail -4
+            ms_per_step "$RUNS/nccl-$run"
+        done
+    done
+    for run in plain launched; do
+        env=()
+        [ "$run" = launched ] && env=("${launched[@]}")
+        rm -rf "$RUNS/nccl-profile"
+        echo "kernel profile: $run"
+        logged "$RUNS/nccl.log" env "${env[@]}" "$EMBER" train --config "$CONFIG" \
+            --device "$DEVICE" --out "$RUNS/nccl-profile" --stop-after "$STEPS" \
+            --profile-steps "$n" --set "training.precision=\"${PRECISION:-f32}\"" || continue
+        sed -n '/^kernel profile/,/^checkpoint:/p' "$RUNS/nccl.log" | grep -v '^checkpoint:' | head -30
+    done
+}
+
+# What a first run costs: `ember generate` (500 tokens) in new processes, with nothing cached
+# (cubecl's environment and the driver's ComputeCache moved aside), then with both caches (what
+# the first left), with cubecl's alone and with the driver's alone; wall seconds of each
+# process. The caches are put back afterwards. Needs a checkpoint (FIRST_CHECKPOINT, default
+# the speed or nccl stage's).
+firstrun() {
+    local ckpt=${FIRST_CHECKPOINT:-}
+    [ -n "$ckpt" ] || for ckpt in "$RUNS/speed" "$RUNS/nccl-plain" "$RUNS/full"; do
+        [ -d "$ckpt" ] && break
+    done
+    [ -d "$ckpt" ] || { echo "firstrun: no checkpoint (run speed or nccl first)"; return 1; }
+    local aside="$RUNS/caches-aside" nv="$HOME/.nv/ComputeCache" run t0
+    rm -rf "$aside" && mkdir -p "$aside"
+    [ -d target/environment ] && mv target/environment "$aside/environment"
+    [ -d "$nv" ] && mv "$nv" "$aside/ComputeCache"
+    for run in "nothing cached" "both caches" "cubecl's cache alone" "the driver's cache alone"; do
+        case $run in
+            "cubecl's cache alone") rm -rf "$nv" ;;
+            "the driver's cache alone") rm -rf target/environment ;;
+        esac
+        t0=$(date +%s.%N)
+        "$EMBER_GEN" generate --checkpoint "$ckpt" --device "$DEVICE" --prompt ROMEO: \
+            --max-tokens 500 --seed 1 >"$RUNS/firstrun.log" 2>&1 || { tail -3 "$RUNS/firstrun.log"; continue; }
+        echo "$run: $("$PYTHON" -c "print(round($(date +%s.%N) - $t0, 2))") s wall; $(grep -o '[0-9.]* tokens/s' "$RUNS/firstrun.log" | head -1)"
+    done
+    rm -rf target/environment "$nv"
+    [ -d "$aside/environment" ] && mv "$aside/environment" target/environment
+    [ -d "$aside/ComputeCache" ] && mkdir -p "$HOME/.nv" && mv "$aside/ComputeCache" "$nv"
+    rm -rf "$aside"
 }
 
 # ember's kernel profile of the last PROFILE_STEPS of STEPS steps (`ember train --profile-steps`)
@@ -578,4 +658,4 @@ all() {
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|all}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|nccl|firstrun|all}"
