@@ -2,7 +2,9 @@
 //!
 //! One training loop for every ember task, with AdamW, warmup + cosine (or inverse square
 //! root) schedules, gradient accumulation, global-norm clipping, periodic evaluation, metrics
-//! (`metrics.jsonl`), a loss plot (`loss.png`), and atomic checkpoints that a run resumes from.
+//! (`metrics.jsonl`), a loss plot (`loss.png`), and atomic checkpoints that a run resumes from;
+//! data-parallel over the devices of one process ([`parallel`]) or over processes started by a
+//! launcher ([`distributed`]: NCCL with `nccl`, MPI with `mpi`).
 
 pub mod adamw;
 pub mod average;

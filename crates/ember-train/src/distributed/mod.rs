@@ -92,13 +92,21 @@ impl World {
     ) -> Result<Self> {
         let timeout = rendezvous::timeout()?;
         let nccl = device_name.starts_with("cuda");
-        let payload = match (nccl, ranks.is_main()) {
-            #[cfg(feature = "nccl")]
-            (true, true) => nccl_engine::unique_id()?,
-            _ => Vec::new(),
-        };
         Self::engine_available(nccl, device_name)?;
-        let (link, payload) = Link::join(&ranks, fingerprint, &payload, timeout)?;
+        // Rank 0 makes NCCL's id; where it cannot, every rank hears why at the rendezvous.
+        let payload: std::result::Result<Vec<u8>, String> = match (nccl, ranks.is_main()) {
+            #[cfg(feature = "nccl")]
+            (true, true) => {
+                nccl_engine::unique_id().map_err(|e| format!("rank 0 cannot start NCCL: {e}"))
+            }
+            _ => Ok(Vec::new()),
+        };
+        let (link, payload) = Link::join(
+            &ranks,
+            fingerprint,
+            payload.as_deref().map_err(Clone::clone),
+            timeout,
+        )?;
         let engine = Self::start_engine(nccl, &ranks, device, &payload)?;
         Ok(Self {
             ranks,

@@ -70,14 +70,14 @@ impl Link {
     pub fn join(
         ranks: &Ranks,
         fingerprint: u64,
-        payload: &[u8],
+        payload: std::result::Result<&[u8], String>,
         timeout: Duration,
     ) -> Result<(Self, Vec<u8>)> {
         let addr = ranks.rendezvous_addr()?;
         let (peers, payload) = match ranks.is_main() {
             true => (
-                serve(ranks, &addr, fingerprint, payload, timeout)?,
-                payload.to_vec(),
+                serve(ranks, &addr, fingerprint, payload.clone(), timeout)?,
+                payload.unwrap_or_default().to_vec(),
             ),
             false => {
                 let (stream, payload) = greet(ranks, &addr, fingerprint, timeout)?;
@@ -168,12 +168,15 @@ pub(crate) fn end_process(message: &str) -> ! {
     unsafe { libc::_exit(1) }
 }
 
-/// Rank 0: listens, takes every other rank's greeting, checks them and answers each.
+/// Rank 0: listens, takes every other rank's greeting, checks them and answers each: with
+/// `payload`, or, once anything is wrong (`payload` itself an error: rank 0 cannot start its
+/// collective library), with what is wrong, to every rank that has come or still comes (until
+/// all have, or the timeout), so that all end at once with the same line.
 fn serve(
     ranks: &Ranks,
     addr: &str,
     fingerprint: u64,
-    payload: &[u8],
+    payload: std::result::Result<&[u8], String>,
     timeout: Duration,
 ) -> Result<Vec<(usize, TcpStream)>> {
     let deadline = Instant::now() + timeout;
@@ -187,15 +190,18 @@ fn serve(
     listener
         .set_nonblocking(true)
         .map_err(|e| TrainError::Distributed(format!("rendezvous on {addr}: {e}")))?;
-    let mut peers: Vec<(usize, TcpStream)> = Vec::new();
-    while peers.len() + 1 < ranks.size {
+    let mut failure: Option<String> = payload.clone().err();
+    let (mut peers, mut arrived): (Vec<(usize, TcpStream)>, Vec<usize>) = (Vec::new(), Vec::new());
+    while arrived.len() + 1 < ranks.size {
         let (mut stream, _) = match listener.accept() {
             Ok(accepted) => accepted,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() > deadline {
-                    let mut missing: Vec<usize> = (1..ranks.size)
-                        .filter(|r| !peers.iter().any(|(p, _)| p == r))
-                        .collect();
+                    if let Some(failure) = failure {
+                        return Err(TrainError::Distributed(failure));
+                    }
+                    let mut missing: Vec<usize> =
+                        (1..ranks.size).filter(|r| !arrived.contains(r)).collect();
                     missing.truncate(8);
                     let missing: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
                     return Err(TrainError::Distributed(format!(
@@ -203,7 +209,7 @@ fn serve(
                          (EMBER_RENDEZVOUS_TIMEOUT); {} of {} ranks arrived",
                         missing.join(", rank "),
                         timeout.as_secs_f64(),
-                        peers.len() + 1,
+                        arrived.len() + 1,
                         ranks.size
                     )));
                 }
@@ -224,34 +230,43 @@ fn serve(
         };
         let problem = if size != ranks.size {
             Some(format!(
-                "rank {rank} was launched with {size} ranks, rank 0 with {}",
+                "rendezvous: rank {rank} was launched with {size} ranks, rank 0 with {}",
                 ranks.size
             ))
-        } else if rank == 0 || rank >= ranks.size || peers.iter().any(|(r, _)| *r == rank) {
-            Some(format!("two processes claim rank {rank}"))
+        } else if rank == 0 || rank >= ranks.size || arrived.contains(&rank) {
+            Some(format!("rendezvous: two processes claim rank {rank}"))
         } else if theirs != fingerprint {
             Some(format!(
-                "rank {rank} trains another config than rank 0 (every rank needs the same \
-                 config, overrides and run folder)"
+                "rendezvous: rank {rank} trains another config than rank 0 (every rank needs \
+                 the same config, overrides and run folder)"
             ))
         } else {
             None
         };
-        if let Some(problem) = problem {
-            let mut answer = vec![REJECT];
-            answer.extend((problem.len() as u32).to_le_bytes());
-            answer.extend(problem.as_bytes());
-            let _ = stream.write_all(&answer);
-            return Err(TrainError::Distributed(format!("rendezvous: {problem}")));
-        }
+        arrived.push(rank);
         let _ = stream.set_read_timeout(None);
         peers.push((rank, stream));
+        if failure.is_none()
+            && let Some(problem) = problem
+        {
+            failure = Some(problem);
+        }
+        if let Some(failure) = &failure {
+            // Everyone who has come hears it (and leaves); so will everyone who still comes.
+            for (_, stream) in peers.drain(..) {
+                let _ = answer(&stream, REJECT, failure.as_bytes());
+            }
+            if size != ranks.size {
+                break;
+            }
+        }
     }
-    let mut answer = vec![ACCEPT];
-    answer.extend((payload.len() as u32).to_le_bytes());
-    answer.extend(payload);
-    for (rank, stream) in &mut peers {
-        stream.write_all(&answer).map_err(|e| {
+    if let Some(failure) = failure {
+        return Err(TrainError::Distributed(failure));
+    }
+    let payload = payload.expect("no failure: the payload is there");
+    for (rank, stream) in &peers {
+        answer(stream, ACCEPT, payload).map_err(|e| {
             TrainError::Distributed(format!(
                 "rendezvous: rank {rank} left before the start: {e}"
             ))
@@ -259,6 +274,14 @@ fn serve(
     }
     peers.sort_by_key(|(r, _)| *r);
     Ok(peers)
+}
+
+/// Rank 0's answer to a greeting: `kind` and a body.
+fn answer(mut stream: &TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
+    let mut message = vec![kind];
+    message.extend((body.len() as u32).to_le_bytes());
+    message.extend(body);
+    stream.write_all(&message)
 }
 
 /// Another rank: connects to rank 0 (trying again until `deadline`), greets it and reads its
@@ -326,10 +349,9 @@ fn greet(
     let _ = stream.set_read_timeout(None);
     match kind[0] {
         ACCEPT => Ok((stream, body)),
-        _ => Err(TrainError::Distributed(format!(
-            "rendezvous: {}",
-            String::from_utf8_lossy(&body)
-        ))),
+        _ => Err(TrainError::Distributed(
+            String::from_utf8_lossy(&body).into_owned(),
+        )),
     }
 }
 
@@ -398,9 +420,9 @@ mod tests {
         let port = free_port();
         let t = Duration::from_secs(20);
         let workers: Vec<_> = (1..3)
-            .map(|r| std::thread::spawn(move || Link::join(&ranks(r, 3, port), 7, &[], t)))
+            .map(|r| std::thread::spawn(move || Link::join(&ranks(r, 3, port), 7, Ok(&[]), t)))
             .collect();
-        let (main, got) = Link::join(&ranks(0, 3, port), 7, b"id-bytes", t).unwrap();
+        let (main, got) = Link::join(&ranks(0, 3, port), 7, Ok(b"id-bytes"), t).unwrap();
         assert_eq!(got, b"id-bytes");
         let links: Vec<Link> = workers
             .into_iter()
@@ -422,8 +444,8 @@ mod tests {
     fn a_rank_with_another_config_is_refused() {
         let port = free_port();
         let t = Duration::from_secs(20);
-        let worker = std::thread::spawn(move || Link::join(&ranks(1, 2, port), 8, &[], t));
-        let e = Link::join(&ranks(0, 2, port), 7, &[], t)
+        let worker = std::thread::spawn(move || Link::join(&ranks(1, 2, port), 8, Ok(&[]), t));
+        let e = Link::join(&ranks(0, 2, port), 7, Ok(&[]), t)
             .err()
             .unwrap()
             .to_string();
@@ -432,12 +454,34 @@ mod tests {
         assert!(e.contains("rank 1 trains another config"), "{e}");
     }
 
+    /// Rank 0 that cannot start its collective library tells every rank why, at once.
+    #[test]
+    fn rank_zero_s_failure_reaches_every_rank() {
+        let port = free_port();
+        let t = Duration::from_secs(20);
+        let workers: Vec<_> = (1..3)
+            .map(|r| std::thread::spawn(move || Link::join(&ranks(r, 3, port), 7, Ok(&[]), t)))
+            .collect();
+        let started = Instant::now();
+        let why = "rank 0 cannot start NCCL: no libnccl".to_string();
+        let e = Link::join(&ranks(0, 3, port), 7, Err(why.clone()), t)
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(e, why);
+        for worker in workers {
+            let e = worker.join().unwrap().err().unwrap().to_string();
+            assert_eq!(e, why);
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
     /// Nobody at rank 0's address: the rank gives up after the timeout, naming itself and it.
     #[test]
     fn a_missing_rank_zero_times_out_in_one_line() {
         let port = free_port();
         let started = Instant::now();
-        let e = Link::join(&ranks(1, 2, port), 7, &[], Duration::from_millis(500))
+        let e = Link::join(&ranks(1, 2, port), 7, Ok(&[]), Duration::from_millis(500))
             .err()
             .unwrap()
             .to_string();
@@ -447,7 +491,7 @@ mod tests {
             "{e}"
         );
         // And rank 0 alone: it names the rank that did not come.
-        let e = Link::join(&ranks(0, 3, port), 7, &[], Duration::from_millis(300))
+        let e = Link::join(&ranks(0, 3, port), 7, Ok(&[]), Duration::from_millis(300))
             .err()
             .unwrap()
             .to_string();
