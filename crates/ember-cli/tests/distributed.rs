@@ -1,7 +1,7 @@
 //! Training across processes on CPU devices, as a launcher starts them: two processes under
 //! Open MPI's `mpirun` (the `mpi` feature) train to the parameters of one process with twice the
-//! `grad_accum`, bit for bit; a killed rank ends the other in one line; the run resumes
-//! exactly, with two processes or with one. Without the feature, a launched process says what
+//! `grad_accum`, bit for bit; a killed rank ends the other in one line; SIGTERM to one rank
+//! stops both at one step with a checkpoint; the run resumes exactly, with two processes or one. Without the feature, a launched process says what
 //! it lacks in one line; a rank whose rank 0 never comes gives up after the rendezvous timeout.
 
 mod common;
@@ -242,7 +242,7 @@ fn rank_pid(run: &Path, rank: usize) -> Option<String> {
 
 #[cfg(feature = "mpi")]
 #[test]
-fn a_killed_rank_ends_the_other_in_one_line_and_the_run_resumes_exactly() {
+fn a_killed_rank_ends_the_other_in_one_line_a_stopped_one_stops_both_and_the_run_resumes_exactly() {
     let dir = temp("killed-rank");
     let steps = 3000;
     let args = tiny(steps, &["training.checkpoint_interval=100"]);
@@ -302,7 +302,7 @@ fn a_killed_rank_ends_the_other_in_one_line_and_the_run_resumes_exactly() {
     resume.push("--resume".into());
     let out = mpirun(2, &free_port(), &resume).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    let mut alone = with_out(args, &copy);
+    let mut alone = with_out(args.clone(), &copy);
     alone.push("--resume".into());
     let alone: Vec<&str> = alone.iter().map(String::as_str).collect();
     let out = ember_ok(&alone);
@@ -319,6 +319,62 @@ fn a_killed_rank_ends_the_other_in_one_line_and_the_run_resumes_exactly() {
     assert!(
         params(&copy) == want,
         "resumed by one process: parameters differ"
+    );
+
+    // SIGTERM to rank 1 alone: both ranks stop at the same step, rank 0 saves it, and the
+    // resumed run ends at the same parameters again.
+    let run = dir.join("stopped");
+    let child = mpirun(2, &free_port(), &with_out(args.clone(), &run))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !run.join("checkpoints/step-0000300").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint at step 300"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = rank_pid(&run, 1).expect("rank 1 runs");
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out);
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("interrupted at step"))
+        .unwrap_or_else(|| panic!("no 'interrupted' line: {stderr}"));
+    let step: u64 = line["interrupted at step ".len()..]
+        .split(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((300..steps).contains(&step), "{line}");
+    assert!(
+        stderr.contains("continue with: mpirun as before"),
+        "{stderr}"
+    );
+    assert!(!stderr.lines().any(|l| l.starts_with("error:")), "{stderr}");
+    let saved = ember_train::checkpoint::resolve(&run).unwrap();
+    assert_eq!(
+        ember_train::checkpoint::read_state(&saved).unwrap().step,
+        step
+    );
+    let mut resume = with_out(args, &run);
+    resume.push("--resume".into());
+    let out = mpirun(2, &free_port(), &resume).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        params(&run) == want,
+        "resumed after SIGTERM: parameters differ"
     );
     let _ = std::fs::remove_dir_all(dir);
 }
