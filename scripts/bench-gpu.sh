@@ -306,33 +306,34 @@ full() {
 # launcher, alternating ROUNDS times, at PRECISION; then the collective's own time in the kernel
 # profile of the last PROFILE_STEPS steps.
 nccl() {
-    local round run env n=${PROFILE_STEPS:-10}
-    local launched=(RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
-        MASTER_PORT=${MASTER_PORT:-29517})
+    local round run n=${PROFILE_STEPS:-10}
     echo "NCCL_PATH=${NCCL_PATH:-} (unset: the dynamic linker's search, then the toolkit and Python's wheels)"
     for round in $(seq "${ROUNDS:-1}"); do
         for run in plain launched; do
-            env=()
-            [ "$run" = launched ] && env=("${launched[@]}")
-            rm -rf "$RUNS/nccl-$run"
-            echo "round $round: $run ${env[*]}"
-            logged "$RUNS/nccl.log" env "${env[@]}" "$EMBER" train --config "$CONFIG" \
-                --device "$DEVICE" --out "$RUNS/nccl-$run" --stop-after "$STEPS" \
-                --set "training.precision=\"${PRECISION:-f32}\"" || continue
+            echo "round $round: $run"
+            nccl_train "$run" "$RUNS/nccl-$run" || continue
             grep -aE "^(peak|GPU memory|[0-9]+ process|step .*/.*loss)" "$RUNS/nccl.log" | tail -4
             ms_per_step "$RUNS/nccl-$run"
         done
     done
     for run in plain launched; do
-        env=()
-        [ "$run" = launched ] && env=("${launched[@]}")
-        rm -rf "$RUNS/nccl-profile"
         echo "kernel profile: $run"
-        logged "$RUNS/nccl.log" env "${env[@]}" "$EMBER" train --config "$CONFIG" \
-            --device "$DEVICE" --out "$RUNS/nccl-profile" --stop-after "$STEPS" \
-            --profile-steps "$n" --set "training.precision=\"${PRECISION:-f32}\"" || continue
+        nccl_train "$run" "$RUNS/nccl-profile" --profile-steps "$n" || continue
         sed -n '/^kernel profile/,/^checkpoint:/p' "$RUNS/nccl.log" | grep -v '^checkpoint:' | head -30
     done
+}
+
+# One run of `nccl`: $1 `plain` (no launcher) or `launched` (torchrun's variables for one
+# process), into the fresh folder $2, with more `ember train` arguments after; log in
+# RUNS/nccl.log.
+nccl_train() {
+    local run=$1 out=$2 env=()
+    shift 2
+    [ "$run" = launched ] && env=(RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
+        MASTER_ADDR=127.0.0.1 MASTER_PORT="${MASTER_PORT:-29517}")
+    rm -rf "$out"
+    logged "$RUNS/nccl.log" env "${env[@]}" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
+        --out "$out" --stop-after "$STEPS" --set "training.precision=\"${PRECISION:-f32}\"" "$@"
 }
 
 # What a first run costs: `ember generate` (500 tokens) in new processes, with nothing cached

@@ -115,6 +115,27 @@ fn with_out(mut args: Vec<String>, out: &Path) -> Vec<String> {
     args
 }
 
+/// `args` with `--set key=value`.
+#[cfg(feature = "mpi")]
+fn with_set(mut args: Vec<String>, set: &str) -> Vec<String> {
+    args.extend(["--set".into(), set.into()]);
+    args
+}
+
+/// `ember args`, which must succeed.
+#[cfg(feature = "mpi")]
+fn ok(args: &[String]) -> Output {
+    ember_ok(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// `args` training into `run`, resuming it.
+#[cfg(feature = "mpi")]
+fn resumed(args: Vec<String>, run: &Path) -> Vec<String> {
+    let mut args = with_out(args, run);
+    args.push("--resume".into());
+    args
+}
+
 #[cfg(feature = "mpi")]
 fn text(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
@@ -136,10 +157,10 @@ fn two_processes_train_to_the_parameters_of_one_with_twice_the_grad_accum() {
     let dir = temp("two-ranks");
     let (one, two) = (dir.join("one"), dir.join("two"));
     let args = tiny(40, &["training.eval_interval=20"]);
-    let mut single = args.clone();
-    single.extend(["--set".into(), "training.grad_accum=2".into()]);
-    let single = with_out(single, &one);
-    ember_ok(&single.iter().map(String::as_str).collect::<Vec<_>>());
+    ok(&with_out(
+        with_set(args.clone(), "training.grad_accum=2"),
+        &one,
+    ));
     let out = mpirun(2, &free_port(), &with_out(args, &two))
         .output()
         .unwrap();
@@ -173,11 +194,12 @@ fn two_processes_train_to_the_parameters_of_one_with_twice_the_grad_accum() {
         "training.max_steps=12",
         "training.eval_interval=6",
     ] {
-        args.extend(["--set".into(), set.into()]);
+        args = with_set(args, set);
     }
-    let mut single = with_out(args.clone(), &one_t);
-    single.extend(["--set".into(), "training.grad_accum=2".into()]);
-    ember_ok(&single.iter().map(String::as_str).collect::<Vec<_>>());
+    ok(&with_out(
+        with_set(args.clone(), "training.grad_accum=2"),
+        &one_t,
+    ));
     let out = mpirun(2, &free_port(), &with_out(args, &two_t))
         .output()
         .unwrap();
@@ -192,12 +214,11 @@ fn two_processes_train_to_the_parameters_of_one_with_twice_the_grad_accum() {
     // after 300 steps).
     let (four, two_by_two) = (dir.join("four"), dir.join("two-by-two"));
     let args = tiny(100, &["training.eval_interval=50"]);
-    let mut single = args.clone();
-    single.extend(["--set".into(), "training.grad_accum=4".into()]);
-    let single = with_out(single, &four);
-    ember_ok(&single.iter().map(String::as_str).collect::<Vec<_>>());
-    let mut each = args;
-    each.extend(["--set".into(), "training.grad_accum=2".into()]);
+    ok(&with_out(
+        with_set(args.clone(), "training.grad_accum=4"),
+        &four,
+    ));
+    let each = with_set(args, "training.grad_accum=2");
     let out = mpirun(2, &free_port(), &with_out(each, &two_by_two))
         .output()
         .unwrap();
@@ -240,27 +261,15 @@ fn rank_pid(run: &Path, rank: usize) -> Option<String> {
     None
 }
 
+/// Two processes of `args` training into `run`, rank 1 sent `signal` once the run has saved
+/// step 300's checkpoint: their output, and when they started.
 #[cfg(feature = "mpi")]
-#[test]
-fn a_killed_rank_ends_the_other_in_one_line_a_stopped_one_stops_both_and_the_run_resumes_exactly() {
-    let dir = temp("killed-rank");
-    let steps = 3000;
-    let args = tiny(steps, &["training.checkpoint_interval=100"]);
-    let whole = dir.join("whole");
-    let mut single = args.clone();
-    single.extend(["--set".into(), "training.grad_accum=2".into()]);
-    let single = with_out(single, &whole);
-    let single: Vec<&str> = single.iter().map(String::as_str).collect();
-    ember_ok(&single);
-
-    let run = dir.join("killed");
-    let port = free_port();
-    let child = mpirun(2, &port, &with_out(args.clone(), &run))
+fn signal_rank_1_after_step_300(args: &[String], run: &Path, signal: &str) -> (Output, Instant) {
+    let child = mpirun(2, &free_port(), &with_out(args.to_vec(), run))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Once the run has saved a few checkpoints, kill rank 1 as the system would.
     let started = Instant::now();
     while !run.join("checkpoints/step-0000300").exists() {
         assert!(
@@ -269,15 +278,26 @@ fn a_killed_rank_ends_the_other_in_one_line_a_stopped_one_stops_both_and_the_run
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    let pid = rank_pid(&run, 1).expect("rank 1 runs");
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let out = child.wait_with_output().unwrap();
+    let pid = rank_pid(run, 1).expect("rank 1 runs");
+    common::signal(&pid, signal);
+    (child.wait_with_output().unwrap(), started)
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_killed_rank_ends_the_other_in_one_line_a_stopped_one_stops_both_and_the_run_resumes_exactly() {
+    let dir = temp("killed-rank");
+    let steps = 3000;
+    let args = tiny(steps, &["training.checkpoint_interval=100"]);
+    let whole = dir.join("whole");
+    ok(&with_out(
+        with_set(args.clone(), "training.grad_accum=2"),
+        &whole,
+    ));
+
+    // Once the run has saved a few checkpoints, kill rank 1 as the system would.
+    let run = dir.join("killed");
+    let (out, started) = signal_rank_1_after_step_300(&args, &run, "KILL");
     let stderr = text(&out);
     assert!(!out.status.success(), "{stderr}");
     assert!(started.elapsed() < Duration::from_secs(60), "{stderr}");
@@ -298,14 +318,11 @@ fn a_killed_rank_ends_the_other_in_one_line_a_stopped_one_stops_both_and_the_run
             .unwrap()
             .success()
     );
-    let mut resume = with_out(args.clone(), &run);
-    resume.push("--resume".into());
-    let out = mpirun(2, &free_port(), &resume).output().unwrap();
+    let out = mpirun(2, &free_port(), &resumed(args.clone(), &run))
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    let mut alone = with_out(args.clone(), &copy);
-    alone.push("--resume".into());
-    let alone: Vec<&str> = alone.iter().map(String::as_str).collect();
-    let out = ember_ok(&alone);
+    let out = ok(&resumed(args.clone(), &copy));
     assert!(
         text(&out).contains("1 process(es) keep that batch with grad_accum 2 each"),
         "{}",
@@ -324,39 +341,9 @@ fn a_killed_rank_ends_the_other_in_one_line_a_stopped_one_stops_both_and_the_run
     // SIGTERM to rank 1 alone: both ranks stop at the same step, rank 0 saves it, and the
     // resumed run ends at the same parameters again.
     let run = dir.join("stopped");
-    let child = mpirun(2, &free_port(), &with_out(args.clone(), &run))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while !run.join("checkpoints/step-0000300").exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "no checkpoint at step 300"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = rank_pid(&run, 1).expect("rank 1 runs");
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let out = child.wait_with_output().unwrap();
+    let (out, _) = signal_rank_1_after_step_300(&args, &run, "TERM");
     let stderr = text(&out);
-    let line = stderr
-        .lines()
-        .find(|l| l.starts_with("interrupted at step"))
-        .unwrap_or_else(|| panic!("no 'interrupted' line: {stderr}"));
-    let step: u64 = line["interrupted at step ".len()..]
-        .split(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (step, line) = common::interrupted_step(&stderr);
     assert!((300..steps).contains(&step), "{line}");
     assert!(
         stderr.contains("continue with: mpirun as before"),
@@ -368,9 +355,9 @@ fn a_killed_rank_ends_the_other_in_one_line_a_stopped_one_stops_both_and_the_run
         ember_train::checkpoint::read_state(&saved).unwrap().step,
         step
     );
-    let mut resume = with_out(args, &run);
-    resume.push("--resume".into());
-    let out = mpirun(2, &free_port(), &resume).output().unwrap();
+    let out = mpirun(2, &free_port(), &resumed(args, &run))
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     assert!(
         params(&run) == want,

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{assert_clear_error, ember, ember_ok, params, repo, temp};
+use common::{assert_clear_error, ember, ember_ok, interrupted_step, params, repo, signal, temp};
 use ember_train::checkpoint;
 
 /// A tiny model that trains in well under a second per dozen steps.
@@ -194,27 +194,11 @@ fn sigterm_saves_a_checkpoint_and_the_resumed_run_ends_identical() {
     // The first evaluation (step 500) saves the best checkpoint; stop some steps after it.
     wait_for_checkpoint(&mut child, &run, 500);
     std::thread::sleep(Duration::from_millis(150));
-    let pid = child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(&child.id().to_string(), "TERM");
     let out = child.wait_with_output().unwrap();
     let text = stderr(&out);
     assert_eq!(out.status.code(), Some(143), "{text}");
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("interrupted at step"))
-        .unwrap_or_else(|| panic!("no 'interrupted' line: {text}"));
-    let step: u64 = line["interrupted at step ".len()..]
-        .split(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (step, line) = interrupted_step(&text);
     assert!((500..3000).contains(&step), "{line}");
     assert!(
         text.contains("continue with: ember train") && text.contains("--resume"),

@@ -5,6 +5,17 @@
 use std::ffi::{CString, c_void};
 use std::path::PathBuf;
 
+/// `major.minor.patch` of a version number written `major * 10000 + minor * 100 + patch`
+/// (cuDNN 9's and NCCL's).
+pub(crate) fn version_name(version: u64) -> String {
+    format!(
+        "{}.{}.{}",
+        version / 10000,
+        version / 100 % 100,
+        version % 100
+    )
+}
+
 /// Opens `path` (a library file's path or name), `RTLD_LOCAL` (its symbols are not offered to
 /// other libraries); null where it fails.
 pub(crate) fn open(path: &str) -> *mut c_void {

@@ -13,7 +13,7 @@ use crate::config::{RunConfig, TokenizerKind};
 use crate::error::{Result, TrainError, write_err};
 use crate::lm_source::{LmSource, open_lm};
 use crate::task::{Split, Task};
-use crate::trainer::{Claimed, Launch, RunOptions, RunSummary};
+use crate::trainer::{Launch, RunSummary};
 
 /// Seed salt for evaluation batches: fixed, so every evaluation sees the same windows.
 const EVAL_SALT: u64 = 0xE7A1;
@@ -304,32 +304,16 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     if main {
         eprintln!("{}", model.summary());
     }
-    let Claimed {
-        devices,
-        folder,
-        world,
-    } = claimed;
-    let options = RunOptions {
-        out_dir,
-        training: config.training.clone(),
-        devices,
-        world,
-        resume: launch.resume,
-        stop_after: launch.stop_after,
-        profile_steps: launch.profile_steps,
-        progress: launch.progress,
-        interrupt: launch.interrupt.clone(),
-        title: format!(
-            "{} on {}",
-            "decoder-only LM",
-            config
-                .data
-                .path
-                .file_name()
-                .map(|n| n.to_string_lossy().to_string())
-                .unwrap_or_default()
-        ),
-    };
+    let title = format!(
+        "decoder-only LM on {}",
+        config
+            .data
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default()
+    );
+    let (options, folder) = claimed.run_options(launch, config.training.clone(), title);
     let task = LmTask {
         data,
         config,

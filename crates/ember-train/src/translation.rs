@@ -16,7 +16,7 @@ use ember_model::loss::cross_entropy;
 use crate::checkpoint::CONFIG_FILE;
 use crate::error::{Result, TrainError, write_err};
 use crate::task::{Split, Task};
-use crate::trainer::{Claimed, Launch, RunOptions, RunSummary};
+use crate::trainer::{Launch, RunSummary};
 use crate::translation_config::TranslationRunConfig;
 
 /// File of the shared vocabulary inside a checkpoint.
@@ -355,23 +355,8 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     if main {
         eprintln!("{}", model.summary());
     }
-    let Claimed {
-        devices,
-        folder,
-        world,
-    } = claimed;
-    let options = RunOptions {
-        out_dir,
-        training: config.training.clone(),
-        devices,
-        world,
-        resume,
-        stop_after: launch.stop_after,
-        profile_steps: launch.profile_steps,
-        progress: launch.progress,
-        interrupt: launch.interrupt.clone(),
-        title: format!("encoder-decoder on {}", d.train_src.display()),
-    };
+    let title = format!("encoder-decoder on {}", d.train_src.display());
+    let (options, folder) = claimed.run_options(launch, config.training.clone(), title);
     let task = TranslationTask {
         config,
         tokenizers,

@@ -68,3 +68,28 @@ pub fn params(dir: &Path) -> Vec<f32> {
     lm.model.visit(&mut collect);
     collect.0
 }
+
+/// Sends `signal` (`TERM`, `KILL`, ...) to process `pid`.
+pub fn signal(pid: &str, signal: &str) {
+    let sent = Command::new("kill")
+        .args([&format!("-{signal}"), pid])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{signal} {pid}");
+}
+
+/// The step of the `interrupted at step N: saved ...` line of a stopped run's stderr, and the
+/// line.
+pub fn interrupted_step(stderr: &str) -> (u64, &str) {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("interrupted at step"))
+        .unwrap_or_else(|| panic!("no 'interrupted' line: {stderr}"));
+    let step = line["interrupted at step ".len()..]
+        .split(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    (step, line)
+}

@@ -22,7 +22,7 @@
 //! The functions are looked up in the loaded front library itself ([`Api`]), not by name
 //! through the process (which could reach another copy).
 
-use crate::libraries::{open, symbol};
+use crate::libraries::{open, symbol, version_name};
 use cudarc::cudnn::sys::{
     cudaStream_t, cudnnBackendAttributeName_t, cudnnBackendAttributeType_t,
     cudnnBackendDescriptor_t, cudnnBackendDescriptorType_t, cudnnHandle_t,
@@ -105,23 +105,13 @@ pub(crate) fn api() -> Result<&'static Api, String> {
             true => Ok(api),
             false => Err(format!(
                 "cuDNN {} in {} is older than 9.0",
-                name(api.version),
+                version_name(api.version as u64),
                 api.folder
             )),
         }
     })
     .as_ref()
     .map_err(Clone::clone)
-}
-
-/// `major.minor.patch` of a cuDNN version number.
-pub(crate) fn name(version: usize) -> String {
-    format!(
-        "{}.{}.{}",
-        version / 10000,
-        version / 100 % 100,
-        version % 100
-    )
 }
 
 /// The last `dlerror`, for messages.

@@ -92,16 +92,6 @@ pub(crate) fn api() -> Result<&'static Api, String> {
     .map_err(Clone::clone)
 }
 
-/// `major.minor.patch` of an NCCL version number.
-pub(crate) fn name(version: c_int) -> String {
-    format!(
-        "{}.{}.{}",
-        version / 10000,
-        version / 100 % 100,
-        version % 100
-    )
-}
-
 /// NCCL's words for `status`.
 pub(crate) fn describe(api: &Api, status: Status) -> String {
     // SAFETY: NCCL returns a static C string for any status.

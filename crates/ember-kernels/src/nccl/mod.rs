@@ -32,7 +32,7 @@ pub fn describe() -> Result<String, String> {
     let api = library::api()?;
     Ok(format!(
         "NCCL {} from {}",
-        library::name(api.version),
+        crate::libraries::version_name(api.version as u64),
         api.folder
     ))
 }

@@ -144,9 +144,8 @@ impl Link {
                     if me == 0 {
                         let mut message = vec![LOST];
                         message.extend((lost as u32).to_le_bytes());
-                        for (r, s) in others.iter().filter(|(r, _)| *r != lost) {
+                        for (_, s) in others.iter().filter(|(r, _)| *r != lost) {
                             let _ = (&*s).write_all(&message);
-                            let _ = r;
                         }
                     }
                     end_process(&format!(

@@ -12,7 +12,6 @@ mod options;
 mod progress;
 mod summary;
 
-pub(crate) use options::Claimed;
 pub use options::{Launch, RunOptions};
 pub use summary::{DeviceMemory, RunSummary};
 
@@ -65,7 +64,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         ember_model::precision::initialize(&model);
         world.check_same_weights(&model)?;
     }
-    let ranks = world.map_or(1, World::size) as u64;
+    let (rank, ranks) = world.map_or((0, 1), |w| (w.ranks.rank as u64, w.size() as u64));
     let per_rank = micro_batches_per_rank(&state, config.grad_accum as u64, ranks, main)?;
     state.micro_batches = per_rank * ranks;
     state.world_size = ranks;
@@ -112,7 +111,6 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             Some(profiler) => profiler.begin(step + 1)?,
             None => None,
         };
-        let rank = world.map_or(0, |w| w.ranks.rank) as u64;
         // Across processes the gradients are summed over the ranks as part of the step's
         // gradients, in one collective with the step's tokens and stop flags.
         let gradients = kernel_profile::part(&mut profiled, Part::Gradients, || -> Result<_> {

@@ -80,6 +80,29 @@ impl Claimed {
     pub fn is_main(&self) -> bool {
         self.world.as_ref().is_none_or(|w| w.is_main())
     }
+
+    /// The options of the run `launch` starts with `training`, its loss plot titled `title`,
+    /// and the claimed folder (held until the run ends).
+    pub fn run_options(
+        self,
+        launch: &Launch,
+        training: TrainingConfig,
+        title: String,
+    ) -> (RunOptions, Option<crate::run_folder::RunFolder>) {
+        let options = RunOptions {
+            out_dir: launch.out_dir.clone(),
+            training,
+            devices: self.devices,
+            world: self.world,
+            resume: launch.resume,
+            stop_after: launch.stop_after,
+            profile_steps: launch.profile_steps,
+            progress: launch.progress,
+            interrupt: launch.interrupt.clone(),
+            title,
+        };
+        (options, self.folder)
+    }
 }
 
 impl Launch {

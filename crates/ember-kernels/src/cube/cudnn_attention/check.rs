@@ -44,7 +44,11 @@ thread_local! {
 /// cuDNN's version and where it was loaded from.
 fn version_name() -> String {
     match library::api() {
-        Ok(api) => format!("{} (from {})", library::name(api.version), api.folder),
+        Ok(api) => format!(
+            "{} (from {})",
+            crate::libraries::version_name(api.version as u64),
+            api.folder
+        ),
         Err(_) => "?".into(),
     }
 }
@@ -187,26 +191,8 @@ pub(super) fn without_dropout(
     };
     let seed = check_seed(like);
     let fused = || -> Result<[Vec<f32>; 3], String> {
-        let (out, lse) = crate::cube::attention::fused_forward(
-            wide::<CubeBackend>(qkv.clone()),
-            seed.clone(),
-            heads,
-            0.0,
-        );
-        let dqkv = crate::cube::attention::fused_backward(
-            wide::<CubeBackend>(qkv.clone()),
-            seed.clone(),
-            out.clone(),
-            lse.clone(),
-            wide::<CubeBackend>(grad.clone()),
-            heads,
-            0.0,
-        );
-        Ok([
-            read(out, "output")?,
-            read(lse, "log-sum-exp")?,
-            read(dqkv, "gradient")?,
-        ])
+        let (out, lse, dqkv) = fused_reference(&qkv, &seed, Some(&grad), heads)?;
+        Ok([out, lse, dqkv.expect("a gradient was given")])
     };
     let before = fused()?;
     let (out, lse, dqkv) = through_cudnn(like, &qkv, &grad, &shape)?;
@@ -344,6 +330,41 @@ fn difference(ours: &[f32], reference: &[f32], tolerance: f32) -> Option<String>
 
 /// The largest difference of `ours` from `reference`, relative to the reference's largest
 /// magnitude (at least 1).
+/// The output, the log-sum-exp and the projection's gradient (where computed), read back.
+pub(super) type Passes = (Vec<f32>, Vec<f32>, Option<Vec<f32>>);
+
+/// The fused kernels' passes without dropout, read back: the output, the log-sum-exp and (given
+/// the output's gradient `grad`) the projection's gradient, the reference cuDNN is held to.
+pub(super) fn fused_reference(
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    grad: Option<&CubeTensor>,
+    heads: usize,
+) -> Result<Passes, String> {
+    let (out, lse) = crate::cube::attention::fused_forward(
+        wide::<CubeBackend>(qkv.clone()),
+        seed.clone(),
+        heads,
+        0.0,
+    );
+    let dqkv = match grad {
+        Some(grad) => Some(read(
+            crate::cube::attention::fused_backward(
+                wide::<CubeBackend>(qkv.clone()),
+                seed.clone(),
+                out.clone(),
+                lse.clone(),
+                wide::<CubeBackend>(grad.clone()),
+                heads,
+                0.0,
+            ),
+            "gradient",
+        )?),
+        None => None,
+    };
+    Ok((read(out, "output")?, read(lse, "log-sum-exp")?, dqkv))
+}
+
 pub(super) fn largest(ours: &[f32], reference: &[f32]) -> f32 {
     let scale = reference.iter().fold(1f32, |m, v| m.max(v.abs()));
     (ours.iter().zip(reference)).fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale))

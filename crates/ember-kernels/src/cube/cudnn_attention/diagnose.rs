@@ -4,8 +4,8 @@
 //! of shapes, and every engine cuDNN's heuristics offer.
 
 use super::check::{
-    check_seed, largest, load, pattern, read, takes_unchecked, through_cudnn, with_dropout,
-    without_dropout,
+    check_seed, fused_reference, largest, load, pattern, read, takes_unchecked, through_cudnn,
+    with_dropout, without_dropout,
 };
 use super::{backward, forward};
 use crate::cube::attention::wide;
@@ -237,22 +237,8 @@ fn grid_case(
     super::FAILED.store(false, std::sync::atomic::Ordering::Relaxed);
     let shape = takes_unchecked(&qkv, heads, 0.0).ok_or("not taken")?;
     let seed = check_seed(like);
-    let (fo, fl) = crate::cube::attention::fused_forward(
-        wide::<CubeBackend>(qkv.clone()),
-        seed.clone(),
-        heads,
-        0.0,
-    );
-    let fg = crate::cube::attention::fused_backward(
-        wide::<CubeBackend>(qkv.clone()),
-        seed.clone(),
-        fo.clone(),
-        fl.clone(),
-        wide::<CubeBackend>(dout.clone()),
-        heads,
-        0.0,
-    );
-    let (fo, fl, fg) = (read(fo, "output")?, read(fl, "lse")?, read(fg, "gradient")?);
+    let (fo, fl, fg) = fused_reference(&qkv, &seed, Some(&dout), heads)?;
+    let fg = fg.expect("a gradient was given");
     let (out, lse) = crate::cube::on_device_thread(&like.client, || forward(&qkv, &seed, &shape))
         .flatten()
         .ok_or("the forward pass did not run")?;
@@ -290,13 +276,7 @@ fn engines(
     super::FAILED.store(false, std::sync::atomic::Ordering::Relaxed);
     let shape = takes_unchecked(&qkv, heads, 0.0).ok_or("not taken")?;
     let seed = check_seed(like);
-    let (fo, fl) = crate::cube::attention::fused_forward(
-        wide::<CubeBackend>(qkv.clone()),
-        seed.clone(),
-        heads,
-        0.0,
-    );
-    let (fo, fl) = (read(fo, "output")?, read(fl, "lse")?);
+    let (fo, fl, _) = fused_reference(&qkv, &seed, None, heads)?;
     let plans = super::with_handle(&qkv, |handle, _| {
         crate::cudnn::lowering::build_every(
             handle,
