@@ -77,7 +77,7 @@ pub fn fused_causal_self_attention(
     }; // [B, T, 3D]
     match causal_self_attention(qkv, heads, dropout) {
         // In the projection's type; the residual stream's after the projection.
-        Ok(context) => Ok(crate::cast_to(crate::linear(c_proj, context), dtype)),
+        Ok(context) => Ok(crate::linear_into(c_proj, context, dtype)),
         Err(qkv) => Err(crate::cast_to(qkv, dtype)),
     }
 }

@@ -110,7 +110,7 @@ pub use gpu_kernels::{AttentionTuning, GpuKernel, GpuKernels, GpuPolicy, GpuStra
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use products::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
-    matmul, matmul_reference, matmul_split_rows, weight_gradient_splits,
+    linear_into, matmul, matmul_reference, matmul_split_rows, weight_gradient_splits,
 };
 pub use rotary::{
     RotaryAt, rotate_qk, rotate_qk_at, rotate_qk_by, rotate_qk_reference, rotate_qk_rows,

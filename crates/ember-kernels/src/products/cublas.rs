@@ -110,14 +110,18 @@ fn layout(x: &CubeTensor) -> Option<Layout> {
     Layout::of([rows, cols], [strides[0], strides[1]])
 }
 
-/// `a @ b` (`[M, K] @ [K, N]`, one float type) by cuBLAS into a new contiguous `[M, N]` tensor,
-/// or `None` where cuBLAS does not take it: not a CUDA device, no cuBLAS, a type it is not
-/// used for, operands of neither layout, dimensions past `i32`, or a graph being recorded
+/// `a @ b` (`[M, K] @ [K, N]`, one float type) by cuBLAS into a new contiguous `[M, N]` tensor
+/// of type `out` (theirs, or `f32` for bf16 and f16 operands: the `f32` accumulators written
+/// as they are, where a product in their type and a cast would round them and launch once
+/// more), or `None` where cuBLAS does not take it: not a CUDA device, no cuBLAS, a type it is
+/// not used for, operands of neither layout, dimensions past `i32`, or a graph being recorded
 /// (a replayed decoding step keeps CubeCL's kernels).
-pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
+pub(crate) fn product(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<CubeTensor> {
     let dtype = a.dtype();
     let (data_type, compute) = types(dtype)?;
-    if b.dtype() != dtype || !loadable() || a.client.is_capturing() {
+    let (out_type, _) = types(out)?;
+    let out_taken = out == dtype || out == DType::F32;
+    if b.dtype() != dtype || !out_taken || !loadable() || a.client.is_capturing() {
         return None;
     }
     let [m, k] = a.shape().dims::<2>();
@@ -139,7 +143,7 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
         a.client.clone(),
         a.device.clone(),
         [m, n].into(),
-        dtype,
+        out,
     );
     if m == 0 || n == 0 {
         return Some(out);
@@ -164,7 +168,7 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
                 ldb,
                 &beta as *const f32 as *const c_void,
                 c as *mut c_void,
-                data_type,
+                out_type,
                 ldc,
                 compute,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

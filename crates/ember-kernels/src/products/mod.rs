@@ -15,7 +15,7 @@
 //! product and bias of a decoding step.
 
 use burn::nn::Linear;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 
 use super::kernels_take;
 
@@ -51,7 +51,13 @@ pub fn linear_in_products<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tenso
     let bias = layer.bias.as_ref().map(|b| b.val());
     match weight.dtype() == x.dtype() {
         true => affine(x, weight, bias),
-        false => affine(x.cast(FloatDType::from(weight.dtype())), weight, bias),
+        false => {
+            let out = weight.dtype();
+            match affine_one_op(x, weight, bias, out) {
+                Ok(y) => y,
+                Err((x, weight, bias)) => affine(x.cast(FloatDType::from(out)), weight, bias),
+            }
+        }
     }
 }
 
@@ -70,9 +76,12 @@ pub fn linear_gelu<const D: usize>(layer: &Linear, x: Tensor<D>, tanh: bool) -> 
         // bias added there and the GELU computed in f32 and rounded once, as PyTorch's autocast
         // keeps it. A training step then keeps it at half the bytes (the GELU's input for its
         // backward pass, its output for the projection's).
-        let narrow = FloatDType::from(weight.dtype());
+        let out = weight.dtype();
         let bias = layer.bias.as_ref().map(|b| b.val());
-        let y = affine(x.cast(narrow), weight, bias);
+        let y = match affine_one_op(x, weight, bias, out) {
+            Ok(y) => y,
+            Err((x, weight, bias)) => affine(x.cast(FloatDType::from(out)), weight, bias),
+        };
         return if tanh {
             super::gelu_tanh(y)
         } else {
@@ -128,10 +137,14 @@ pub fn affine<const D: usize>(
     bias: Option<Tensor<1>>,
 ) -> Tensor<D> {
     let dtype = x.dtype();
-    let bias = bias.map(|b| super::cast_to(b, dtype));
     if weight.dtype() != dtype {
         // Mixed precision (`ember_model::precision`): the product in the weight's type, the result
         // and the bias in the activation's.
+        let (x, weight, bias) = match affine_one_op(x, weight, bias, dtype) {
+            Ok(y) => return y,
+            Err(inputs) => inputs,
+        };
+        let bias = bias.map(|b| super::cast_to(b, dtype));
         let y = affine(x.cast(FloatDType::from(weight.dtype())), weight, None)
             .cast(FloatDType::from(dtype));
         return match bias {
@@ -139,6 +152,7 @@ pub fn affine<const D: usize>(
             None => y,
         };
     }
+    let bias = bias.map(|b| super::cast_to(b, dtype));
     #[cfg(feature = "cube")]
     let (x, weight, bias) = match few_rows::affine(x, weight, bias) {
         Ok(y) => return y,
@@ -162,6 +176,69 @@ pub fn affine<const D: usize>(
     y.reshape(out)
 }
 
+/// `x @ weight (+ bias)` over the last axis for a `weight` held in a narrow float type and an
+/// `x` in `f32` or that type (mixed precision, `ember_model::precision`), as one op on CUDA:
+/// `x` rounded to the weight's type, the product in that type (accumulated in `f32`) over all
+/// rows, the result and the bias in `out` (`f32` or the weight's type), and under autodiff
+/// `x`'s gradient written in `x`'s type by the product that computes it ([`cube::matmul_into`]).
+/// Where the op does not take it (no CUDA, no cuBLAS), the inputs back: the callers' tracked
+/// casts around [`affine`] of one type compute the same values, rounded once more.
+///
+/// # Shapes
+/// - x: `[..., d_input]`
+/// - weight: `[d_input, d_output]` (a transposed view is read in place)
+/// - bias: `[d_output]`
+/// - output: `[..., d_output]`
+#[allow(clippy::type_complexity)]
+fn affine_one_op<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    out: DType,
+) -> Result<Tensor<D>, (Tensor<D>, Tensor<2>, Option<Tensor<1>>)> {
+    #[cfg(feature = "cube")]
+    if D >= 2 && cube::takes(x.dtype(), weight.dtype(), out, &x.device()) {
+        let dims = x.dims();
+        let d_input = dims[D - 1];
+        let rows = dims[..D - 1].iter().product();
+        let mut y = match cube::matmul_into(x.reshape([rows, d_input]), weight, out) {
+            Ok(y) => y,
+            // `takes` said it would: only a changed switch gets here.
+            Err((x, weight)) => super::cast_to(matmul(x, weight), out),
+        };
+        if let Some(bias) = bias {
+            y = y + super::cast_to(bias, out).unsqueeze::<2>();
+        }
+        let mut shape = dims;
+        shape[D - 1] = y.dims()[1];
+        return Ok(y.reshape(shape));
+    }
+    #[cfg(not(feature = "cube"))]
+    let _ = out;
+    Err((x, weight, bias))
+}
+
+/// [`linear`] with its result in `out`: under mixed precision (`ember_model::precision`) the
+/// projections back to the residual stream, whose input is in the products' type (the
+/// attention's output, the MLP's hidden layer) and whose result is widened to `f32`. On CUDA
+/// the product writes `f32` as it accumulates and the bias is added there; elsewhere [`linear`]
+/// in the weight's type, then a cast.
+///
+/// # Shapes
+/// - x: `[..., d_input]`
+/// - output: `[..., d_output]`
+pub fn linear_into<const D: usize>(layer: &Linear, x: Tensor<D>, out: DType) -> Tensor<D> {
+    let weight = layer.weight.val();
+    if weight.dtype() == out && x.dtype() == out {
+        return linear(layer, x);
+    }
+    let bias = layer.bias.as_ref().map(|b| b.val());
+    match affine_one_op(x, weight, bias, out) {
+        Ok(y) => y,
+        Err((x, weight, bias)) => super::cast_to(affine(x, weight, bias), out),
+    }
+}
+
 /// Whether `x` is on a GPU backend whose linear layers take the rows-as-one-product path of
 /// [`affine`] (`EMBER_GPU_KERNELS`' `linear`, on unless turned off).
 fn rows_as_one_product_on_gpu<const D: usize>(x: &Tensor<D>) -> bool {
@@ -181,6 +258,12 @@ fn rows_as_one_product_on_gpu<const D: usize>(x: &Tensor<D>) -> bool {
 pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
     let dtype = a.dtype();
     if b.dtype() != dtype {
+        // On CUDA one op rounds `a`, multiplies and widens (`affine_one_op`).
+        #[cfg(feature = "cube")]
+        let (a, b) = match cube::matmul_into(a, b, dtype) {
+            Ok(y) => return y,
+            Err(ab) => ab,
+        };
         return matmul(a.cast(FloatDType::from(b.dtype())), b).cast(FloatDType::from(dtype));
     }
     #[cfg(feature = "flex")]
@@ -388,6 +471,84 @@ mod tests {
             };
             let what = format!("wgpu, bias {bias}, transposed {transposed}");
             assert_close(run(true), run(false), &what);
+        }
+    }
+
+    /// Mixed precision's linear ops as one op each (`affine_one_op`, forced onto wgpu: Burn's
+    /// product standing in for cuBLAS's) against the tracked casts around one-type products
+    /// they replace, in f16 (lavapipe has no bf16): `linear` into `f32`, `linear_in_products`
+    /// and `linear_gelu` into f16, `linear_into` from an f16 input into `f32`, and `matmul`.
+    /// Output and the gradients of the input, the `f32` weight behind its f16 cast and the
+    /// bias, each in its own type. (On CUDA the one op leaves the results and the input's
+    /// gradient unrounded where the casts round them to f16; Burn's f16 product on wgpu rounds
+    /// them too.)
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn mixed_ops_as_one_op_equal_their_casts_on_wgpu() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff();
+        let half = FloatDType::F16;
+        let layer = LinearConfig::new(24, 40).init(&device);
+        let normal = Distribution::Normal(0.0, 1.0);
+        let base = Tensor::<3>::random([3, 7, 24], normal, &device);
+        for case in 0..5 {
+            let run = |one_op: bool| {
+                // The weights cast as `ember_model::precision` casts them: a tracked cast, one
+                // per forward pass.
+                let narrow = Linear {
+                    weight: layer.weight.clone().map(|w| w.cast(half)),
+                    bias: layer.bias.clone(),
+                };
+                cube::tests::EVERYWHERE.set(one_op);
+                let taken = cube::tests::TAKEN.get();
+                let x = base.clone().require_grad();
+                let y = match case {
+                    0 => linear(&narrow, x.clone()),
+                    1 => linear_in_products(&narrow, x.clone()),
+                    2 => linear_gelu(&narrow, x.clone(), false),
+                    3 => linear_into(&narrow, x.clone().cast(half), DType::F32),
+                    _ => {
+                        matmul(x.clone().reshape([21, 24]), narrow.weight.val()).reshape([3, 7, 40])
+                    }
+                };
+                cube::tests::EVERYWHERE.set(false);
+                let took = cube::tests::TAKEN.get() - taken;
+                assert_eq!(
+                    took,
+                    usize::from(one_op),
+                    "case {case}: products by the one op"
+                );
+                let want = [DType::F32, DType::F16, DType::F16, DType::F32, DType::F32][case];
+                assert_eq!(y.dtype(), want, "case {case}, one op {one_op}");
+                let y = y.cast(FloatDType::F32);
+                let grads = (y.clone() * y.clone().sin()).sum().backward();
+                let gx = x.grad(&grads).unwrap();
+                let gw = layer.weight.val().grad(&grads).unwrap();
+                assert_eq!((gx.dtype(), gw.dtype()), (DType::F32, DType::F32));
+                let mut out = vec![y.inner(), gx.reshape([3, 7, 24]), gw.unsqueeze()];
+                if case < 4 {
+                    out.push(
+                        layer
+                            .bias
+                            .as_ref()
+                            .unwrap()
+                            .val()
+                            .grad(&grads)
+                            .unwrap()
+                            .unsqueeze(),
+                    );
+                }
+                out
+            };
+            let (ours, casts) = (run(true), run(false));
+            assert_eq!(ours.len(), casts.len());
+            for (i, (a, b)) in ours.into_iter().zip(casts).enumerate() {
+                let scale = b.clone().abs().max().into_scalar::<f32>().max(1.0);
+                let d = (a - b).abs().max().into_scalar::<f32>();
+                assert!(
+                    d < 1e-2 * scale,
+                    "case {case}, output {i}: differs by {d} of {scale}"
+                );
+            }
         }
     }
 

@@ -103,7 +103,7 @@ impl Mlp {
         // act(fc(x)), [B, T, F]: in mixed precision kept in the products' type (bf16), as
         // PyTorch's autocast keeps it; the projection back is widened to the residual stream's.
         let h = self.activation.after_linear(&self.c_fc, x);
-        let y = crate::ops::cast_to(linear(&self.c_proj, h), dtype);
+        let y = crate::ops::linear_into(&self.c_proj, h, dtype);
         crate::ops::dropout(&self.dropout, y)
     }
 }
