@@ -153,10 +153,11 @@ fn seeded(
     seed: impl FnOnce(&Device) -> Tensor<1>,
 ) -> Result<Tensor<3>, Tensor<3>> {
     let [_, t, d3] = qkv.dims();
-    // Mixed precision's projection in bf16 (or f16) under autodiff: kept in its type, computed
-    // in f32 (the autodiff op widens it for the kernels and keeps the narrow one).
+    // Mixed precision's projection in bf16 (or f16), in training and in evaluation: kept in
+    // its type, computed in f32 or on cuDNN's tensor cores (the passes widen it for the fused
+    // kernels; on CUDA cuDNN's flash attention reads it as it is, where an evaluation widening
+    // it first would run the `f32` path with its `[B, T, T]` scores).
     let narrow = matches!(qkv.dtype(), DType::BF16 | DType::F16)
-        && qkv.device().is_autodiff()
         && !cfg!(feature = "fusion")
         && crate::gpu_kernels::uses(GpuKernel::Attention)
         && crate::on_cubecl(&qkv.device());

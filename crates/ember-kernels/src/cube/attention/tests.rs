@@ -391,6 +391,25 @@ fn a_narrow_projection_stays_narrow_and_is_computed_in_f32_on_wgpu() {
     );
 }
 
+/// The same f16 projection without autodiff (an evaluation in mixed precision): the kernels
+/// take it as it is (on CUDA, cuDNN's flash attention), the output is f16 and equals the f32
+/// kernels' output on the same values rounded once, as widening it first gave.
+#[test]
+fn a_narrow_projection_is_taken_in_evaluation_on_wgpu() {
+    use burn::tensor::FloatDType;
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let (b, t, heads, k) = (2, 45, 3, 8);
+    let x = Tensor::<3>::from_data(f16_exact([b, t, 3 * heads * k], &device), &device);
+    let narrow = causal_self_attention(x.clone().cast(FloatDType::F16), heads, 0.0)
+        .unwrap_or_else(|_| panic!("the kernels take a plain f16 projection"));
+    assert_eq!(narrow.dtype(), DType::F16);
+    let wide = causal_self_attention(x, heads, 0.0).expect("f32");
+    narrow.cast(FloatDType::F32).into_data().assert_eq(
+        &wide.cast(FloatDType::F16).cast(FloatDType::F32).into_data(),
+        true,
+    );
+}
+
 /// Normal random values that f16 holds exactly, so that an f16 path and an f32 one start
 /// from the same numbers.
 fn f16_exact(dims: [usize; 3], device: &Device) -> burn::tensor::TensorData {
