@@ -118,17 +118,23 @@ pub enum GpuStrategy {
     /// The elementwise kernels (GELU, dropout) on bf16 and f16 tensors read and write vectors
     /// (8 values on CUDA) instead of one value per unit (`f32` tensors always do).
     NarrowVectors,
+    /// Mixed precision's linear layers on CUDA with cuBLAS (and `cublas` on) as one product op
+    /// each: the `f32` input rounded inside, the result written in `f32` where the model widens
+    /// it, the input's gradient in `f32` ([`crate::linear_into`]); off, tracked casts around
+    /// products of one type.
+    MixedProducts,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 6] = [
+    pub const ALL: [GpuStrategy; 7] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
         GpuStrategy::AttentionTiles,
         GpuStrategy::AttentionProducts,
         GpuStrategy::NarrowVectors,
+        GpuStrategy::MixedProducts,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -140,6 +146,7 @@ impl GpuStrategy {
             GpuStrategy::AttentionTiles => "attention-tiles",
             GpuStrategy::AttentionProducts => "attention-products",
             GpuStrategy::NarrowVectors => "narrow-vectors",
+            GpuStrategy::MixedProducts => "mixed-products",
         }
     }
 }

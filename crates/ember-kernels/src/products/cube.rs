@@ -49,21 +49,26 @@ pub(crate) fn matmul_into(
     }
     let wide = out == DType::F32 && b.dtype() != DType::F32;
     #[cfg(test)]
-    tests::TAKEN.set(tests::TAKEN.get() + 1);
+    if a.dtype() != b.dtype() || out != b.dtype() {
+        tests::TAKEN.set(tests::TAKEN.get() + 1);
+    }
     Ok(Tensor::from_dispatch(product_as(a, b, false, false, wide)))
 }
 
 /// Whether [`matmul_into`] takes a product of an `a` of type `a_type` and a `b` of type `narrow`
 /// into `out` on `device`.
 pub(crate) fn takes(a_type: DType, narrow: DType, out: DType, device: &Device) -> bool {
+    use crate::GpuStrategy::{Cublas, MixedProducts};
+    let mixed = a_type != narrow || out != narrow;
     let types = matches!(narrow, DType::F32 | DType::BF16 | DType::F16)
         && (a_type == narrow || a_type == DType::F32)
-        && (out == narrow || out == DType::F32);
+        && (out == narrow || out == DType::F32)
+        && (!mixed || crate::gpu_kernels::applies(MixedProducts));
     #[cfg(test)]
     if tests::EVERYWHERE.get() {
         return types && crate::on_cubecl(device);
     }
-    crate::gpu_kernels::applies(crate::GpuStrategy::Cublas)
+    crate::gpu_kernels::applies(Cublas)
         && types
         && crate::on_cubecl(device)
         && crate::cube::streaming_multiprocessors(device).is_some()
@@ -327,7 +332,7 @@ pub(crate) mod tests {
         /// Whether [`super::takes`] takes every CubeCL device (this thread's tests on wgpu, where
         /// Burn's product stands in for cuBLAS's), not CUDA's alone.
         pub(crate) static EVERYWHERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-        /// How many products [`super::matmul_into`] took on this thread.
+        /// How many mixed products (of two types) [`super::matmul_into`] took on this thread.
         pub(crate) static TAKEN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     }
 }

@@ -550,6 +550,27 @@ mod tests {
                 );
             }
         }
+        // Turned off, the one op is taken by none of them.
+        let off = crate::GpuPolicy {
+            kernels: crate::GpuKernels::all(true)
+                .with_strategy(crate::GpuStrategy::MixedProducts, false),
+            ..crate::GpuPolicy::default()
+        };
+        let narrow = Linear {
+            weight: layer.weight.clone().map(|w| w.cast(half)),
+            bias: layer.bias.clone(),
+        };
+        let taken = cube::tests::TAKEN.get();
+        cube::tests::EVERYWHERE.set(true);
+        let _ = crate::gpu_kernels::with_policy(off, || {
+            (
+                linear(&narrow, base.clone()),
+                linear_into(&narrow, base.clone().cast(half), DType::F32),
+                matmul(base.clone().reshape([21, 24]), narrow.weight.val()),
+            )
+        });
+        cube::tests::EVERYWHERE.set(false);
+        assert_eq!(cube::tests::TAKEN.get(), taken, "taken while turned off");
     }
 
     /// The `[3, 7, 24]` input of the tests from `x` `[3, 24, 7]`: a transposed view of it (not
