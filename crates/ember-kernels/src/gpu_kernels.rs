@@ -473,6 +473,7 @@ mod tests {
                 "attention-tiles",
                 "attention-products",
                 "narrow-vectors",
+                "mixed-products",
             ]
         );
         assert_eq!(

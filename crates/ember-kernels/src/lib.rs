@@ -128,6 +128,16 @@ pub fn on_cubecl(device: &burn::tensor::Device) -> bool {
     Dispatch::name(device.as_dispatch()).contains("cubecl<")
 }
 
+/// Seeds `device`'s random numbers (Burn's `Device::seed`) and starts ember's dropout seeds
+/// afresh from them (on CubeCL devices they are drawn many at a time: `cube::hashed_mask`), so
+/// that the dropout masks after it depend on `seed` alone. What a training step seeds its
+/// micro-batches with.
+pub fn seed_random(device: &burn::tensor::Device, seed: u64) {
+    device.seed(seed);
+    #[cfg(feature = "cube")]
+    cube::hashed_mask::forget_pools();
+}
+
 /// `x` in the float type `dtype`: itself when it is already (mixed precision moves tensors
 /// between f32 and the products' type at the edges of the ops that keep them narrow).
 pub fn cast_to<const D: usize>(x: Tensor<D>, dtype: burn::tensor::DType) -> Tensor<D> {

@@ -296,7 +296,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     }
 
     let train_device = device.clone().autodiff();
-    train_device.seed(config.training.seed);
+    ember_kernels::seed_random(&train_device, config.training.seed);
     let model = match &source {
         Some(source) => source.load_model(&config.model, &train_device)?,
         None => config.model.init(&train_device)?,

@@ -38,9 +38,7 @@ pub fn accumulate<T: Task>(
     // initialise the shared parameters while seeding and drawing from the same RNG.
     // From the generator as the first micro-batch sets it, as one device's first forward pass
     // initialises them.
-    main.clone()
-        .autodiff()
-        .seed(micro_seed(config.seed, step, 0));
+    ember_kernels::seed_random(&main.clone().autodiff(), micro_seed(config.seed, step, 0));
     ember_model::precision::initialize(model);
     // Device `j`'s share of the step, on a fork of the model on that device.
     let share = |j: usize, device: &Device, model: T::Model| -> Vec<Micro> {
@@ -49,7 +47,7 @@ pub fn accumulate<T: Task>(
         (j as u64..n)
             .step_by(k as usize)
             .map(|micro| {
-                device.seed(micro_seed(config.seed, step, micro));
+                ember_kernels::seed_random(&device, micro_seed(config.seed, step, micro));
                 let compute = config.precision.compute(&model);
                 let (loss, tokens) = task.train_loss(&compute, step, micro, n, &device);
                 let loss = loss.div_scalar(n as f64);

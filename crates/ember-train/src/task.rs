@@ -83,7 +83,7 @@ pub(crate) fn accumulate<T: Task>(
     // Each forward pass runs a fresh `compute` model (a backward pass consumes the casts of a
     // bf16 view); the gradients are read off `model`'s own parameters.
     if total == 1 {
-        device.seed(micro_seed(seed, step, micros.start));
+        ember_kernels::seed_random(&device, micro_seed(seed, step, micros.start));
         let (loss, tokens) = task.train_loss(
             &precision.compute(model),
             step,
@@ -98,7 +98,7 @@ pub(crate) fn accumulate<T: Task>(
     combine(
         model,
         micros.map(|micro| {
-            device.seed(micro_seed(seed, step, micro));
+            ember_kernels::seed_random(&device, micro_seed(seed, step, micro));
             let compute = precision.compute(model);
             let (loss, tokens) = task.train_loss(&compute, step, micro, total, &device);
             note_live(&device, live.as_deref_mut());

@@ -350,7 +350,7 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     }
 
     let train_device = device.clone().autodiff();
-    train_device.seed(config.training.seed);
+    ember_kernels::seed_random(&train_device, config.training.seed);
     let model = config.model.init(&train_device)?;
     if main {
         eprintln!("{}", model.summary());

@@ -214,7 +214,7 @@ mod tests {
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         let module = DropoutConfig::new(0.3).init();
         let run = |seed: u64| {
-            device.seed(seed);
+            crate::seed_random(&device, seed);
             let ones = Tensor::<2>::ones([64, 100], &device);
             crate::dropout(&module, ones).inner().into_data()
         };

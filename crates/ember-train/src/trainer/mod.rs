@@ -60,7 +60,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         // first read. Every rank reads them here, from the generator as the first micro-batch
         // sets it (where one process initialises them: its first forward pass), so that every
         // rank starts from one process's weights; then that is checked.
-        device.seed(crate::task::micro_seed(config.seed, state.step, 0));
+        ember_kernels::seed_random(&device, crate::task::micro_seed(config.seed, state.step, 0));
         ember_model::precision::initialize(&model);
         world.check_same_weights(&model)?;
     }

@@ -461,7 +461,7 @@ fn dropout_in_training_only_and_repeatable() {
     let x =
         Tensor::<3>::random([2, 17, 3 * 16], Distribution::Normal(0.0, 1.0), &device).into_data();
     let run = |device: &Device, dropout: &burn::nn::Dropout, seed: u64| {
-        device.seed(seed);
+        crate::seed_random(device, seed);
         let qkv = Tensor::<3>::from_data(x.clone(), device);
         crate::causal_self_attention(qkv, heads, dropout)
             .expect("kernels take wgpu")
