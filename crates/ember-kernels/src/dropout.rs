@@ -27,3 +27,20 @@ pub fn dropout<const D: usize>(dropout: &Dropout, x: Tensor<D>) -> Tensor<D> {
 pub fn dropout_reference<const D: usize>(dropout: &Dropout, x: Tensor<D>) -> Tensor<D> {
     dropout.forward(x)
 }
+
+/// `x + dropout(y)`: a sub-layer's output `y` dropped (where `dropout` is active) and added to
+/// the residual stream `x`. On the GPU backends, in training, one kernel each way (the sum and
+/// the mask in one pass: the dropped `y` is never written), with the same mask as [`dropout`]
+/// would draw; otherwise [`dropout`], then the sum.
+///
+/// # Shapes
+/// - x, y: any, the same
+/// - output: same as x
+pub fn add_dropout<const D: usize>(x: Tensor<D>, dropout: &Dropout, y: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    let (x, y) = match super::cube::dropout::add_dropout(x, dropout, y) {
+        Ok(sum) => return sum,
+        Err(xy) => xy,
+    };
+    x + self::dropout(dropout, y)
+}

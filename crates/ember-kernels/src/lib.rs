@@ -103,7 +103,7 @@ pub use attention::{
 pub use cache_write::{write_cache_rows, write_cache_rows_at, write_cache_rows_reference};
 pub use cross_entropy::{cross_entropy, cross_entropy_reference};
 pub use draw::{MIN_TEMPERATURE, draw, draw_at, draw_reference};
-pub use dropout::{dropout, dropout_reference};
+pub use dropout::{add_dropout, dropout, dropout_reference};
 pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{AttentionTuning, GpuKernel, GpuKernels, GpuPolicy, GpuStrategy};

@@ -101,7 +101,9 @@ impl DecoderBlock {
             x = y;
             cross_weights = w;
         }
-        let (x, ()) = self.ln_2.forward(x, None, |h| (self.mlp.forward(h), ()));
+        let (x, ()) = self.ln_2.forward(x, Some(&self.mlp.dropout), |h| {
+            (self.mlp.forward_undropped(h), ())
+        });
         (
             x,
             BlockWeights {

@@ -50,7 +50,9 @@ impl EncoderBlock {
         let (x, weights) = self.ln_1.forward(x, Some(&self.dropout), |h| {
             self.attn.forward_self(h, false, pad, None, return_weights)
         });
-        let (x, ()) = self.ln_2.forward(x, None, |h| (self.mlp.forward(h), ()));
+        let (x, ()) = self.ln_2.forward(x, Some(&self.mlp.dropout), |h| {
+            (self.mlp.forward_undropped(h), ())
+        });
         (x, weights)
     }
 }

@@ -99,11 +99,20 @@ impl Mlp {
     /// - x: `[B, T, D]`
     /// - output: `[B, T, D]`
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        crate::ops::dropout(&self.dropout, self.forward_undropped(x))
+    }
+
+    /// [`Mlp::forward`] before its dropout: a block drops it as it adds it to the residual
+    /// stream (`ops::add_dropout`, one kernel on GPUs).
+    ///
+    /// # Shapes
+    /// - x: `[B, T, D]`
+    /// - output: `[B, T, D]`
+    pub fn forward_undropped(&self, x: Tensor<3>) -> Tensor<3> {
         let dtype = x.dtype();
         // act(fc(x)), [B, T, F]: in mixed precision kept in the products' type (bf16), as
         // PyTorch's autocast keeps it; the projection back is widened to the residual stream's.
         let h = self.activation.after_linear(&self.c_fc, x);
-        let y = crate::ops::linear_into(&self.c_proj, h, dtype);
-        crate::ops::dropout(&self.dropout, y)
+        crate::ops::linear_into(&self.c_proj, h, dtype)
     }
 }

@@ -29,7 +29,7 @@ impl Residual {
     }
 
     /// Applies `sublayer` with the residual and the norm; `dropout` applies to its output
-    /// before the sum (the MLP applies its own, so passes `None`). The closure may return extra data (attention weights).
+    /// before the sum. The closure may return extra data (attention weights).
     ///
     /// # Shapes
     /// - x: `[B, T, D]`
@@ -42,10 +42,10 @@ impl Residual {
     ) -> (Tensor<3>, E) {
         if self.norm_first {
             let (y, extra) = sublayer(self.norm(x.clone()));
-            (x + apply(dropout, y), extra)
+            (add(x, dropout, y), extra)
         } else {
             let (y, extra) = sublayer(x.clone());
-            (self.norm(x + apply(dropout, y)), extra)
+            (self.norm(add(x, dropout, y)), extra)
         }
     }
 
@@ -54,9 +54,10 @@ impl Residual {
     }
 }
 
-fn apply(dropout: Option<&Dropout>, y: Tensor<3>) -> Tensor<3> {
+/// `x + dropout(y)` (one kernel on GPUs in training: `ops::add_dropout`), or `x + y`.
+fn add(x: Tensor<3>, dropout: Option<&Dropout>, y: Tensor<3>) -> Tensor<3> {
     match dropout {
-        Some(dropout) => crate::ops::dropout(dropout, y),
-        None => y,
+        Some(dropout) => crate::ops::add_dropout(x, dropout, y),
+        None => x + y,
     }
 }
