@@ -86,12 +86,14 @@ mod tests {
             (base.autodiff().gradient_checkpointing(), true),
         ];
         for (device, tracked) in devices {
-            // Widths below a GPU row cube's 32 units, a multiple of them, and neither.
+            // Widths below a GPU row cube's 32 units, a multiple of them, and neither; one
+            // that no vector width divides (the GPU kernels then read one value at a time).
             for (bias, rows, d) in [
                 (true, 5, 96),
                 (false, 5, 20),
                 (true, 700, 96),
                 (false, 700, 200),
+                (true, 300, 7),
             ] {
                 let normal = Distribution::Normal(0.5, 2.0);
                 let mut norm = LayerNormConfig::new(d)

@@ -160,18 +160,22 @@ impl LayerNormKernels for CubeBackend {
         let [x, gamma, beta] = [x, gamma, beta].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
         assert_eq!(x.dtype(), DType::F32, "LayerNorm kernel: f32 only");
+        let w = row_lanes(&[&x, &gamma, &beta], d);
         let (y, stats) = (super::empty(&x, [rows, d]), super::empty(&x, [rows, 2]));
         let (count, dim) = super::row_cubes(rows);
         kernels::layer_norm_forward::launch::<f32>(
             &x.client.clone(),
             count,
             dim,
+            w,
             x.into_tensor_arg(),
             gamma.into_tensor_arg(),
             beta.into_tensor_arg(),
             y.clone().into_tensor_arg(),
             stats.clone().into_tensor_arg(),
             eps,
+            d / w,
+            w,
             bias,
         );
         (y, stats)
@@ -185,6 +189,7 @@ impl LayerNormKernels for CubeBackend {
     ) -> (CubeTensor, CubeTensor) {
         let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
+        let w = row_lanes(&[&x, &gamma, &grad], d);
         let chunks = rows.div_ceil(CHUNK);
         let (dx, sums) = (
             super::empty(&x, [rows, d]),
@@ -195,13 +200,16 @@ impl LayerNormKernels for CubeBackend {
             &x.client.clone(),
             count,
             dim,
+            w,
             x.into_tensor_arg(),
             gamma.into_tensor_arg(),
             stats.into_tensor_arg(),
             grad.into_tensor_arg(),
             dx.clone().into_tensor_arg(),
             sums.clone().into_tensor_arg(),
+            d / w,
             CHUNK,
+            w,
         );
         // The chunks' sums added by the backend's reduction: `[gamma's | beta's]`.
         let sums = match chunks {
@@ -210,6 +218,16 @@ impl LayerNormKernels for CubeBackend {
         };
         (dx, CubeBackend::float_reshape(sums, Shape::new([2, d])))
     }
+}
+
+/// Values per vector the kernels read and write: the widest that divides the row's `d` values
+/// and where each of `tensors` starts ([`super::elementwise_lanes`]); 1 where none does.
+fn row_lanes(tensors: &[&CubeTensor], d: usize) -> usize {
+    tensors
+        .iter()
+        .map(|t| super::elementwise_lanes(t, d))
+        .min()
+        .unwrap_or(1)
 }
 
 impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B, C> {
@@ -317,16 +335,19 @@ mod kernels {
 
     use crate::cube::{ROW_UNITS, cube_row, reduce_cube};
 
-    /// One cube per row `r` of `x` `[R, D]`: `y` (with `beta` added when `bias`) and
-    /// `stats[r] = [mean, rstd]`.
+    /// One cube per row `r` of `x` `[R, D]` (`vectors` vectors of `w` values a row): `y` (with
+    /// `beta` added when `bias`) and `stats[r] = [mean, rstd]`.
     #[cube(launch)]
-    pub(super) fn layer_norm_forward<F: Float>(
-        x: &Tensor<F>,
-        gamma: &Tensor<F>,
-        beta: &Tensor<F>,
-        y: &mut Tensor<F>,
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer_norm_forward<F: Float, N: Size>(
+        x: &Tensor<Vector<F, N>>,
+        gamma: &Tensor<Vector<F, N>>,
+        beta: &Tensor<Vector<F, N>>,
+        y: &mut Tensor<Vector<F, N>>,
         stats: &mut Tensor<F>,
         eps: f32,
+        vectors: usize,
+        #[comptime] w: usize,
         #[comptime] bias: bool,
     ) {
         let r = cube_row();
@@ -334,28 +355,41 @@ mod kernels {
             terminate!();
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
-        let d = gamma.len();
-        let at = r * d;
-        let n = F::cast_from(d);
+        let at = r * vectors;
+        let n = F::cast_from(vectors * w);
         let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
         let mut sum = F::new(0.0);
-        for j in range_stepped(u, d, units) {
-            sum += x[at + j];
+        for j in range_stepped(u, vectors, units) {
+            let v = x[at + j];
+            #[unroll]
+            for l in 0..w {
+                sum += v.extract(l);
+            }
         }
         let mean = reduce_cube::<F>(&mut scratch, sum, false) / n;
         let mut squares = F::new(0.0);
-        for j in range_stepped(u, d, units) {
-            let c = x[at + j] - mean;
-            squares += c * c;
+        for j in range_stepped(u, vectors, units) {
+            let v = x[at + j];
+            #[unroll]
+            for l in 0..w {
+                let c = v.extract(l) - mean;
+                squares += c * c;
+            }
         }
         let squares = reduce_cube::<F>(&mut scratch, squares, false);
         let rstd = F::new(1.0) / F::sqrt(squares / n + F::cast_from(eps));
-        for j in range_stepped(u, d, units) {
-            let mut v = (x[at + j] - mean) * rstd * gamma[j];
-            if bias {
-                v += beta[j];
+        for j in range_stepped(u, vectors, units) {
+            let v = x[at + j];
+            let g = gamma[j];
+            let mut out = v;
+            #[unroll]
+            for l in 0..w {
+                out.insert(l, (v.extract(l) - mean) * rstd * g.extract(l));
             }
-            y[at + j] = v;
+            if bias {
+                out = out + beta[j];
+            }
+            y[at + j] = out;
         }
         if u == 0 {
             stats[2 * r] = mean;
@@ -363,25 +397,28 @@ mod kernels {
         }
     }
 
-    /// One cube per `chunk` rows (fewer in the last): `dx` of each row, and in row `c` of
-    /// `sums` `[chunks, 2 D]` the chunk's column sums of `dy xhat` (`0..D`) and `dy` (`D..2 D`).
+    /// One cube per `chunk` rows (fewer in the last; `vectors` vectors of `w` values a row):
+    /// `dx` of each row, and in row `c` of `sums` `[chunks, 2 D]` the chunk's column sums of
+    /// `dy xhat` (`0..D`) and `dy` (`D..2 D`).
     #[cube(launch)]
-    pub(super) fn layer_norm_backward<F: Float>(
-        x: &Tensor<F>,
-        gamma: &Tensor<F>,
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer_norm_backward<F: Float, N: Size>(
+        x: &Tensor<Vector<F, N>>,
+        gamma: &Tensor<Vector<F, N>>,
         stats: &Tensor<F>,
-        grad: &Tensor<F>,
-        dx: &mut Tensor<F>,
-        sums: &mut Tensor<F>,
+        grad: &Tensor<Vector<F, N>>,
+        dx: &mut Tensor<Vector<F, N>>,
+        sums: &mut Tensor<Vector<F, N>>,
+        vectors: usize,
         #[comptime] chunk: usize,
+        #[comptime] w: usize,
     ) {
         let c = cube_row();
         if c >= sums.shape(0) {
             terminate!();
         }
         let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
-        let d = gamma.len();
-        let n = F::cast_from(d);
+        let n = F::cast_from(vectors * w);
         let first = c * chunk;
         let mut last = first + chunk;
         if last > stats.shape(0) {
@@ -391,16 +428,20 @@ mod kernels {
         let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
         let mut means = Shared::<[F]>::new_slice(2 * chunk);
         for r in first..last {
-            let at = r * d;
+            let at = r * vectors;
             let mean = stats[2 * r];
             let rstd = stats[2 * r + 1];
             let mut a = F::new(0.0);
             let mut b = F::new(0.0);
-            for j in range_stepped(u, d, units) {
-                let xhat = (x[at + j] - mean) * rstd;
-                let h = grad[at + j] * gamma[j];
-                a += h;
-                b += h * xhat;
+            for j in range_stepped(u, vectors, units) {
+                let (xv, dy, g) = (x[at + j], grad[at + j], gamma[j]);
+                #[unroll]
+                for l in 0..w {
+                    let xhat = (xv.extract(l) - mean) * rstd;
+                    let h = dy.extract(l) * g.extract(l);
+                    a += h;
+                    b += h * xhat;
+                }
             }
             let a = reduce_cube::<F>(&mut scratch, a, false) / n;
             let b = reduce_cube::<F>(&mut scratch, b, false) / n;
@@ -411,23 +452,31 @@ mod kernels {
         }
         sync_cube();
         // Each unit down its columns: dx, and the chunk's sums for gamma and beta.
-        for j in range_stepped(u, d, units) {
+        for j in range_stepped(u, vectors, units) {
             let g = gamma[j];
-            let mut gain = F::new(0.0);
-            let mut shift = F::new(0.0);
+            let mut gain = Vector::<F, N>::new(F::new(0.0));
+            let mut shift = Vector::<F, N>::new(F::new(0.0));
             for r in first..last {
-                let at = r * d;
+                let at = r * vectors;
+                let mean = stats[2 * r];
                 let rstd = stats[2 * r + 1];
-                let xhat = (x[at + j] - stats[2 * r]) * rstd;
-                let dy = grad[at + j];
+                let (xv, dy) = (x[at + j], grad[at + j]);
                 let a = means[2 * (r - first)];
                 let b = means[2 * (r - first) + 1];
-                dx[at + j] = rstd * (dy * g - a - xhat * b);
-                gain += dy * xhat;
-                shift += dy;
+                let mut d = xv;
+                let mut xhat = xv;
+                #[unroll]
+                for l in 0..w {
+                    let xh = (xv.extract(l) - mean) * rstd;
+                    xhat.insert(l, xh);
+                    d.insert(l, rstd * (dy.extract(l) * g.extract(l) - a - xh * b));
+                }
+                dx[at + j] = d;
+                gain = gain + dy * xhat;
+                shift = shift + dy;
             }
-            sums[c * 2 * d + j] = gain;
-            sums[c * 2 * d + d + j] = shift;
+            sums[c * 2 * vectors + j] = gain;
+            sums[c * 2 * vectors + vectors + j] = shift;
         }
     }
 }
