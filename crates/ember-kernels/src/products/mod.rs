@@ -196,8 +196,12 @@ fn affine_one_op<const D: usize>(
     bias: Option<Tensor<1>>,
     out: DType,
 ) -> Result<Tensor<D>, (Tensor<D>, Tensor<2>, Option<Tensor<1>>)> {
+    // All rows as one product, as `affine` multiplies them where `linear` is on.
     #[cfg(feature = "cube")]
-    if D >= 2 && cube::takes(x.dtype(), weight.dtype(), out, &x.device()) {
+    if D >= 2
+        && rows_as_one_product_on_gpu(&x)
+        && cube::takes(x.dtype(), weight.dtype(), out, &x.device())
+    {
         let dims = x.dims();
         let d_input = dims[D - 1];
         let rows = dims[..D - 1].iter().product();
