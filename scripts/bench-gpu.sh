@@ -10,6 +10,7 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh memory  # what a step holds: in use, pools, process
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #   DEVICE=vulkan bash scripts/bench-gpu.sh host    # where a sampled token's host time goes
+#                                                   # (HOST_RUN=train: a training step's, at PRECISION)
 #   DEVICE=cuda bash scripts/bench-gpu.sh kernels   # what limits each attention kernel (ncu)
 #   DEVICE=cuda bash scripts/bench-gpu.sh cudnn     # cuDNN's flash attention: found, checked, run
 #   DEVICE=cuda bash scripts/bench-gpu.sh gpt2      # GPT-2 124M's body: ember and PyTorch, ms/step
@@ -489,7 +490,7 @@ reference() {
 # hottest symbols.
 host() {
     local run="$RUNS/speed"
-    if [ ! -d "$run" ]; then
+    if [ ! -d "$run" ] && [ "${HOST_RUN:-}" != train ]; then
         run="$RUNS/host-run"
         rm -rf "$run"
         logged "$RUNS/host-train.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
@@ -503,19 +504,33 @@ host() {
     fi
     local pass pid start snapshot last tick target wall prefix
     tick=$(getconf CLK_TCK)
+    # HOST_RUN=train: HOST_STEPS training steps (default 300, no evaluation) instead of a
+    # sample: a main thread whose CPU seconds come near the wall time is what bounds the step
+    # (launches, autodiff, the blocking calls into CubeCL's device thread for cuBLAS and cuDNN).
+    local binary=$EMBER_GEN
+    [ "${HOST_RUN:-}" = train ] && binary=$EMBER
     for pass in warm-up recorded; do
         prefix=()
         [ "$pass" = recorded ] && prefix=("${perf[@]}")
         start=$(date +%s.%N)
-        "${prefix[@]}" "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
-            --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" &
+        if [ "${HOST_RUN:-}" = train ]; then
+            rm -rf "$RUNS/host-train"
+            "${prefix[@]}" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
+                --out "$RUNS/host-train" --stop-after "${HOST_STEPS:-300}" \
+                --set "training.precision=\"${PRECISION:-f32}\"" \
+                --set training.eval_interval=100000 --set training.log_interval=50 \
+                >/dev/null 2>"$RUNS/host.log" &
+        else
+            "${prefix[@]}" "$EMBER_GEN" generate --checkpoint "$run" --device "$DEVICE" \
+                --prompt ROMEO: --max-tokens 500 --seed 1 >/dev/null 2>"$RUNS/host.log" &
+        fi
         pid=$!
         last=""
         while kill -0 "$pid" 2>/dev/null; do
             # Under perf, the sampled process is perf's child (and perf outlives it).
             target=$pid
             if [ ${#prefix[@]} -gt 0 ]; then
-                target=$(pgrep -P "$pid" -x "$(basename "$EMBER_GEN")") || target=""
+                target=$(pgrep -P "$pid" -x "$(basename "$binary")") || target=""
             fi
             snapshot=""
             [ -n "$target" ] && snapshot=$(thread_times "$target" "$tick")
@@ -528,7 +543,12 @@ host() {
             return 1
         }
         wall=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
-        echo "$pass: $(grep -o '[0-9]* tokens/s' "$RUNS/host.log"), $wall s wall with start-up;" \
+        local rate
+        case "${HOST_RUN:-}" in
+        train) rate=$(grep -oE '[0-9.]+ ms/step' "$RUNS/host.log" | tail -1) ;;
+        *) rate=$(grep -oE '[0-9]+ tokens/s' "$RUNS/host.log" | tail -1) ;;
+        esac
+        echo "$pass: $rate, $wall s wall with start-up;" \
             "CPU seconds by thread (the last reading, up to 0.2 s before the end):"
         echo "$last" | sort -k2 -nr | head -8 | sed 's/^/    /'
     done
