@@ -123,11 +123,15 @@ pub enum GpuStrategy {
     /// it, the input's gradient in `f32` ([`crate::linear_into`]); off, tracked casts around
     /// products of one type.
     MixedProducts,
+    /// cuBLAS's products of the linear layers (CUDA) handed to CubeCL's device thread to
+    /// enqueue in order, without waiting for it (off: each call waits for the device thread to
+    /// reach it, a round trip that keeps the host from running ahead).
+    AsyncProducts,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 7] = [
+    pub const ALL: [GpuStrategy; 8] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
@@ -135,6 +139,7 @@ impl GpuStrategy {
         GpuStrategy::AttentionProducts,
         GpuStrategy::NarrowVectors,
         GpuStrategy::MixedProducts,
+        GpuStrategy::AsyncProducts,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -147,6 +152,7 @@ impl GpuStrategy {
             GpuStrategy::AttentionProducts => "attention-products",
             GpuStrategy::NarrowVectors => "narrow-vectors",
             GpuStrategy::MixedProducts => "mixed-products",
+            GpuStrategy::AsyncProducts => "async-products",
         }
     }
 }
@@ -474,6 +480,7 @@ mod tests {
                 "attention-products",
                 "narrow-vectors",
                 "mixed-products",
+                "async-products",
             ]
         );
         assert_eq!(

@@ -387,7 +387,7 @@ mod kernels {
                 out.insert(l, (v.extract(l) - mean) * rstd * g.extract(l));
             }
             if bias {
-                out = out + beta[j];
+                out += beta[j];
             }
             y[at + j] = out;
         }
@@ -472,8 +472,8 @@ mod kernels {
                     d.insert(l, rstd * (dy.extract(l) * g.extract(l) - a - xh * b));
                 }
                 dx[at + j] = d;
-                gain = gain + dy * xhat;
-                shift = shift + dy;
+                gain += dy * xhat;
+                shift += dy;
             }
             sums[c * 2 * vectors + j] = gain;
             sums[c * 2 * vectors + vectors + j] = shift;

@@ -97,11 +97,41 @@ pub(crate) fn on_device_thread<R: Send + 'static>(
 ) -> Option<R> {
     // The device thread runs the task under the caller's policy (a scoped one included).
     let policy = crate::gpu_kernels::policy();
-    let mut task = Some(move || crate::gpu_kernels::with_policy(policy, task));
+    let mut task = Some(move || {
+        let _inside = InsideTask::enter();
+        crate::gpu_kernels::with_policy(policy, task)
+    });
     match client.exclusive(|| task.take().map(|task| task())) {
         Ok(Some(done)) => Some(done),
         _ => task.take().map(|task| task()),
     }
+}
+
+std::thread_local! {
+    /// Whether this thread is running an [`on_device_thread`] task.
+    static INSIDE_TASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as running an [`on_device_thread`] task while alive.
+struct InsideTask(bool);
+
+impl InsideTask {
+    fn enter() -> Self {
+        InsideTask(INSIDE_TASK.replace(true))
+    }
+}
+
+impl Drop for InsideTask {
+    fn drop(&mut self) {
+        INSIDE_TASK.set(self.0);
+    }
+}
+
+/// Whether this thread is running an [`on_device_thread`] task (whose client calls run at
+/// once, in the task's order: work queued for later would run after them).
+#[cfg_attr(not(feature = "cublas"), allow(dead_code))]
+pub(crate) fn inside_device_task() -> bool {
+    INSIDE_TASK.get()
 }
 
 /// A new contiguous `f32` tensor of `shape` on `like`'s device.

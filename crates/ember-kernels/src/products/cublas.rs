@@ -21,8 +21,10 @@ use crate::blas::{Batched, Gemm, Layout};
 use burn::backend::TensorMetadata;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl_common::device_handle::DeviceHandle;
 use cubecl_cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
+use cubecl_runtime::server::ServerStorage;
 use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::sys as driver;
 use std::collections::HashMap;
@@ -149,7 +151,7 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<Cube
         return Some(out);
     }
     let (alpha, beta) = (1f32, 0f32);
-    let done = enqueue("cublasGemmEx", &out, [a, b], |handle, [c, a, b]| {
+    let gemm = move |handle, [c, a, b]: [u64; 3]| {
         // SAFETY (the caller's): the pointers are the operands' live buffers, of their extents.
         unsafe {
             blas::gemm_ex(
@@ -175,7 +177,11 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<Cube
             )
         }
         .is_ok()
-    });
+    };
+    let done = match asynchronous(&out) {
+        true => enqueue_async("cublasGemmEx", &out, [a, b], gemm),
+        false => enqueue("cublasGemmEx", &out, [a, b], gemm),
+    };
     done.then_some(out)
 }
 
@@ -280,25 +286,121 @@ fn enqueue(
         .unwrap_or(false)
 }
 
-/// [`enqueue`] on the calling thread.
-fn enqueue_here(
+/// Whether a product into `out` is handed to the device thread without waiting for it
+/// (`async-products` on, called from outside a device-thread task, whose client calls run at
+/// once: work queued for later would run after the task's next launches).
+fn asynchronous(out: &CubeTensor) -> bool {
+    crate::gpu_kernels::applies(crate::GpuStrategy::AsyncProducts)
+        && !crate::cube::inside_device_task()
+        && device_handle(out).is_some()
+}
+
+/// Each device's handle to its CUDA server's thread.
+type DeviceHandles = Vec<(cubecl_common::device::DeviceId, DeviceHandle<CudaServer>)>;
+
+/// The handle to the device thread of `x`'s CUDA server (kept per device).
+fn device_handle(x: &CubeTensor) -> Option<DeviceHandle<CudaServer>> {
+    static HANDLES: OnceLock<Mutex<DeviceHandles>> = OnceLock::new();
+    let service = x.client.service_id();
+    if service.service != std::any::TypeId::of::<CudaServer>() {
+        return None;
+    }
+    let mut handles = HANDLES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some((_, handle)) = handles.iter().find(|(id, _)| *id == service.device) {
+        return Some(handle.clone());
+    }
+    let handle = DeviceHandle::<CudaServer>::new(service.device);
+    handles.push((service.device, handle.clone()));
+    Some(handle)
+}
+
+/// [`enqueue`] handed to the device thread, which runs it after the work queued before it (the
+/// kernels that write its operands) and before the work queued after it, while this thread goes
+/// on: true once handed over. The call cannot fail back to another product by then: where the
+/// driver or cuBLAS refuses it there, the output is filled with NaN, so that the run stops at
+/// its next check of the loss or the weights instead of training on garbage, and one line says
+/// why (`-async-products` makes every call wait for its answer, with cubek's products to fall
+/// back on).
+fn enqueue_async(
     name: &'static str,
     out: &CubeTensor,
     inputs: [&CubeTensor; 2],
-    call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool,
+    call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool + Send + 'static,
 ) -> bool {
-    // Resources keep their buffers in place until dropped, after the call is enqueued.
-    let client = &out.client;
-    let resource = |x: &CubeTensor| client.get_resource::<CudaServer>(x.handle.clone()).ok();
-    let (Some(c_res), Some(a_res), Some(b_res)) =
-        (resource(out), resource(inputs[0]), resource(inputs[1]))
-    else {
+    let Some(handle) = device_handle(out) else {
         return false;
     };
-    let stream = c_res.resource().stream;
+    let (out, a, b) = (out.clone(), inputs[0].clone(), inputs[1].clone());
+    handle.submit(move |server: &mut CudaServer| {
+        let stream = cubecl_environment::stream::StreamId::current();
+        let mut resource = |x: &CubeTensor| {
+            <CudaServer as ServerStorage>::get_resource(server, x.handle.clone().binding(), stream)
+                .ok()
+        };
+        let (Some(c_res), Some(a_res), Some(b_res)) = (resource(&out), resource(&a), resource(&b))
+        else {
+            poisoned(name, None, "its buffers could not be looked up");
+            return;
+        };
+        let pointers = [
+            c_res.resource().ptr,
+            a_res.resource().ptr,
+            b_res.resource().ptr,
+        ];
+        let stream = c_res.resource().stream;
+        // SAFETY: the pointers are live device buffers (held above), the stream is CubeCL's.
+        let done = unsafe { call_on(name, stream, pointers, call) };
+        if !done {
+            let bytes = out.shape().num_elements() * out.dtype().size();
+            poisoned(
+                name,
+                Some((stream, pointers[0], bytes, out.dtype())),
+                "cuBLAS refused it",
+            );
+        }
+    });
+    true
+}
+
+/// Says once that an asynchronous call failed, and fills its output (`bytes` at `ptr` on
+/// `stream`, of `dtype`) with NaN.
+fn poisoned(name: &str, output: Option<(driver::CUstream, u64, usize, DType)>, why: &str) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        eprintln!(
+            "error: a {name} call enqueued without waiting failed ({why}); its output is NaN, so \
+             the run stops at its next check; EMBER_GPU_KERNELS=-async-products makes each call \
+             wait and fall back to cubek's products"
+        )
+    });
+    if let Some((stream, ptr, bytes, dtype)) = output {
+        // SAFETY: `ptr` is a live buffer of `bytes` bytes on `stream`'s device.
+        unsafe {
+            let _ = match dtype {
+                DType::F32 => driver::cuMemsetD32Async(ptr, 0x7fc0_0000, bytes / 4, stream),
+                DType::BF16 => driver::cuMemsetD16Async(ptr, 0x7fc0, bytes / 2, stream),
+                _ => driver::cuMemsetD16Async(ptr, 0x7e00, bytes / 2, stream),
+            };
+        }
+    }
+}
+
+/// `call` with this context's cuBLAS handle set to `stream`, on the buffers at `pointers`
+/// (output first), timed as [`enqueue_here`] times it.
+///
+/// # Safety
+/// The pointers are live buffers on `stream`'s device, held until the call is enqueued.
+unsafe fn call_on(
+    name: &'static str,
+    stream: driver::CUstream,
+    pointers: [u64; 3],
+    call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool,
+) -> bool {
     let mut handles = handles().lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: the pointers are live device buffers (held above), the stream is CubeCL's and its
-    // context made current first.
+    // SAFETY: the stream is CubeCL's; its context is made current first.
     unsafe {
         let mut context = std::ptr::null_mut();
         let known = driver::cuStreamGetCtx(stream, &mut context)
@@ -318,15 +420,35 @@ fn enqueue_here(
                 handle
             }
         };
-        let pointers = [
-            c_res.resource().ptr,
-            a_res.resource().ptr,
-            b_res.resource().ptr,
-        ];
         timed(name, stream, context, || {
             blas::set_stream(handle, stream as sys::cudaStream_t).is_ok() && call(handle, pointers)
         })
     }
+}
+
+/// [`enqueue`] on the calling thread.
+fn enqueue_here(
+    name: &'static str,
+    out: &CubeTensor,
+    inputs: [&CubeTensor; 2],
+    call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool,
+) -> bool {
+    // Resources keep their buffers in place until dropped, after the call is enqueued.
+    let client = &out.client;
+    let resource = |x: &CubeTensor| client.get_resource::<CudaServer>(x.handle.clone()).ok();
+    let (Some(c_res), Some(a_res), Some(b_res)) =
+        (resource(out), resource(inputs[0]), resource(inputs[1]))
+    else {
+        return false;
+    };
+    let stream = c_res.resource().stream;
+    let pointers = [
+        c_res.resource().ptr,
+        a_res.resource().ptr,
+        b_res.resource().ptr,
+    ];
+    // SAFETY: the pointers are live device buffers (held above), the stream is CubeCL's.
+    unsafe { call_on(name, stream, pointers, call) }
 }
 
 /// `work` (which enqueues on `stream`, in `context`, made current) timed on the stream as one
