@@ -117,54 +117,47 @@ pub trait DropoutKernels: Backend {
 
 impl DropoutKernels for CubeBackend {
     fn dropout_kernel(x: CubeTensor, seed: CubeTensor, p: f32) -> CubeTensor {
-        let x = into_contiguous(x);
-        assert_eq!(x.dtype(), DType::F32, "dropout kernel: f32 only");
-        let y = super::empty(&x, x.shape());
-        let n = x.shape().num_elements();
-        let w = super::elementwise_lanes(&x, n);
-        let (count, dim) = super::launch_size(&x, n / w);
-        kernel::dropout::launch::<f32>(
-            &x.client.clone(),
-            count,
-            dim,
-            w,
-            x.into_tensor_arg(),
-            seed.into_tensor_arg(),
-            y.clone().into_tensor_arg(),
-            super::hashed_mask::threshold(p),
-            1.0 / (1.0 - p),
-            n / w,
-            w,
-        );
-        y
+        launch(None, x, seed, p)
     }
 
     fn add_dropout_kernel(x: CubeTensor, y: CubeTensor, seed: CubeTensor, p: f32) -> CubeTensor {
-        let (x, y) = (into_contiguous(x), into_contiguous(y));
-        assert!(
-            x.dtype() == DType::F32 && y.dtype() == DType::F32,
-            "dropout kernel: f32 only"
-        );
-        let out = super::empty(&x, x.shape());
-        let n = x.shape().num_elements();
-        let w = super::elementwise_lanes(&x, n).min(super::elementwise_lanes(&y, n));
-        let (count, dim) = super::launch_size(&x, n / w);
-        kernel::add_dropout::launch::<f32>(
-            &x.client.clone(),
-            count,
-            dim,
-            w,
-            x.into_tensor_arg(),
-            y.into_tensor_arg(),
-            seed.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            super::hashed_mask::threshold(p),
-            1.0 / (1.0 - p),
-            n / w,
-            w,
-        );
-        out
+        launch(Some(x), y, seed, p)
     }
+}
+
+/// The kernel on `y` (`f32`): `residual + y * factor` where there is a residual, `y * factor`
+/// otherwise.
+fn launch(residual: Option<CubeTensor>, y: CubeTensor, seed: CubeTensor, p: f32) -> CubeTensor {
+    let y = into_contiguous(y);
+    let residual = residual.map(into_contiguous);
+    let f32s = y.dtype() == DType::F32 && residual.as_ref().is_none_or(|r| r.dtype() == DType::F32);
+    assert!(f32s, "dropout kernel: f32 only");
+    let out = super::empty(&y, y.shape());
+    let n = y.shape().num_elements();
+    let w = match &residual {
+        Some(r) => super::elementwise_lanes(&y, n).min(super::elementwise_lanes(r, n)),
+        None => super::elementwise_lanes(&y, n),
+    };
+    let (count, dim) = super::launch_size(&y, n / w);
+    let has_residual = residual.is_some();
+    // Without a residual the kernel never reads its `residual`: `y` stands in.
+    let residual = residual.unwrap_or_else(|| y.clone());
+    kernel::dropout::launch::<f32>(
+        &y.client.clone(),
+        count,
+        dim,
+        w,
+        residual.into_tensor_arg(),
+        y.into_tensor_arg(),
+        seed.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        super::hashed_mask::threshold(p),
+        1.0 / (1.0 - p),
+        n / w,
+        w,
+        has_residual,
+    );
+    out
 }
 
 impl<B: DropoutKernels, C: CheckpointStrategy> DropoutKernels for Autodiff<B, C> {
@@ -232,36 +225,12 @@ mod kernel {
 
     use crate::cube::hashed_mask::Mask;
 
-    /// One unit per vector of `w` elements (`vectors` of them): `y[e] = x[e] * factor(e)`.
-    #[cube(launch)]
-    pub(super) fn dropout<F: Float, N: Size>(
-        x: &Tensor<Vector<F, N>>,
-        seed: &Tensor<F>,
-        y: &mut Tensor<Vector<F, N>>,
-        threshold: u32,
-        keep_scale: f32,
-        vectors: usize,
-        #[comptime] w: usize,
-    ) {
-        let i = ABSOLUTE_POS;
-        if i >= vectors {
-            terminate!();
-        }
-        let mask = Mask::<F>::new(seed, threshold, keep_scale, true);
-        let v = x[i];
-        let mut out = v;
-        #[unroll]
-        for l in 0..w {
-            out.insert(l, v.extract(l) * mask.factor(i * w + l, true));
-        }
-        y[i] = out;
-    }
-
-    /// One unit per vector of `w` elements: `out[e] = x[e] + y[e] * factor(e)`.
+    /// One unit per vector of `w` elements (`vectors` of them): `out[e] = y[e] * factor(e)`,
+    /// plus `residual[e]` where `has_residual`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn add_dropout<F: Float, N: Size>(
-        x: &Tensor<Vector<F, N>>,
+    pub(super) fn dropout<F: Float, N: Size>(
+        residual: &Tensor<Vector<F, N>>,
         y: &Tensor<Vector<F, N>>,
         seed: &Tensor<F>,
         out: &mut Tensor<Vector<F, N>>,
@@ -269,22 +238,23 @@ mod kernel {
         keep_scale: f32,
         vectors: usize,
         #[comptime] w: usize,
+        #[comptime] has_residual: bool,
     ) {
         let i = ABSOLUTE_POS;
         if i >= vectors {
             terminate!();
         }
         let mask = Mask::<F>::new(seed, threshold, keep_scale, true);
-        let (a, v) = (x[i], y[i]);
-        let mut sum = a;
+        let v = y[i];
+        let mut dropped = v;
         #[unroll]
         for l in 0..w {
-            sum.insert(
-                l,
-                a.extract(l) + v.extract(l) * mask.factor(i * w + l, true),
-            );
+            dropped.insert(l, v.extract(l) * mask.factor(i * w + l, true));
         }
-        out[i] = sum;
+        if has_residual {
+            dropped += residual[i];
+        }
+        out[i] = dropped;
     }
 }
 

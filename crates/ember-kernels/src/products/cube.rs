@@ -392,17 +392,29 @@ mod wgpu_tests {
                         .map(|d| d.try_to_vec::<f32>().unwrap())
                 };
                 let (ours, theirs) = (run(true), run(false));
-                for (what, (x, y)) in ["output", "a's gradient", "b's gradient"]
-                    .iter()
-                    .zip(ours.iter().zip(&theirs))
-                {
-                    for (i, (p, q)) in x.iter().zip(y).enumerate() {
-                        assert!(
-                            (p - q).abs() < 1e-4 * q.abs().max(1.0),
-                            "{what}, {ta} {tb}, value {i}: {p} vs {q}"
-                        );
-                    }
-                }
+                assert_near(&ours, &theirs, 1e-4, 1.0, &format!("{ta} {tb}"));
+            }
+        }
+    }
+
+    /// Output, `a`'s and `b`'s gradients of the op against the reference's, each value within
+    /// `relative` of the reference's magnitude (at least `floor`).
+    fn assert_near(
+        ours: &[Vec<f32>; 3],
+        theirs: &[Vec<f32>; 3],
+        relative: f32,
+        floor: f32,
+        case: &str,
+    ) {
+        for (what, (x, y)) in ["output", "a's gradient", "b's gradient"]
+            .iter()
+            .zip(ours.iter().zip(theirs))
+        {
+            for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                assert!(
+                    (p - q).abs() < relative * q.abs().max(floor),
+                    "{what}, {case}, value {i}: {p} vs {q}"
+                );
             }
         }
     }
@@ -459,20 +471,16 @@ mod wgpu_tests {
                             .unwrap()
                     })
                 };
+                // f16 keeps 11 bits: the reference rounds its product's result and `a`'s
+                // gradient to f16 where the op keeps them in f32.
                 let (ours, theirs) = (run(true), run(false));
-                for (what, (x, y)) in ["output", "a's gradient", "b's gradient"]
-                    .iter()
-                    .zip(ours.iter().zip(&theirs))
-                {
-                    // f16 keeps 11 bits: the reference rounds its product's result and `a`'s
-                    // gradient to f16 where the op keeps them in f32.
-                    for (i, (p, q)) in x.iter().zip(y).enumerate() {
-                        assert!(
-                            (p - q).abs() < 2e-3 * q.abs().max(4.0),
-                            "{what}, wide {wide}, {ta} {tb}, value {i}: {p} vs {q}"
-                        );
-                    }
-                }
+                assert_near(
+                    &ours,
+                    &theirs,
+                    2e-3,
+                    4.0,
+                    &format!("wide {wide}, {ta} {tb}"),
+                );
             }
         }
     }
