@@ -246,3 +246,24 @@ pub(crate) fn reduce_cube<F: Float>(
     sync_cube();
     result
 }
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::tensor::{Device, DeviceKind, Tensor};
+
+    /// A task handed to the device thread knows it runs there (cuBLAS's calls made inside one
+    /// run at once, in the task's order); the caller's thread, before and after, does not.
+    #[test]
+    fn a_device_thread_task_knows_it_is_one() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let x = Tensor::<1>::ones([4], &device);
+        let client = match super::cube_device(&x.device()) {
+            Some(gpu) => gpu.client(),
+            None => panic!("a wgpu device is CubeCL's"),
+        };
+        assert!(!super::inside_device_task());
+        let inside = super::on_device_thread(&client, super::inside_device_task);
+        assert_eq!(inside, Some(true));
+        assert!(!super::inside_device_task());
+    }
+}
