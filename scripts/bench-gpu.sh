@@ -170,6 +170,21 @@ check() {
         echo "the cuda run again with cubek's products and the fused attention (EMBER_GPU_KERNELS=-cublas):"
         grep -E "^(step .*val|done)" "$RUNS/tiny-cubek.log"
         grep -i "cublas" "$RUNS/tiny-cuda.log" || true
+        # Mixed precision with dropout: the tiny config in bf16 on flex, on cuda, and on cuda
+        # without the one-op mixed products and the asynchronous cuBLAS calls (the tracked casts
+        # and waiting calls before them): near each other (each device its own initial weights
+        # and masks, bf16 rounding), and the two cuda runs nearer still (the same weights and
+        # masks; the one op rounds less).
+        local variant kernels
+        for variant in flex:on cuda:on cuda:-mixed-products,-async-products; do
+            dev=${variant%%:*} kernels=${variant#*:}
+            rm -rf "$RUNS/tiny-bf16"
+            EMBER_GPU_KERNELS=$kernels logged "$RUNS/tiny-bf16-$dev.log" \
+                "$EMBER" train --config configs/tiny.toml --device "$dev" --out "$RUNS/tiny-bf16" \
+                --set 'training.precision="bf16"' --set model.dropout=0.1
+            echo "bf16 with dropout on $dev (EMBER_GPU_KERNELS=$kernels):"
+            grep -E "^(step .*val|done)" "$RUNS/tiny-bf16-$dev.log"
+        done
     fi
     for dev in flex "$DEVICE"; do
         "$EMBER_GEN" generate --checkpoint "$RUNS/tiny-flex" --device "$dev" --prompt ROMEO: \
