@@ -9,6 +9,10 @@
 //! Shape letters used everywhere: `B` batch, `T` target length, `S` source (key) length,
 //! `D` model width, `H` heads, `K` head size, `F` MLP width, `V` vocabulary.
 //!
+//! Repeatable training: seed with [`ops::seed_random`] (Burn's `Device::seed`, and on GPUs the
+//! dropout seeds ember draws many at a time started afresh), before each forward pass whose
+//! dropout masks should depend on the seed alone.
+//!
 //! ```
 //! use burn::tensor::{Device, Int, Tensor};
 //! use ember_model::DecoderOnlyConfig;
