@@ -42,6 +42,15 @@ pub(crate) fn dropout<const D: usize>(
     seeded(x, dropout.prob, super::hashed_mask::draw_seed)
 }
 
+/// Whether the kernel drops `x` with probability `p`: a probability strictly between 0 and 1
+/// and a non-empty `f32` tensor on a CubeCL device, with the dropout kernel on.
+fn takes<const D: usize>(x: &Tensor<D>, p: f64) -> bool {
+    p > 0.0
+        && p < 1.0
+        && x.shape().num_elements() > 0
+        && super::gpu_kernel_takes(GpuKernel::Dropout, x)
+}
+
 /// [`dropout`] with probability `p` and the seed drawn by `seed` on the tensor's device (a
 /// uniform number in `[0, 1)`), drawn only where the kernel takes the tensor.
 fn seeded<const D: usize>(
@@ -49,10 +58,7 @@ fn seeded<const D: usize>(
     p: f64,
     seed: impl FnOnce(&Device) -> Tensor<1>,
 ) -> Result<Tensor<D>, Tensor<D>> {
-    if !(p > 0.0 && p < 1.0)
-        || x.shape().num_elements() == 0
-        || !super::gpu_kernel_takes(GpuKernel::Dropout, &x)
-    {
+    if !takes(&x, p) {
         return Err(x);
     }
     let seed = seed(&x.device()).into_dispatch();
@@ -74,16 +80,13 @@ pub(crate) fn add_dropout<const D: usize>(
     y: Tensor<D>,
 ) -> Result<Tensor<D>, (Tensor<D>, Tensor<D>)> {
     let p = dropout.prob;
-    let takes = dropout.training.is_enabled()
+    let fits = dropout.training.is_enabled()
         && y.device().is_autodiff()
-        && p > 0.0
-        && p < 1.0
         && x.shape() == y.shape()
         && x.device() == y.device()
-        && y.shape().num_elements() > 0
-        && super::gpu_kernel_takes(GpuKernel::Dropout, &y)
-        && super::gpu_kernel_takes(GpuKernel::Dropout, &x);
-    if !takes {
+        && takes(&y, p)
+        && takes(&x, p);
+    if !fits {
         return Err((x, y));
     }
     let seed = super::hashed_mask::draw_seed(&y.device()).into_dispatch();

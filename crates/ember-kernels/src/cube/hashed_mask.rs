@@ -14,21 +14,20 @@
 //! after it get the same seeds however many were taken before.
 
 use burn::tensor::{Device, Distribution};
-
-/// Burn's tensor (CubeCL's prelude has a `Tensor` of its own, for the kernels below).
-type Values = burn::tensor::Tensor<1>;
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use std::sync::Mutex;
 
+/// Burn's tensor (CubeCL's prelude has a `Tensor` of its own, for the kernels below).
+type Values = burn::tensor::Tensor<1>;
+
 /// Seeds drawn per launch.
 pub(crate) const POOL_ROWS: usize = 64;
 
-/// Each device's pool: its values (`[POOL_ROWS * width]`, once drawn), the row width, and the
-/// next row.
+/// One device's pool: its values (`[POOL_ROWS * width]`), the row width, and the next row.
 struct Pool {
     device: Device,
-    values: Option<Values>,
+    values: Values,
     width: usize,
     next: usize,
 }
@@ -40,35 +39,30 @@ static POOLS: Mutex<Vec<Pool>> = Mutex::new(Vec::new());
 /// `device`'s random numbers (a row of the device's pool; `[1]` where a row would not be a view).
 pub(crate) fn draw_seed(device: &Device) -> Values {
     let uniform = Distribution::Uniform(0.0, 1.0);
-    let Some(width) = row_width(device) else {
-        return Values::random([1], uniform, device);
-    };
+    let draw = |width: usize| Values::random([POOL_ROWS * width], uniform, device);
     let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
-    let at = match pools.iter().position(|pool| &pool.device == device) {
-        Some(at) => at,
+    let pool = match pools.iter().position(|pool| &pool.device == device) {
+        Some(at) => &mut pools[at],
         None => {
+            let Some(width) = row_width(device) else {
+                return Values::random([1], uniform, device);
+            };
             pools.push(Pool {
                 device: device.clone(),
-                values: None,
+                values: draw(width),
                 width,
                 next: 0,
             });
-            pools.len() - 1
+            pools.last_mut().expect("just pushed")
         }
     };
-    let pool = &mut pools[at];
-    let values = match &pool.values {
-        Some(values) if pool.next < POOL_ROWS => values.clone(),
-        _ => {
-            let values = Values::random([POOL_ROWS * pool.width], uniform, device);
-            pool.values = Some(values.clone());
-            pool.next = 0;
-            values
-        }
-    };
-    let row = values.slice(pool.next * pool.width..(pool.next + 1) * pool.width);
+    if pool.next == POOL_ROWS {
+        pool.values = draw(pool.width);
+        pool.next = 0;
+    }
+    let (at, width) = (pool.next, pool.width);
     pool.next += 1;
-    row
+    pool.values.clone().slice(at * width..(at + 1) * width)
 }
 
 /// Forgets every device's pool: the next seed on each is drawn afresh from the random numbers

@@ -179,8 +179,8 @@ pub(crate) fn product(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<Cube
         .is_ok()
     };
     let done = match asynchronous(&out) {
-        true => enqueue_async("cublasGemmEx", &out, [a, b], gemm),
-        false => enqueue("cublasGemmEx", &out, [a, b], gemm),
+        Some(device) => enqueue_async(device, "cublasGemmEx", &out, [a, b], gemm),
+        None => enqueue("cublasGemmEx", &out, [a, b], gemm),
     };
     done.then_some(out)
 }
@@ -286,13 +286,13 @@ fn enqueue(
         .unwrap_or(false)
 }
 
-/// Whether a product into `out` is handed to the device thread without waiting for it
-/// (`async-products` on, called from outside a device-thread task, whose client calls run at
-/// once: work queued for later would run after the task's next launches).
-fn asynchronous(out: &CubeTensor) -> bool {
-    crate::gpu_kernels::applies(crate::GpuStrategy::AsyncProducts)
-        && !crate::cube::inside_device_task()
-        && device_handle(out).is_some()
+/// The device thread a product into `out` is handed to without waiting for it, where it is:
+/// `async-products` on, called from outside a device-thread task (whose client calls run at
+/// once: work queued for later would run after the task's next launches), a CUDA server.
+fn asynchronous(out: &CubeTensor) -> Option<DeviceHandle<CudaServer>> {
+    let applies = crate::gpu_kernels::applies(crate::GpuStrategy::AsyncProducts)
+        && !crate::cube::inside_device_task();
+    applies.then(|| device_handle(out)).flatten()
 }
 
 /// Each device's handle to its CUDA server's thread.
@@ -317,7 +317,7 @@ fn device_handle(x: &CubeTensor) -> Option<DeviceHandle<CudaServer>> {
     Some(handle)
 }
 
-/// [`enqueue`] handed to the device thread, which runs it after the work queued before it (the
+/// [`enqueue`] handed to `device`'s thread, which runs it after the work queued before it (the
 /// kernels that write its operands) and before the work queued after it, while this thread goes
 /// on: true once handed over. The call cannot fail back to another product by then: where the
 /// driver or cuBLAS refuses it there, the output is filled with NaN, so that the run stops at
@@ -325,16 +325,14 @@ fn device_handle(x: &CubeTensor) -> Option<DeviceHandle<CudaServer>> {
 /// why (`-async-products` makes every call wait for its answer, with cubek's products to fall
 /// back on).
 fn enqueue_async(
+    device: DeviceHandle<CudaServer>,
     name: &'static str,
     out: &CubeTensor,
     inputs: [&CubeTensor; 2],
     call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool + Send + 'static,
 ) -> bool {
-    let Some(handle) = device_handle(out) else {
-        return false;
-    };
     let (out, a, b) = (out.clone(), inputs[0].clone(), inputs[1].clone());
-    handle.submit(move |server: &mut CudaServer| {
+    device.submit(move |server: &mut CudaServer| {
         let stream = cubecl_environment::stream::StreamId::current();
         let mut resource = |x: &CubeTensor| {
             <CudaServer as ServerStorage>::get_resource(server, x.handle.clone().binding(), stream)

@@ -51,13 +51,7 @@ pub fn linear_in_products<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tenso
     let bias = layer.bias.as_ref().map(|b| b.val());
     match weight.dtype() == x.dtype() {
         true => affine(x, weight, bias),
-        false => {
-            let out = weight.dtype();
-            match affine_one_op(x, weight, bias, out) {
-                Ok(y) => y,
-                Err((x, weight, bias)) => affine(x.cast(FloatDType::from(out)), weight, bias),
-            }
-        }
+        false => affine_in_products(x, weight, bias),
     }
 }
 
@@ -76,12 +70,8 @@ pub fn linear_gelu<const D: usize>(layer: &Linear, x: Tensor<D>, tanh: bool) -> 
         // bias added there and the GELU computed in f32 and rounded once, as PyTorch's autocast
         // keeps it. A training step then keeps it at half the bytes (the GELU's input for its
         // backward pass, its output for the projection's).
-        let out = weight.dtype();
         let bias = layer.bias.as_ref().map(|b| b.val());
-        let y = match affine_one_op(x, weight, bias, out) {
-            Ok(y) => y,
-            Err((x, weight, bias)) => affine(x.cast(FloatDType::from(out)), weight, bias),
-        };
+        let y = affine_in_products(x, weight, bias);
         return if tanh {
             super::gelu_tanh(y)
         } else {
@@ -220,6 +210,21 @@ fn affine_one_op<const D: usize>(
     #[cfg(not(feature = "cube"))]
     let _ = out;
     Err((x, weight, bias))
+}
+
+/// `x @ weight (+ bias)` with `x` rounded to the weight's narrower type and the result and the
+/// bias in that type (mixed precision's layers kept narrow): one op on CUDA
+/// ([`affine_one_op`]), else a tracked cast of `x` and [`affine`] of one type.
+fn affine_in_products<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
+    let narrow = weight.dtype();
+    match affine_one_op(x, weight, bias, narrow) {
+        Ok(y) => y,
+        Err((x, weight, bias)) => affine(x.cast(FloatDType::from(narrow)), weight, bias),
+    }
 }
 
 /// [`linear`] with its result in `out`: under mixed precision (`ember_model::precision`) the
