@@ -127,11 +127,17 @@ pub enum GpuStrategy {
     /// enqueue in order, without waiting for it (off: each call waits for the device thread to
     /// reach it, a round trip that keeps the host from running ahead).
     AsyncProducts,
+    /// The attention as batched products ([`GpuStrategy::AttentionProducts`]) on long
+    /// sequences in blocks of query rows (256), each block's products over only the keys its
+    /// rows may see (and the keys' gradients over only the queries that see them), where
+    /// one product per pass over every `[T, T]` score computes and stores the masked half too
+    /// (context 1024: 5/8 of the products' work); off, one product per pass.
+    CausalBlocks,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 8] = [
+    pub const ALL: [GpuStrategy; 9] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
@@ -140,6 +146,7 @@ impl GpuStrategy {
         GpuStrategy::NarrowVectors,
         GpuStrategy::MixedProducts,
         GpuStrategy::AsyncProducts,
+        GpuStrategy::CausalBlocks,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -153,6 +160,7 @@ impl GpuStrategy {
             GpuStrategy::NarrowVectors => "narrow-vectors",
             GpuStrategy::MixedProducts => "mixed-products",
             GpuStrategy::AsyncProducts => "async-products",
+            GpuStrategy::CausalBlocks => "causal-blocks",
         }
     }
 }
@@ -253,6 +261,9 @@ pub struct AttentionTuning {
     pub sequences_per_call: Option<usize>,
     /// Keys the one-row forward pass scores per rescale of its running output (`None`: 8).
     pub keys_per_rescale: Option<usize>,
+    /// Query rows per block of the batched products ([`GpuStrategy::CausalBlocks`]; `None`:
+    /// 256).
+    pub block_rows: Option<usize>,
 }
 
 /// Everything that decides which of ember's GPU paths run.
@@ -282,6 +293,7 @@ impl Default for GpuPolicy {
                 products_anywhere: false,
                 sequences_per_call: None,
                 keys_per_rescale: None,
+                block_rows: None,
             },
         }
     }
@@ -320,6 +332,7 @@ static POLICY: RwLock<GpuPolicy> = RwLock::new(GpuPolicy {
         products_anywhere: false,
         sequences_per_call: None,
         keys_per_rescale: None,
+        block_rows: None,
     },
 });
 
@@ -481,6 +494,7 @@ mod tests {
                 "narrow-vectors",
                 "mixed-products",
                 "async-products",
+                "causal-blocks",
             ]
         );
         assert_eq!(

@@ -70,7 +70,8 @@ pub(super) fn products_agree_on(like: &CubeTensor) -> bool {
 
 /// The attention as batched products against the fused kernels on `like`'s device, in
 /// `like`'s float type: output, log-sum-exps and the projection's gradient of 3 sequences of 45
-/// positions, 2 heads of 32, with dropout, within 1% of the largest value in f32 (TF32 products
+/// positions, 2 heads of 32, with dropout (in blocks of 16 query rows with `causal-blocks`
+/// on), within 1% of the largest value in f32 (TF32 products
 /// round to 11 bits), 2% in bf16 or f16 (weights and outputs rounded to 8 or 11 bits, about
 /// 0.05% of the largest value in f16 on lavapipe; the fused kernels compute from the same
 /// rounded values in f32); a wrong matrix or dropout mask is off by its whole size. The error
@@ -98,8 +99,15 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
     let (qkv, wide_qkv) = load(b * t * 3 * d, 1, vec![b, t, 3 * d]);
     let (grad, wide_grad) = load(b * t * d, 2, vec![b, t, d]);
     let seed = CubeBackend::float_from_data(TensorData::new(vec![0.375_f32], [1]), &like.device);
-    let (out, lse) = crate::cube::attention_products::forward(&qkv, &seed, heads, dropout);
-    let dqkv = crate::cube::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout);
+    // In blocks of 16 query rows where the products run in blocks (the last one of 13).
+    let mut policy = crate::gpu_kernels::policy();
+    policy.attention.block_rows = Some(16);
+    let (out, lse, dqkv) = crate::gpu_kernels::with_policy(policy, || {
+        use crate::cube::attention_products::{backward, forward};
+        let (out, lse) = forward(&qkv, &seed, heads, dropout);
+        let dqkv = backward(&qkv, &seed, &lse, &grad, heads, dropout);
+        (out, lse, dqkv)
+    });
     let (fused_out, fused_lse) = fused_forward(wide_qkv.clone(), seed.clone(), heads, dropout);
     let fused_dqkv = fused_backward(
         wide_qkv,

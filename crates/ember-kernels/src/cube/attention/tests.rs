@@ -75,22 +75,25 @@ fn tuned(tuning: crate::AttentionTuning) -> crate::GpuPolicy {
 /// The attention as batched products, output and gradient, against the reference with the
 /// same dropout mask, plain, under autodiff and with checkpointing: head sizes 4 to 128, one
 /// position and several, lengths that are not a multiple of a cube's units, one head and
-/// several, with dropout and without, all sequences in one call and a few at a time.
+/// several, with dropout and without, all sequences in one call and a few at a time, in one
+/// block of query rows and in several (the last one shorter, or of one row).
 #[test]
 fn products_equal_the_reference_on_wgpu() {
     let device = Device::wgpu(DeviceKind::DefaultDevice);
-    for (b, t, heads, k, p, per_call) in [
-        (2, 9, 3, 4, 0.0, 0),
-        (1, 1, 1, 8, 0.25, 0),
-        (3, 37, 2, 16, 0.25, 0),
-        (3, 37, 2, 16, 0.25, 2),
-        (1, 70, 1, 32, 0.0, 0),
-        (2, 33, 2, 64, 0.25, 1),
-        (1, 40, 1, 128, 0.0, 0),
+    for (b, t, heads, k, p, per_call, block) in [
+        (2, 9, 3, 4, 0.0, 0, 0),
+        (1, 1, 1, 8, 0.25, 0, 0),
+        (3, 37, 2, 16, 0.25, 0, 0),
+        (3, 37, 2, 16, 0.25, 2, 8),
+        (1, 70, 1, 32, 0.0, 0, 32),
+        (2, 33, 2, 64, 0.25, 1, 16),
+        (1, 40, 1, 128, 0.0, 0, 0),
+        (2, 9, 3, 4, 0.25, 0, 1),
     ] {
         let tuning = crate::AttentionTuning {
             products_anywhere: true,
             sequences_per_call: (per_call > 0).then_some(per_call),
+            block_rows: (block > 0).then_some(block),
             ..Default::default()
         };
         let seed = 0.125_f32;
@@ -101,7 +104,8 @@ fn products_equal_the_reference_on_wgpu() {
                 seed,
                 p,
                 &format!(
-                    "products, dropout {p}, {b}x{t}, {heads} heads of {k}, {per_call} per call"
+                    "products, dropout {p}, {b}x{t}, {heads} heads of {k}, {per_call} per call, \
+                     blocks of {block}"
                 ),
             )
         });
@@ -127,14 +131,16 @@ fn the_products_check_passes_on_wgpu() {
 fn narrow_products_stay_narrow_near_the_reference_on_wgpu() {
     use burn::tensor::FloatDType;
     let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-    for (b, t, heads, k, p, per_call) in [
-        (2, 45, 3, 8, 0.0, 0),
-        (3, 37, 2, 16, 0.25, 1),
-        (1, 70, 1, 64, 0.25, 0),
+    for (b, t, heads, k, p, per_call, block) in [
+        (2, 45, 3, 8, 0.0, 0, 0),
+        (3, 37, 2, 16, 0.25, 1, 0),
+        (1, 70, 1, 64, 0.25, 0, 0),
+        (2, 45, 3, 8, 0.25, 0, 16),
     ] {
         let tuning = crate::AttentionTuning {
             products_anywhere: true,
             sequences_per_call: (per_call > 0).then_some(per_call),
+            block_rows: (block > 0).then_some(block),
             ..Default::default()
         };
         let _scope = PolicyScope::enter(tuned(tuning));

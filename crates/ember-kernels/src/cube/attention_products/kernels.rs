@@ -3,6 +3,10 @@
 //! key `j` along the row; `rows` or `elements` of them in this call). Weight `(i, j)` of that
 //! head is element `(((first + s) * H + h) * T + i) * T + j` of the dropout mask, as in the fused
 //! kernels, and `L` is read from and written to `lse[((first + s) * H + h) * T + i]`.
+//!
+//! The products run in blocks of `block` query rows (`T` for one block), and read a row's
+//! weights or scores' gradients up to its block's last key, never past it: the kernels write
+//! row `i` up to there ([`row_end`]), zeros past the diagonal included.
 
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
@@ -18,9 +22,20 @@ fn head_row(r: usize, t: usize, first: usize, h: usize, heads: usize) -> usize {
     ((first + r / t) * heads + h) * t + r % t
 }
 
+/// The end of row `i`'s keys that the products read: its block's (of `block` rows) last row
+/// plus one, at most `t`.
+#[cube]
+fn row_end(i: usize, t: usize, block: usize) -> usize {
+    let mut end = (i / block + 1) * block;
+    if end > t {
+        end = t;
+    }
+    end
+}
+
 /// One cube per row: its log-sum-exp `L` over keys `0..=i` of the scaled scores `s`, and
-/// `exp(s - L)` times the dropout factor into `w` (0 past `i`), computed in `f32` and
-/// stored in the weights' type `N`.
+/// `exp(s - L)` times the dropout factor into `w` (0 past `i`, up to the row's block's end),
+/// computed in `f32` and stored in the weights' type `N`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_weights<N: Float>(
@@ -34,6 +49,7 @@ pub(super) fn attention_weights<N: Float>(
     first: usize,
     h: usize,
     heads: usize,
+    block: usize,
     #[comptime] dropout: bool,
 ) {
     let t = s.shape(1);
@@ -59,7 +75,7 @@ pub(super) fn attention_weights<N: Float>(
         lse[row] = l;
     }
     let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
-    for j in range_stepped(u, t, units) {
+    for j in range_stepped(u, row_end(i, t, block), units) {
         let mut value = 0.0f32;
         if j <= i {
             value = f32::exp(s[at + j] - l) * mask.factor(row * t + j, dropout);
@@ -69,7 +85,7 @@ pub(super) fn attention_weights<N: Float>(
 }
 
 /// One unit per element: the dropped weights `exp(s - L)` times the dropout factor (0 past
-/// the diagonal) into `w`, in its type `N`.
+/// the diagonal, up to the row's block's end) into `w`, in its type `N`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_weights_backward<N: Float>(
@@ -83,6 +99,7 @@ pub(super) fn attention_weights_backward<N: Float>(
     first: usize,
     h: usize,
     heads: usize,
+    block: usize,
     #[comptime] dropout: bool,
 ) {
     let e = ABSOLUTE_POS;
@@ -92,6 +109,9 @@ pub(super) fn attention_weights_backward<N: Float>(
     let t = s.shape(1);
     let (r, j) = (e / t, e % t);
     let (i, row) = (r % t, head_row(r, t, first, h, heads));
+    if j >= row_end(i, t, block) {
+        terminate!();
+    }
     let mut value = 0.0f32;
     if j <= i {
         let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
@@ -102,7 +122,7 @@ pub(super) fn attention_weights_backward<N: Float>(
 
 /// One cube per row: from the scaled scores `s`, `L` and the dropped weights' gradient
 /// `g = dO V^T` (all `f32`), the scores' gradient `P (g M - delta)` into `ds` in its type
-/// `N` (0 past the diagonal), `delta = sum_j P_j M_j g_j`.
+/// `N` (0 past the diagonal, up to the row's block's end), `delta = sum_j P_j M_j g_j`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_scores_backward<N: Float>(
@@ -117,6 +137,7 @@ pub(super) fn attention_scores_backward<N: Float>(
     first: usize,
     h: usize,
     heads: usize,
+    block: usize,
     #[comptime] dropout: bool,
 ) {
     let t = s.shape(1);
@@ -135,7 +156,7 @@ pub(super) fn attention_scores_backward<N: Float>(
         delta += p * mask.factor(row * t + j, dropout) * g[at + j];
     }
     let delta = reduce_cube::<f32>(&mut scratch, delta, false);
-    for j in range_stepped(u, t, units) {
+    for j in range_stepped(u, row_end(i, t, block), units) {
         let mut value = 0.0f32;
         if j <= i {
             let p = f32::exp(s[at + j] - l);

@@ -31,26 +31,37 @@
 //!   `dS = P (dG M - delta)` in place of `dG`, `delta_i = sum_j (P M)_ij dG_ij`;
 //!   `dQ = scale dS K`, `dK = scale dS^T Q`.
 //!
+//! On sequences longer than [`BLOCK_ROWS`] (`causal-blocks` on) each product runs in blocks
+//! of query rows: the products for `S`, `O`, `dG` and `dQ` of a block over the keys up to its
+//! last row, those for `dV` and `dK` of a block of keys over the queries from its first row on,
+//! so that the masked half of the scores is neither computed nor read (at context 1024, 5/8 of
+//! one product's work in 4 calls); the kernels write each row up to its block's end.
+//!
 //! Elsewhere than CUDA (and for a product cuBLAS does not take) the products are Burn's
-//! `matmul` on the same views: how the tests run this path on wgpu against the op's reference.
+//! `matmul` on the same views ([`part`]): how the tests run this path on wgpu against the op's
+//! reference.
 
-use super::attention::{Dims, float_cast_to, wide};
-use crate::blas::{Batched, Layout, Strided};
+use super::attention::Dims;
 use crate::cube::{ROW_UNITS, launch_size, row_cubes};
 use burn::backend::TensorMetadata;
-use burn::backend::ops::FloatTensorOps;
-use burn::tensor::{DType, Slice, bf16, f16};
-use burn_cubecl::CubeBackend;
+use burn::tensor::{DType, bf16, f16};
 use burn_cubecl::tensor::CubeTensor;
+use part::{Part, product};
 
 /// The small kernels between the products.
 mod kernels;
+/// The products' operands and outputs as views of their tensors, and the products.
+mod part;
 #[cfg(all(test, feature = "wgpu"))]
 pub(crate) mod tests;
 
 /// The most bytes of one `[B, T, T]` buffer: longer sequences or larger batches are taken a few
 /// sequences at a time (nanoGPT's GPU config, 64 sequences of 256, in one: 16 MiB).
 const BUFFER_BYTES: usize = 64 << 20;
+
+/// Query rows per block of the products with `causal-blocks` on: at context 1024, 4 blocks
+/// and 5/8 of one product's work; contexts up to 256 in one block.
+const BLOCK_ROWS: usize = 256;
 
 /// Sequences per call of the products: as many as one buffer of [`BUFFER_BYTES`] holds, at
 /// least one (the policy's `attention.sequences_per_call` where set).
@@ -73,6 +84,25 @@ macro_rules! launch_as {
     };
 }
 
+/// Query rows per block of the products for sequences of `t` positions: [`BLOCK_ROWS`] (the
+/// policy's `attention.block_rows` where set) with `causal-blocks` on, else `t` (one block).
+fn block_rows(t: usize) -> usize {
+    let t = t.max(1);
+    if !crate::gpu_kernels::applies(crate::GpuStrategy::CausalBlocks) {
+        return t;
+    }
+    let rows = crate::gpu_kernels::policy().attention.block_rows;
+    rows.unwrap_or(BLOCK_ROWS).clamp(1, t)
+}
+
+/// The blocks `start..end` of `block` rows that cover `0..t`, the last one shorter where
+/// `block` does not divide `t`.
+fn blocks(t: usize, block: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(block)
+        .map(move |start| (start, (start + block).min(t)))
+}
+
 /// The forward pass: the output `[B, T, D]` (in the projection's type) and each query row's
 /// log-sum-exp `[B, H, T]` (`f32`) of the contiguous projection `qkv` `[B, T, 3D]` (`f32`, or
 /// mixed precision's bf16 or f16), weights dropped with probability `dropout` by the mask of
@@ -92,6 +122,7 @@ pub(super) fn forward(
     let mut out = super::empty_of(qkv, [dims.b, t, d], dtype);
     let lse = super::empty(qkv, [dims.b, heads, t]);
     let per_call = sequences_per_call(dims.b, t);
+    let block = block_rows(t);
     // The scores in `f32`, the dropped weights in the projection's type (what the product
     // with `V` reads).
     let mut scores = super::empty(qkv, [per_call, t, t]);
@@ -105,7 +136,11 @@ pub(super) fn forward(
                 Part::cols(qkv, d + h * k, k).from(first),
                 Part::cols(qkv, 2 * d + h * k, k).from(first),
             );
-            scores = product(n, q, keys.t(), scale, scores, (0, 0));
+            // Each block of queries against the keys up to its last one.
+            for (start, end) in blocks(t, block) {
+                let (q, keys) = (q.rows(start, end), keys.rows(0, end).t());
+                scores = product(n, q, keys, scale, scores, (0, start, 0));
+            }
             let (count, dim) = row_cubes(n * t);
             launch_as!(
                 dtype,
@@ -123,9 +158,14 @@ pub(super) fn forward(
                 first,
                 h,
                 heads,
+                block,
                 mask.on,
             );
-            out = product(n, Part::all(&weights), values, 1.0, out, (first, h * k));
+            for (start, end) in blocks(t, block) {
+                let w = Part::cols(&weights, 0, end).rows(start, end);
+                let at = (first, start, h * k);
+                out = product(n, w, values.rows(0, end), 1.0, out, at);
+            }
         }
     }
     (out, lse)
@@ -134,6 +174,10 @@ pub(super) fn forward(
 /// The backward pass: the gradient `[B, T, 3D]` (in the projection's type) of the contiguous
 /// projection `qkv` `[B, T, 3D]` from the forward pass's seed and log-sum-exp `lse` and the
 /// output's contiguous gradient `grad` `[B, T, D]` (in the projection's type).
+///
+/// The queries' products run in blocks of query rows (each against the keys up to its last
+/// one), the keys' and values' in blocks of key rows (each against the queries from its first
+/// one on).
 pub(super) fn backward(
     qkv: &CubeTensor,
     seed: &CubeTensor,
@@ -153,6 +197,7 @@ pub(super) fn backward(
         "attention products: the output's gradient in the projection's type"
     );
     let per_call = sequences_per_call(dims.b, t);
+    let block = block_rows(t);
     let mut dqkv = super::empty_of(qkv, [dims.b, t, 3 * d], dtype);
     // For every head: the scores and the dropped weights' gradient `dG` in `f32`; the dropped
     // weights in the projection's type (what the product for `dV` reads), then the scores'
@@ -172,7 +217,10 @@ pub(super) fn backward(
                 Part::cols(qkv, 2 * d + h * k, k).from(first),
                 Part::cols(grad, h * k, k).from(first),
             );
-            scores = product(n, q, keys.t(), scale, scores, (0, 0));
+            for (start, end) in blocks(t, block) {
+                let (q, keys) = (q.rows(start, end), keys.rows(0, end).t());
+                scores = product(n, q, keys, scale, scores, (0, start, 0));
+            }
             let (count, dim) = launch_size(qkv, n * t * t);
             launch_as!(
                 dtype,
@@ -190,11 +238,19 @@ pub(super) fn backward(
                 first,
                 h,
                 heads,
+                block,
                 mask.on,
             );
-            let (q_at, k_at, v_at) = ((first, h * k), (first, d + h * k), (first, 2 * d + h * k));
-            dqkv = product(n, Part::all(&work).t(), dout, 1.0, dqkv, v_at);
-            dg = product(n, dout, values.t(), 1.0, dg, (0, 0));
+            // `dV` of each block of keys from the queries that see them.
+            for (start, end) in blocks(t, block) {
+                let w = Part::cols(&work, start, end - start).rows(start, t).t();
+                let at = (first, start, 2 * d + h * k);
+                dqkv = product(n, w, dout.rows(start, t), 1.0, dqkv, at);
+            }
+            for (start, end) in blocks(t, block) {
+                let (dout, values) = (dout.rows(start, end), values.rows(0, end).t());
+                dg = product(n, dout, values, 1.0, dg, (0, start, 0));
+            }
             let (count, dim) = row_cubes(n * t);
             launch_as!(
                 dtype,
@@ -213,10 +269,19 @@ pub(super) fn backward(
                 first,
                 h,
                 heads,
+                block,
                 mask.on,
             );
-            dqkv = product(n, Part::all(&work), keys, scale, dqkv, q_at);
-            dqkv = product(n, Part::all(&work).t(), q, scale, dqkv, k_at);
+            for (start, end) in blocks(t, block) {
+                // `dQ` of each block of queries from the keys they see, `dK` of each block of
+                // keys from the queries that see them.
+                let ds = Part::cols(&work, 0, end).rows(start, end);
+                let at = (first, start, h * k);
+                dqkv = product(n, ds, keys.rows(0, end), scale, dqkv, at);
+                let ds = Part::cols(&work, start, end - start).rows(start, t).t();
+                let at = (first, start, d + h * k);
+                dqkv = product(n, ds, q.rows(start, t), scale, dqkv, at);
+            }
         }
     }
     dqkv
@@ -238,156 +303,4 @@ impl Dropout {
             on: p > 0.0,
         }
     }
-}
-
-/// One matrix per sequence from sequence `first` on: columns `col..col + cols` of every row of a
-/// contiguous `[B, R, W]` tensor (`[R, cols]` each), read transposed where `transposed`.
-#[derive(Clone, Copy)]
-struct Part<'a> {
-    x: &'a CubeTensor,
-    first: usize,
-    col: usize,
-    cols: usize,
-    transposed: bool,
-}
-
-impl<'a> Part<'a> {
-    fn cols(x: &'a CubeTensor, col: usize, cols: usize) -> Self {
-        Part {
-            x,
-            first: 0,
-            col,
-            cols,
-            transposed: false,
-        }
-    }
-
-    /// From sequence `first` on.
-    fn from(self, first: usize) -> Self {
-        Part { first, ..self }
-    }
-
-    /// Every column.
-    fn all(x: &'a CubeTensor) -> Self {
-        Part::cols(x, 0, x.shape()[2])
-    }
-
-    /// Read transposed.
-    fn t(self) -> Self {
-        Part {
-            transposed: !self.transposed,
-            ..self
-        }
-    }
-
-    /// `[B, R, W]`.
-    fn dims(&self) -> [usize; 3] {
-        self.x.shape().dims::<3>()
-    }
-
-    /// Rows and columns of the matrix as read.
-    fn read_shape(&self) -> [usize; 2] {
-        let rows = self.dims()[1];
-        match self.transposed {
-            false => [rows, self.cols],
-            true => [self.cols, rows],
-        }
-    }
-
-    /// Where its matrices lie in the buffer: row-major with rows `W` apart (column-major when
-    /// read transposed), sequences `R W` apart.
-    fn strided(&self) -> Strided {
-        let [_, rows, width] = self.dims();
-        Strided {
-            offset: self.first * rows * width + self.col,
-            stride: rows * width,
-            layout: match self.transposed {
-                false => Layout::RowMajor { ld: width },
-                true => Layout::ColMajor { ld: width },
-            },
-        }
-    }
-}
-
-/// The strided batched call of `out[first + s, :, col..] = a_s @ b_s` for `n` sequences `s`,
-/// `out` a contiguous `[B, R, W]` tensor.
-#[cfg_attr(not(feature = "cublas"), allow(dead_code))] // cuBLAS's, and the tests'
-fn call(n: usize, a: Part, b: Part, out: &CubeTensor, (first, col): (usize, usize)) -> Batched {
-    let ([m, k], [_, cols]) = (a.read_shape(), b.read_shape());
-    let [batch, rows, width] = out.shape().dims::<3>();
-    let fits = |p: &Part| p.first + n <= p.dims()[0];
-    assert!(
-        rows == m && col + cols <= width && b.read_shape()[0] == k && first + n <= batch,
-        "attention products: {n} x [{m}, {k}] @ {:?} into columns {col}.. of sequences \
-         {first}.. of {:?}",
-        b.read_shape(),
-        out.shape()
-    );
-    assert!(
-        fits(&a) && fits(&b),
-        "attention products: {n} sequences past an operand"
-    );
-    let c = Strided {
-        offset: first * rows * width + col,
-        stride: rows * width,
-        layout: Layout::RowMajor { ld: width },
-    };
-    Batched::new([m, k, cols], a.strided(), b.strided(), c, n)
-        .expect("a row-major output is a BLAS output")
-}
-
-/// `out` with `alpha a_s @ b_s` written into columns `col..` of its sequence `first + s`, for
-/// `n` sequences `s`: by one cuBLAS call in place where cuBLAS takes it, else by Burn's `matmul`
-/// and `slice_assign`. `a` and `b` are of one type, `out` of theirs or `f32`; the products of
-/// bf16 or f16 operands accumulate in `f32` (Burn's on operands widened exactly), rounded once
-/// to `out`'s type.
-fn product(
-    n: usize,
-    a: Part,
-    b: Part,
-    alpha: f32,
-    out: CubeTensor,
-    (first, col): (usize, usize),
-) -> CubeTensor {
-    #[cfg(feature = "cublas")]
-    if crate::products::cublas::batched_product(
-        &call(n, a, b, &out, (first, col)),
-        [a.x, b.x, &out],
-        alpha,
-    ) {
-        return out;
-    }
-    type Ops = CubeBackend;
-    let view = |p: Part| {
-        let rows = p.dims()[1];
-        let x = <Ops as FloatTensorOps<Ops>>::float_slice(
-            p.x.clone(),
-            &[
-                Slice::from(p.first..p.first + n),
-                Slice::from(0..rows),
-                Slice::from(p.col..p.col + p.cols),
-            ],
-        );
-        let x = match p.transposed {
-            true => <Ops as FloatTensorOps<Ops>>::float_swap_dims(x, 1, 2),
-            false => x,
-        };
-        wide::<Ops>(x)
-    };
-    let mut c = <Ops as FloatTensorOps<Ops>>::float_matmul(view(a), view(b));
-    if alpha != 1.0 {
-        c = <Ops as FloatTensorOps<Ops>>::float_mul_scalar(c, alpha.into());
-    }
-    let c = float_cast_to::<Ops>(c, out.dtype());
-    let rows = out.shape()[1];
-    let cols = b.read_shape()[1];
-    <Ops as FloatTensorOps<Ops>>::float_slice_assign(
-        out,
-        &[
-            Slice::from(first..first + n),
-            Slice::from(0..rows),
-            Slice::from(col..col + cols),
-        ],
-        c,
-    )
 }

@@ -1,6 +1,7 @@
 //! The products' tests on wgpu (Burn's `matmul` standing in for cuBLAS) and of each cuBLAS
 //! call's layout on the host.
 
+use super::part::{Part, call, product};
 use super::*;
 use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
@@ -16,10 +17,12 @@ pub(crate) fn cube(values: &[f32], shape: [usize; 3]) -> CubeTensor {
 }
 
 /// Every product the two passes make, with each head's columns, for all sequences in one
-/// call and for the second sequence alone: the call handed to cuBLAS, computed on the host
-/// as BLAS computes it ([`Batched::reference`]), writes each sequence's product of the right
-/// matrices into the right columns of the right sequence and nothing else; and the path
-/// taken without cuBLAS (Burn's `matmul`, on wgpu) gives the same tensor.
+/// call and for the second sequence alone, over all rows and over blocks of rows (queries
+/// `2..4` against keys `0..4`, keys `1..3` against queries `1..`): the call handed to cuBLAS,
+/// computed on the host as BLAS computes it ([`Batched::reference`]), writes each sequence's
+/// product of the right matrices into the right rows and columns of the right sequence and
+/// nothing else; and the path taken without cuBLAS (Burn's `matmul`, on wgpu) gives the same
+/// tensor.
 #[test]
 fn each_call_reads_and_writes_a_heads_matrices_where_they_lie() {
     let (b, t, heads, k) = (3, 5, 2, 3);
@@ -50,7 +53,7 @@ fn each_call_reads_and_writes_a_heads_matrices_where_they_lie() {
     let at = |p: &Part, s: usize, i: usize, j: usize| {
         let [_, rows, width] = p.dims();
         let (r, c) = if p.transposed { (j, i) } else { (i, j) };
-        host(p.x)[(p.first + s) * rows * width + r * width + p.col + c]
+        host(p.x)[(p.first + s) * rows * width + (p.row + r) * width + p.col + c]
     };
     for (first, n) in [(0, b), (1, 1)] {
         for h in 0..heads {
@@ -61,40 +64,57 @@ fn each_call_reads_and_writes_a_heads_matrices_where_they_lie() {
                 Part::cols(&grad, h * k, k).from(first),
             );
             // The square buffers hold the call's sequences from their first one.
-            let sq = Part::all(&square);
-            // (a, b, alpha, output's width, output's first sequence and column)
+            let sq = Part::cols(&square, 0, t);
+            // Queries 2..4 against keys 0..4; keys 1..3 against queries 1...
+            let q_block = Part::cols(&square, 0, 4).rows(2, 4);
+            let k_block = Part::cols(&square, 1, 2).rows(1, t).t();
+            // (a, b, alpha, output's width, output's first sequence, row and column)
             let products = [
-                (q, keys.t(), 0.5, t, (0, 0)),
-                (sq, values_h, 1.0, d, (first, h * k)),
-                (sq.t(), dout, 1.0, 3 * d, (first, 2 * d + h * k)),
-                (dout, values_h.t(), 1.0, t, (0, 0)),
-                (sq, keys, 0.5, 3 * d, (first, h * k)),
-                (sq.t(), q, 0.5, 3 * d, (first, d + h * k)),
+                (q, keys.t(), 0.5, t, (0, 0, 0)),
+                (sq, values_h, 1.0, d, (first, 0, h * k)),
+                (sq.t(), dout, 1.0, 3 * d, (first, 0, 2 * d + h * k)),
+                (dout, values_h.t(), 1.0, t, (0, 0, 0)),
+                (sq, keys, 0.5, 3 * d, (first, 0, h * k)),
+                (sq.t(), q, 0.5, 3 * d, (first, 0, d + h * k)),
+                (q.rows(2, 4), keys.rows(0, 4).t(), 0.5, t, (0, 2, 0)),
+                (q_block, values_h.rows(0, 4), 1.0, d, (first, 2, h * k)),
+                (
+                    k_block,
+                    dout.rows(1, t),
+                    1.0,
+                    3 * d,
+                    (first, 1, 2 * d + h * k),
+                ),
+                (k_block, q.rows(1, t), 0.5, 3 * d, (first, 1, d + h * k)),
             ];
-            for (p, (a, bb, alpha, width, (to, col))) in products.into_iter().enumerate() {
+            for (p, (a, bb, alpha, width, (to, row, col))) in products.into_iter().enumerate() {
                 let what = format!("sequences {first}.. ({n}), head {h}, product {p}");
                 let out = cube(&vec![0.0; b * t * width], [b, t, width]);
-                let batched = call(n, a, bb, &out, (to, col));
+                let batched = call(n, a, bb, &out, (to, row, col));
                 let mut blas = vec![f32::NAN; b * t * width];
                 batched.reference(host(a.x), host(bb.x), &mut blas, alpha);
                 let ([m, inner], [_, cols]) = (a.read_shape(), bb.read_shape());
                 for s in 0..b {
-                    for i in 0..m {
+                    for i in 0..t {
                         for j in 0..width {
                             let got = blas[(s * t + i) * width + j];
-                            if !(to..to + n).contains(&s) || !(col..col + cols).contains(&j) {
+                            if !(to..to + n).contains(&s)
+                                || !(row..row + m).contains(&i)
+                                || !(col..col + cols).contains(&j)
+                            {
                                 assert!(got.is_nan(), "{what}: wrote ({s}, {i}, {j})");
                                 continue;
                             }
+                            let (s, i, j) = (s - to, i - row, j - col);
                             let want: f32 = alpha
                                 * (0..inner)
-                                    .map(|x| at(&a, s - to, i, x) * at(&bb, s - to, x, j - col))
+                                    .map(|x| at(&a, s, i, x) * at(&bb, s, x, j))
                                     .sum::<f32>();
                             assert_eq!(got, want, "{what}: ({s}, {i}, {j})");
                         }
                     }
                 }
-                let burn = product(n, a, bb, alpha, out, (to, col));
+                let burn = product(n, a, bb, alpha, out, (to, row, col));
                 let burn = burn_cubecl::ops::into_data_sync(burn)
                     .try_to_vec::<f32>()
                     .unwrap();
