@@ -174,9 +174,11 @@ check() {
         # without the one-op mixed products and the asynchronous cuBLAS calls (the tracked casts
         # and waiting calls before them): near each other (each device its own initial weights
         # and masks, bf16 rounding), and the two cuda runs nearer still (the same weights and
-        # masks; the one op rounds less).
+        # masks; the one op rounds less). Without the weights' kept copies (-weight-copies) the
+        # cuda run's lines are the same as with them, digit for digit (the copies hold the
+        # casts' values).
         local variant kernels
-        for variant in flex:on cuda:on cuda:-mixed-products,-async-products; do
+        for variant in flex:on cuda:on cuda:-weight-copies cuda:-mixed-products,-async-products; do
             dev=${variant%%:*} kernels=${variant#*:}
             rm -rf "$RUNS/tiny-bf16"
             EMBER_GPU_KERNELS=$kernels logged "$RUNS/tiny-bf16-$dev.log" \

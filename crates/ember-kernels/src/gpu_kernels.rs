@@ -133,11 +133,16 @@ pub enum GpuStrategy {
     /// one product per pass over every `[T, T]` score computes and stores the masked half too
     /// (context 1024: 5/8 of the products' work); off, one product per pass.
     CausalBlocks,
+    /// Mixed precision's weights in the products' type kept from one step to the next: the
+    /// first cast of an `f32` weight is kept, and ember's AdamW kernel writes the updated
+    /// weight's copy as it updates the weight, so forward passes read it without a cast
+    /// (`cube/weight_copies`); off, every forward pass casts its weights.
+    WeightCopies,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 9] = [
+    pub const ALL: [GpuStrategy; 10] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
@@ -147,6 +152,7 @@ impl GpuStrategy {
         GpuStrategy::MixedProducts,
         GpuStrategy::AsyncProducts,
         GpuStrategy::CausalBlocks,
+        GpuStrategy::WeightCopies,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -161,6 +167,7 @@ impl GpuStrategy {
             GpuStrategy::MixedProducts => "mixed-products",
             GpuStrategy::AsyncProducts => "async-products",
             GpuStrategy::CausalBlocks => "causal-blocks",
+            GpuStrategy::WeightCopies => "weight-copies",
         }
     }
 }
@@ -495,6 +502,7 @@ mod tests {
                 "mixed-products",
                 "async-products",
                 "causal-blocks",
+                "weight-copies",
             ]
         );
         assert_eq!(

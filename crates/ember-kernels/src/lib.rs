@@ -147,6 +147,27 @@ pub fn cast_to<const D: usize>(x: Tensor<D>, dtype: burn::tensor::DType) -> Tens
     }
 }
 
+/// A model's `f32` weight `w` in the float type `dtype` for its products (mixed precision's
+/// view of a linear layer or an embedding table), tracked by autodiff as a cast is (its
+/// gradient arrives in `f32`). On CubeCL devices (`weight-copies` on) the copy ember's AdamW
+/// kernel wrote when it last updated `w`, or a cast kept for it to update: a forward pass then
+/// casts no weight (`cube::weight_copies`); elsewhere a cast.
+pub fn weight_in<const D: usize>(w: Tensor<D>, dtype: burn::tensor::FloatDType) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    let w = match cube::weight_copies::weight_in(w, burn::tensor::DType::from(dtype)) {
+        Ok(copy) => return copy,
+        Err(w) => w,
+    };
+    w.cast(dtype)
+}
+
+/// Drops the weights' copies [`weight_in`] keeps (each holds a weight's buffer and its copy's
+/// until the weight is replaced): for a process that is done training a model and goes on.
+pub fn forget_weight_copies() {
+    #[cfg(feature = "cube")]
+    cube::weight_copies::forget();
+}
+
 /// The position a decoding step reads from the device (`[1]`), on the host: what the reference
 /// implementations of the `*_at` ops take. A read waits for the device, so GPU kernels read the
 /// position where it is instead.

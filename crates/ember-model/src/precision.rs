@@ -81,7 +81,8 @@ impl ModuleMapper for CastProducts {
         );
         if D == 2 && in_product {
             let dtype = self.dtype;
-            param.map(|tensor| tensor.cast(dtype))
+            // The cast, or the copy ember's AdamW kernel wrote as it updated the weight.
+            param.map(|tensor| ember_kernels::weight_in(tensor, dtype))
         } else {
             param
         }

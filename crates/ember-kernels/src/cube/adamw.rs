@@ -7,7 +7,7 @@
 use crate::GpuKernel;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor, bf16, f16};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -116,6 +116,8 @@ fn step_specs(
 }
 
 impl AdamWKernels for CubeBackend {
+    /// Where `param` has a copy in the products' type ([`super::weight_copies`]), the kernel
+    /// writes the new parameter's copy too, kept in its place.
     fn adamw_step(
         param: CubeTensor,
         grad: CubeTensor,
@@ -125,35 +127,56 @@ impl AdamWKernels for CubeBackend {
         k: Scalars,
         has_scale: bool,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
+        let copy_type = super::weight_copies::take(&param);
         let [param, grad, m1, m2] = [param, grad, m1, m2].map(into_contiguous);
         let new = || super::empty(&param, param.shape());
         let (p_out, m1_out, m2_out) = (new(), new(), new());
+        // Without a copy the kernel writes none: one value stands in.
+        let copy = match copy_type {
+            Some(dtype) => super::empty_of(&param, param.shape(), dtype),
+            None => super::empty(&param, [1]),
+        };
         let n = param.shape().num_elements();
         let (count, dim) = super::launch_size(&param, n);
         let [b1, b2, f1, f2, c1, c2, eps, lr, keep] = k.0;
-        kernel::adamw_step::launch::<f32>(
-            &param.client.clone(),
-            count,
-            dim,
-            param.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            m1.into_tensor_arg(),
-            m2.into_tensor_arg(),
-            scale.into_tensor_arg(),
-            p_out.clone().into_tensor_arg(),
-            m1_out.clone().into_tensor_arg(),
-            m2_out.clone().into_tensor_arg(),
-            b1,
-            b2,
-            f1,
-            f2,
-            c1,
-            c2,
-            eps,
-            lr,
-            keep,
-            has_scale,
-        );
+        macro_rules! launch {
+            ($copy:ty) => {
+                kernel::adamw_step::launch::<f32, $copy>(
+                    &param.client.clone(),
+                    count,
+                    dim,
+                    param.into_tensor_arg(),
+                    grad.into_tensor_arg(),
+                    m1.into_tensor_arg(),
+                    m2.into_tensor_arg(),
+                    scale.into_tensor_arg(),
+                    p_out.clone().into_tensor_arg(),
+                    m1_out.clone().into_tensor_arg(),
+                    m2_out.clone().into_tensor_arg(),
+                    copy.clone().into_tensor_arg(),
+                    b1,
+                    b2,
+                    f1,
+                    f2,
+                    c1,
+                    c2,
+                    eps,
+                    lr,
+                    keep,
+                    has_scale,
+                    copy_type.is_some(),
+                )
+            };
+        }
+        match copy_type {
+            None => launch!(f32),
+            Some(DType::BF16) => launch!(bf16),
+            Some(DType::F16) => launch!(f16),
+            Some(other) => unreachable!("a weight's copy in {other:?} (bf16 or f16 only)"),
+        }
+        if copy_type.is_some() {
+            super::weight_copies::keep(p_out.clone(), copy);
+        }
         (p_out, m1_out, m2_out)
     }
 }
@@ -163,10 +186,11 @@ mod kernel {
     use burn_cubecl::cubecl::prelude::*;
 
     /// One element per unit: Burn's AdamW expressions in their order (the scalars are launch
-    /// arguments, so a new learning rate or step compiles nothing).
+    /// arguments, so a new learning rate or step compiles nothing), and the new parameter in
+    /// the float type `N` where `has_copy`.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
-    pub(super) fn adamw_step<F: Float>(
+    pub(super) fn adamw_step<F: Float, N: Float>(
         param: &Tensor<F>,
         grad: &Tensor<F>,
         m1: &Tensor<F>,
@@ -175,6 +199,7 @@ mod kernel {
         param_out: &mut Tensor<F>,
         m1_out: &mut Tensor<F>,
         m2_out: &mut Tensor<F>,
+        copy_out: &mut Tensor<N>,
         beta_1: f32,
         beta_2: f32,
         factor_1: f32,
@@ -185,6 +210,7 @@ mod kernel {
         lr: f32,
         keep: f32,
         #[comptime] has_scale: bool,
+        #[comptime] has_copy: bool,
     ) {
         let i = ABSOLUTE_POS;
         if i >= param.len() {
@@ -198,7 +224,12 @@ mod kernel {
         let b = m2[i] * F::cast_from(beta_2) + (g * g) * F::cast_from(factor_2);
         let delta = (a / F::cast_from(correction_1))
             / (F::sqrt(b / F::cast_from(correction_2)) + F::cast_from(epsilon));
-        param_out[i] = param[i] * F::cast_from(keep) - delta * F::cast_from(lr);
+        let p = param[i] * F::cast_from(keep) - delta * F::cast_from(lr);
+        param_out[i] = p;
+        if has_copy {
+            // The same rounding as a cast of `p`.
+            copy_out[i] = N::cast_from(p);
+        }
         m1_out[i] = a;
         m2_out[i] = b;
     }

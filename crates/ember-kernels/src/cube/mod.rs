@@ -24,6 +24,7 @@ pub(crate) mod hashed_mask;
 pub(crate) mod layer_norm;
 pub(crate) mod step_inputs;
 pub(crate) mod sum_of_squares;
+pub(crate) mod weight_copies;
 
 use crate::gpu_kernels::{self, GpuKernel};
 use burn::backend::ops::IntTensorOps;

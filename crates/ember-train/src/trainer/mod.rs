@@ -40,6 +40,8 @@ use crate::task::{Split, Task, accumulate, param_device};
 /// and the step are read from the newest checkpoint in `options.out_dir`; batches, dropout and
 /// the learning rate depend only on `(seed, step)`, so the resumed run continues exactly.
 pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result<RunSummary> {
+    // The weights' bf16 copies the run's steps keep (`ember_kernels::weight_in`) are its own.
+    let _copies = ForgetWeightCopies;
     let config = &options.training;
     let out = &options.out_dir;
     let world = options.world.as_deref();
@@ -324,6 +326,16 @@ fn release_replaced_weights(device: &Device, devices: &[Device]) {
     device.memory_cleanup();
     for other in devices.iter().filter(|d| *d != device) {
         other.memory_cleanup();
+    }
+}
+
+/// Drops the weights' copies kept by mixed precision's steps when a run ends (returns or fails),
+/// so that a process that goes on does not hold its weights' buffers.
+struct ForgetWeightCopies;
+
+impl Drop for ForgetWeightCopies {
+    fn drop(&mut self) {
+        ember_kernels::forget_weight_copies();
     }
 }
 
