@@ -123,9 +123,9 @@ pub enum GpuStrategy {
     /// it, the input's gradient in `f32` ([`crate::linear_into`]); off, tracked casts around
     /// products of one type.
     MixedProducts,
-    /// cuBLAS's products of the linear layers (CUDA) handed to CubeCL's device thread to
-    /// enqueue in order, without waiting for it (off: each call waits for the device thread to
-    /// reach it, a round trip that keeps the host from running ahead).
+    /// cuBLAS's products of the linear layers and cuDNN's attention passes (CUDA) handed to
+    /// CubeCL's device thread to enqueue in order, without waiting for it (off: each call waits
+    /// for the device thread to reach it, a round trip that keeps the host from running ahead).
     AsyncProducts,
     /// The attention as batched products ([`GpuStrategy::AttentionProducts`]) on long
     /// sequences in blocks of query rows (256), each block's products over only the keys its

@@ -286,10 +286,11 @@ fn enqueue(
         .unwrap_or(false)
 }
 
-/// The device thread a product into `out` is handed to without waiting for it, where it is:
-/// `async-products` on, called from outside a device-thread task (whose client calls run at
-/// once: work queued for later would run after the task's next launches), a CUDA server.
-fn asynchronous(out: &CubeTensor) -> Option<DeviceHandle<CudaServer>> {
+/// The device thread a call writing `out` (a cuBLAS product, cuDNN's attention) is handed to
+/// without waiting for it, where it is: `async-products` on, called from outside a
+/// device-thread task (whose client calls run at once: work queued for later would run after
+/// the task's next launches), a CUDA server.
+pub(crate) fn asynchronous(out: &CubeTensor) -> Option<DeviceHandle<CudaServer>> {
     let applies = crate::gpu_kernels::applies(crate::GpuStrategy::AsyncProducts)
         && !crate::cube::inside_device_task();
     applies.then(|| device_handle(out)).flatten()
@@ -340,7 +341,12 @@ fn enqueue_async(
         };
         let (Some(c_res), Some(a_res), Some(b_res)) = (resource(&out), resource(&a), resource(&b))
         else {
-            poisoned(name, None, "its buffers could not be looked up");
+            poisoned(
+                name,
+                &[],
+                "its buffers could not be looked up",
+                CUBLAS_FALLBACK,
+            );
             return;
         };
         let pointers = [
@@ -353,28 +359,32 @@ fn enqueue_async(
         let done = unsafe { call_on(name, stream, pointers, call) };
         if !done {
             let bytes = out.shape().num_elements() * out.dtype().size();
-            poisoned(
-                name,
-                Some((stream, pointers[0], bytes, out.dtype())),
-                "cuBLAS refused it",
-            );
+            let output = (stream, pointers[0], bytes, out.dtype());
+            poisoned(name, &[output], "cuBLAS refused it", CUBLAS_FALLBACK);
         }
     });
     true
 }
 
-/// Says once that an asynchronous call failed, and fills its output (`bytes` at `ptr` on
-/// `stream`, of `dtype`) with NaN.
-fn poisoned(name: &str, output: Option<(driver::CUstream, u64, usize, DType)>, why: &str) {
+/// What a cuBLAS call refused without waiting would have fallen back to.
+const CUBLAS_FALLBACK: &str = "cubek's products";
+
+/// An output of a call made without waiting: its stream, address, bytes and type.
+pub(crate) type Output = (driver::CUstream, u64, usize, DType);
+
+/// Says once that a call made without waiting (`name`) failed, and why, and fills its
+/// `outputs` with NaN; `fallback` is what the call falls back to when it waits
+/// (`-async-products`).
+pub(crate) fn poisoned(name: &str, outputs: &[Output], why: &str, fallback: &str) {
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
         eprintln!(
             "error: a {name} call enqueued without waiting failed ({why}); its output is NaN, so \
              the run stops at its next check; EMBER_GPU_KERNELS=-async-products makes each call \
-             wait and fall back to cubek's products"
+             wait and fall back to {fallback}"
         )
     });
-    if let Some((stream, ptr, bytes, dtype)) = output {
+    for &(stream, ptr, bytes, dtype) in outputs {
         // SAFETY: `ptr` is a live buffer of `bytes` bytes on `stream`'s device.
         unsafe {
             let _ = match dtype {

@@ -100,12 +100,14 @@ impl AttentionKernels for CubeBackend {
     ) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
         #[cfg(feature = "cudnn")]
-        if let Some(shape) = crate::cube::cudnn_attention::takes(&qkv, heads, dropout)
-            && let Some(done) = on_device_thread(&qkv.client, || {
-                crate::cube::cudnn_attention::forward(&qkv, &seed, &shape)
-            })
-        {
-            return done;
+        if let Some(shape) = crate::cube::cudnn_attention::takes(&qkv, heads, dropout) {
+            use crate::cube::cudnn_attention::{forward, without_waiting};
+            if let Some(done) = without_waiting::forward(&qkv, &seed, &shape) {
+                return done;
+            }
+            if let Some(done) = on_device_thread(&qkv.client, || forward(&qkv, &seed, &shape)) {
+                return done;
+            }
         }
         if by_products(&qkv) {
             return on_device_thread(&qkv.client, || {
@@ -138,8 +140,12 @@ impl AttentionKernels for CubeBackend {
                 into_contiguous(out.clone()),
                 float_cast_to::<Self>(grad.clone(), dtype),
             );
+            use crate::cube::cudnn_attention::{backward, without_waiting};
+            if let Some(dqkv) = without_waiting::backward(&qkv, &seed, &out, &lse, &grad, &shape) {
+                return dqkv;
+            }
             if let Some(dqkv) = on_device_thread(&qkv.client, || {
-                crate::cube::cudnn_attention::backward(&qkv, &seed, &out, &lse, &grad, &shape)
+                backward(&qkv, &seed, &out, &lse, &grad, &shape)
             }) {
                 return dqkv;
             }

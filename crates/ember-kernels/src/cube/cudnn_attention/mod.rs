@@ -39,6 +39,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 mod check;
 mod diagnose;
+pub(crate) mod without_waiting;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
@@ -202,8 +203,7 @@ pub(crate) fn backward(
         bound.extend([(uid::SEED, s, 0), (uid::OFFSET, o, 0)]);
     }
     let workspace = super::empty(qkv, [plans.backward.workspace.div_ceil(4).max(1)]);
-    let zero = (library::api().map_or(0, |a| a.version) < ZEROES_ITS_ACCUMULATOR)
-        .then_some((uid::DQ_ACCUMULATOR, b * h * t * (d / h)));
+    let zero = accumulator_to_zero(b * h * t * (d / h));
     match execute(
         &plans.backward,
         "cudnnSdpaBackward",
@@ -217,6 +217,13 @@ pub(crate) fn backward(
             None
         }
     }
+}
+
+/// The queries' gradient accumulator (`n` `f32`s) to clear before a backward pass, where the
+/// loaded cuDNN does not clear it itself.
+fn accumulator_to_zero(n: usize) -> Option<(Uid, usize)> {
+    (library::api().map_or(0, |a| a.version) < ZEROES_ITS_ACCUMULATOR)
+        .then_some((uid::DQ_ACCUMULATOR, n))
 }
 
 fn dims(shape: &AttentionShape) -> (usize, usize, usize, usize) {
@@ -297,9 +304,43 @@ fn plans_for(like: &CubeTensor, shape: &AttentionShape) -> Option<Arc<Plans>> {
             }
         };
         cache.insert(key, plans.clone());
+        if let Some(plans) = &plans {
+            let device = like.client.service_id().device;
+            let key = Key { context: 0, ..key };
+            built_list()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((device, key, plans.clone()));
+        }
         plans
     });
     on.flatten()
+}
+
+/// The plans built on each device, by shape (the key's context 0): what a pass handed over
+/// without waiting takes ([`without_waiting`]), since its thread cannot look up the device's
+/// CUDA context.
+type Built = Vec<(cubecl_common::device::DeviceId, Key, Arc<Plans>)>;
+
+fn built_list() -> &'static Mutex<Built> {
+    static BUILT: OnceLock<Mutex<Built>> = OnceLock::new();
+    BUILT.get_or_init(Default::default)
+}
+
+/// `shape`'s plans on `like`'s device where [`plans_for`] has built them; `None` otherwise.
+fn built_plans(like: &CubeTensor, shape: &AttentionShape) -> Option<Arc<Plans>> {
+    let device = like.client.service_id().device;
+    let key = Key {
+        context: 0,
+        dims: [shape.b, shape.h, shape.t, shape.k],
+        dtype: shape.dtype,
+        dropout: shape.dropout.to_bits(),
+        rng: shape.rng,
+        causal: shape.causal,
+    };
+    let built = built_list().lock().unwrap_or_else(|e| e.into_inner());
+    let found = built.iter().find(|(d, k, _)| *d == device && *k == key);
+    found.map(|(_, _, plans)| plans.clone())
 }
 
 /// A cuDNN handle, created in one CUDA context and used under the lock of [`handles`].
@@ -317,14 +358,26 @@ fn handles() -> &'static Mutex<HashMap<usize, Handle>> {
 /// first use) and the context's address; `None` where the buffer is not CUDA's or cuDNN
 /// refuses a handle.
 fn with_handle<R>(like: &CubeTensor, f: impl FnOnce(dnn::cudnnHandle_t, usize) -> R) -> Option<R> {
-    let api = library::api().ok()?;
     let resource = like
         .client
         .get_resource::<CudaServer>(like.handle.clone())
         .ok()?;
-    let stream = resource.resource().stream;
+    // SAFETY: the stream is CubeCL's.
+    unsafe { with_stream_handle(resource.resource().stream, f) }
+}
+
+/// [`with_handle`] for the context of `stream`, set as the handle's stream.
+///
+/// # Safety
+/// `stream` is a live CUDA stream (CubeCL's).
+unsafe fn with_stream_handle<R>(
+    stream: driver::CUstream,
+    f: impl FnOnce(dnn::cudnnHandle_t, usize) -> R,
+) -> Option<R> {
+    let api = library::api().ok()?;
     let mut handles = handles().lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: the stream is CubeCL's; its context is made current before cuDNN is called.
+    // SAFETY: the stream is CubeCL's (the caller's); its context is made current before cuDNN
+    // is called.
     unsafe {
         let mut context = std::ptr::null_mut();
         if driver::cuStreamGetCtx(stream, &mut context)
@@ -375,12 +428,36 @@ fn execute(
     let (Some(resources), Some(space)) = (resources, lookup(workspace)) else {
         return Err(CudnnError("a buffer is not CUDA's".into()));
     };
+    let at: Vec<(Uid, u64)> = bound
+        .iter()
+        .zip(&resources)
+        .map(|((uid, _, offset), r)| (*uid, r.resource().ptr + *offset as u64))
+        .collect();
+    let stream = resources[0].resource().stream;
+    // SAFETY: the addresses are the live buffers held above, on the stream's device.
+    unsafe { run(plan, name, &at, space.resource().ptr, zero, stream) }
+}
+
+/// `plan` enqueued on `stream` with each of its uids at its address in `at` and the workspace
+/// at `workspace`, after clearing `zero`'s first `n` `f32`s: [`execute`]'s work once the
+/// buffers are looked up.
+///
+/// # Safety
+/// The addresses are live buffers on `stream`'s device (a CubeCL stream), each holding its
+/// tensor's extent (the callers allocate them from the plan's shape), held until enqueued.
+unsafe fn run(
+    plan: &Plan,
+    name: &'static str,
+    at: &[(Uid, u64)],
+    workspace: u64,
+    zero: Option<(Uid, usize)>,
+    stream: driver::CUstream,
+) -> Result<(), CudnnError> {
     let address = |uid: Uid| -> Result<u64, CudnnError> {
-        let i = bound
-            .iter()
-            .position(|(u, ..)| *u == uid)
-            .ok_or_else(|| CudnnError(format!("no buffer for tensor {uid}")))?;
-        Ok(resources[i].resource().ptr + bound[i].2 as u64)
+        at.iter()
+            .find(|(u, _)| *u == uid)
+            .map(|(_, a)| *a)
+            .ok_or_else(|| CudnnError(format!("no buffer for tensor {uid}")))
     };
     let addresses = plan
         .memory_uids()
@@ -391,11 +468,9 @@ fn execute(
         Some((uid, n)) => Some((address(uid)?, n)),
         None => None,
     };
-    let stream = resources[0].resource().stream;
-    let done = with_handle(bound[0].1, |handle, context| {
-        // SAFETY: the addresses are the live buffers held above, each holding its tensor's
-        // extent (the callers allocate them from the plan's shape), on this stream's device.
-        unsafe {
+    // SAFETY: the caller's: live buffers on this CubeCL stream.
+    let done = unsafe {
+        with_stream_handle(stream, |handle, context| {
             if let Some((at, n)) = zero {
                 driver::cuMemsetD32Async(at, 0, n, stream)
                     .result()
@@ -408,7 +483,7 @@ fn execute(
                         .result()
                         .map_err(|e| CudnnError(format!("synchronize: {e:?}")))?;
                 }
-                let ran = plan.execute(handle, &addresses, space.resource().ptr);
+                let ran = plan.execute(handle, &addresses, workspace);
                 if synchronizes() {
                     driver::cuCtxSynchronize()
                         .result()
@@ -416,8 +491,8 @@ fn execute(
                 }
                 ran
             })
-        }
-    });
+        })
+    };
     done.unwrap_or_else(|| Err(CudnnError("no cuDNN handle for the device".into())))
 }
 
