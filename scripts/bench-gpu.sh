@@ -175,8 +175,9 @@ check() {
         # and waiting calls before them): near each other (each device its own initial weights
         # and masks, bf16 rounding), and the two cuda runs nearer still (the same weights and
         # masks; the one op rounds less). Without the weights' kept copies (-weight-copies) the
-        # cuda run's lines are the same as with them, digit for digit (the copies hold the
-        # casts' values).
+        # cuda run's lines equal the run with them (the copies hold the casts' values), but for
+        # the last digits where cuDNN's backward pass sums the queries' gradients in another
+        # order; a copy of the wrong weights would be off by what a step changes.
         local variant kernels
         for variant in flex:on cuda:on cuda:-weight-copies cuda:-mixed-products,-async-products; do
             dev=${variant%%:*} kernels=${variant#*:}
