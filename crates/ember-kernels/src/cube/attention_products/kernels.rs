@@ -84,52 +84,19 @@ pub(super) fn attention_weights<N: Float>(
     }
 }
 
-/// One unit per element: the dropped weights `exp(s - L)` times the dropout factor (0 past
-/// the diagonal, up to the row's block's end) into `w`, in its type `N`.
+/// One cube per row of the backward pass: from the scaled scores `s`, `L` and the dropped
+/// weights' gradient `g = dO V^T` (all `f32`), the dropped weights `P M` into `w` and the
+/// scores' gradient `P (g M - delta)` into `ds`, both in their type `N` (0 past the diagonal,
+/// up to the row's block's end), `delta = sum_j P_j M_j g_j`: one pass over the row for
+/// `delta`, one that writes both.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn attention_weights_backward<N: Float>(
-    s: &Tensor<f32>,
-    lse: &Tensor<f32>,
-    seed: &Tensor<f32>,
-    w: &mut Tensor<N>,
-    threshold: u32,
-    keep_scale: f32,
-    elements: usize,
-    first: usize,
-    h: usize,
-    heads: usize,
-    block: usize,
-    #[comptime] dropout: bool,
-) {
-    let e = ABSOLUTE_POS;
-    if e >= elements {
-        terminate!();
-    }
-    let t = s.shape(1);
-    let (r, j) = (e / t, e % t);
-    let (i, row) = (r % t, head_row(r, t, first, h, heads));
-    if j >= row_end(i, t, block) {
-        terminate!();
-    }
-    let mut value = 0.0f32;
-    if j <= i {
-        let mask = Mask::<f32>::new(seed, threshold, keep_scale, dropout);
-        value = f32::exp(s[e] - lse[row]) * mask.factor(row * t + j, dropout);
-    }
-    w[e] = N::cast_from(value);
-}
-
-/// One cube per row: from the scaled scores `s`, `L` and the dropped weights' gradient
-/// `g = dO V^T` (all `f32`), the scores' gradient `P (g M - delta)` into `ds` in its type
-/// `N` (0 past the diagonal, up to the row's block's end), `delta = sum_j P_j M_j g_j`.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn attention_scores_backward<N: Float>(
+pub(super) fn attention_backward_rows<N: Float>(
     s: &Tensor<f32>,
     lse: &Tensor<f32>,
     seed: &Tensor<f32>,
     g: &Tensor<f32>,
+    w: &mut Tensor<N>,
     ds: &mut Tensor<N>,
     threshold: u32,
     keep_scale: f32,
@@ -157,11 +124,15 @@ pub(super) fn attention_scores_backward<N: Float>(
     }
     let delta = reduce_cube::<f32>(&mut scratch, delta, false);
     for j in range_stepped(u, row_end(i, t, block), units) {
+        let mut kept = 0.0f32;
         let mut value = 0.0f32;
         if j <= i {
             let p = f32::exp(s[at + j] - l);
-            value = p * (g[at + j] * mask.factor(row * t + j, dropout) - delta);
+            let m = mask.factor(row * t + j, dropout);
+            kept = p * m;
+            value = p * (g[at + j] * m - delta);
         }
+        w[at + j] = N::cast_from(kept);
         ds[at + j] = N::cast_from(value);
     }
 }

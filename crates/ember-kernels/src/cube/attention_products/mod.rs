@@ -11,10 +11,10 @@
 //! sequences `T` rows apart: one strided batched call per product and head, batched over the
 //! sequences), so nothing is copied; one head's scores `[B, T, T]` are the only extra memory,
 //! reused for every head and taken a few sequences at a time where one would pass 64 MiB: the
-//! scores (and in the backward pass their gradient `dG`) in `f32`, and the dropped weights (then
-//! the scores' gradient) in the projection's type, what the products after them read. For
-//! nanoGPT's GPU config that is 32 MiB forward and 48 MiB backward in `f32`, 24 and 40 MiB in
-//! bf16.
+//! scores (and in the backward pass the dropped weights' gradient `dG`) in `f32`, and the
+//! dropped weights (and in the backward pass the scores' gradient) in the projection's type,
+//! what the products after them read. For nanoGPT's GPU config that is 32 MiB forward and 64
+//! MiB backward in `f32`, 24 and 48 MiB in bf16.
 //!
 //! Mixed precision's bf16 (or f16) projection is read as it is: its products accumulate in
 //! `f32` (cuBLAS's `CUBLAS_COMPUTE_32F`, twice TF32's rate on tensor cores), the scores, their
@@ -27,9 +27,9 @@
 //! fused kernels' hashed mask, the same element for element):
 //!
 //! - forward: `S`; kernel: `L`, and `P M` in place of `S`; `O = (P M) V`;
-//! - backward: `S` again; kernel: `P M`; `dV = (P M)^T dO`; `dG = dO V^T`; kernel:
-//!   `dS = P (dG M - delta)` in place of `dG`, `delta_i = sum_j (P M)_ij dG_ij`;
-//!   `dQ = scale dS K`, `dK = scale dS^T Q`.
+//! - backward: `S` again and `dG = dO V^T`; one kernel: `P M` and `dS = P (dG M - delta)`,
+//!   `delta_i = sum_j (P M)_ij dG_ij`; `dQ = scale dS K`, `dV = (P M)^T dO`,
+//!   `dK = scale dS^T Q`.
 //!
 //! On sequences longer than [`BLOCK_ROWS`] (`causal-blocks` on) each product runs in blocks
 //! of query rows: the products for `S`, `O`, `dG` and `dQ` of a block over the keys up to its
@@ -42,7 +42,7 @@
 //! reference.
 
 use super::attention::Dims;
-use crate::cube::{ROW_UNITS, launch_size, row_cubes};
+use crate::cube::{ROW_UNITS, row_cubes};
 use burn::backend::TensorMetadata;
 use burn::tensor::{DType, bf16, f16};
 use burn_cubecl::tensor::CubeTensor;
@@ -200,11 +200,12 @@ pub(super) fn backward(
     let block = block_rows(t);
     let mut dqkv = super::empty_of(qkv, [dims.b, t, 3 * d], dtype);
     // For every head: the scores and the dropped weights' gradient `dG` in `f32`; the dropped
-    // weights in the projection's type (what the product for `dV` reads), then the scores'
-    // gradient in their place (what the products for `dQ` and `dK` read).
-    let (mut scores, mut dg, work) = (
+    // weights (what the product for `dV` reads) and the scores' gradient (what the products for
+    // `dQ` and `dK` read) in the projection's type.
+    let (mut scores, mut dg, weights, ds) = (
         super::empty(qkv, [per_call, t, t]),
         super::empty(qkv, [per_call, t, t]),
+        super::empty_of(qkv, [per_call, t, t], dtype),
         super::empty_of(qkv, [per_call, t, t], dtype),
     );
     let mask = Dropout::of(dropout);
@@ -220,41 +221,13 @@ pub(super) fn backward(
             for (start, end) in blocks(t, block) {
                 let (q, keys) = (q.rows(start, end), keys.rows(0, end).t());
                 scores = product(n, q, keys, scale, scores, (0, start, 0));
-            }
-            let (count, dim) = launch_size(qkv, n * t * t);
-            launch_as!(
-                dtype,
-                attention_weights_backward,
-                &qkv.client,
-                count,
-                dim,
-                scores.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                seed.clone().into_tensor_arg(),
-                work.clone().into_tensor_arg(),
-                mask.threshold,
-                mask.keep,
-                n * t * t,
-                first,
-                h,
-                heads,
-                block,
-                mask.on,
-            );
-            // `dV` of each block of keys from the queries that see them.
-            for (start, end) in blocks(t, block) {
-                let w = Part::cols(&work, start, end - start).rows(start, t).t();
-                let at = (first, start, 2 * d + h * k);
-                dqkv = product(n, w, dout.rows(start, t), 1.0, dqkv, at);
-            }
-            for (start, end) in blocks(t, block) {
                 let (dout, values) = (dout.rows(start, end), values.rows(0, end).t());
                 dg = product(n, dout, values, 1.0, dg, (0, start, 0));
             }
             let (count, dim) = row_cubes(n * t);
             launch_as!(
                 dtype,
-                attention_scores_backward,
+                attention_backward_rows,
                 &qkv.client,
                 count,
                 dim,
@@ -262,7 +235,8 @@ pub(super) fn backward(
                 lse.clone().into_tensor_arg(),
                 seed.clone().into_tensor_arg(),
                 dg.clone().into_tensor_arg(),
-                work.clone().into_tensor_arg(),
+                weights.clone().into_tensor_arg(),
+                ds.clone().into_tensor_arg(),
                 mask.threshold,
                 mask.keep,
                 n * t,
@@ -273,14 +247,17 @@ pub(super) fn backward(
                 mask.on,
             );
             for (start, end) in blocks(t, block) {
-                // `dQ` of each block of queries from the keys they see, `dK` of each block of
-                // keys from the queries that see them.
-                let ds = Part::cols(&work, 0, end).rows(start, end);
+                // `dQ` of each block of queries from the keys they see; `dV` and `dK` of each
+                // block of keys from the queries that see them.
                 let at = (first, start, h * k);
-                dqkv = product(n, ds, keys.rows(0, end), scale, dqkv, at);
-                let ds = Part::cols(&work, start, end - start).rows(start, t).t();
+                let rows = Part::cols(&ds, 0, end).rows(start, end);
+                dqkv = product(n, rows, keys.rows(0, end), scale, dqkv, at);
+                let at = (first, start, 2 * d + h * k);
+                let cols = Part::cols(&weights, start, end - start).rows(start, t).t();
+                dqkv = product(n, cols, dout.rows(start, t), 1.0, dqkv, at);
                 let at = (first, start, d + h * k);
-                dqkv = product(n, ds, q.rows(start, t), scale, dqkv, at);
+                let cols = Part::cols(&ds, start, end - start).rows(start, t).t();
+                dqkv = product(n, cols, q.rows(start, t), scale, dqkv, at);
             }
         }
     }
