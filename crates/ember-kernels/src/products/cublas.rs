@@ -377,11 +377,14 @@ pub(crate) type Output = (driver::CUstream, u64, usize, DType);
 /// (`-async-products`).
 pub(crate) fn poisoned(name: &str, outputs: &[Output], why: &str, fallback: &str) {
     static SAID: std::sync::Once = std::sync::Once::new();
+    let outcome = match outputs.is_empty() {
+        true => "its output is left unwritten (its buffers could not be found to fill with NaN)",
+        false => "its output is NaN, so the run stops at its next check",
+    };
     SAID.call_once(|| {
         eprintln!(
-            "error: a {name} call enqueued without waiting failed ({why}); its output is NaN, so \
-             the run stops at its next check; EMBER_GPU_KERNELS=-async-products makes each call \
-             wait and fall back to {fallback}"
+            "error: a {name} call enqueued without waiting failed ({why}); {outcome}; \
+             EMBER_GPU_KERNELS=-async-products makes each call wait and fall back to {fallback}"
         )
     });
     for &(stream, ptr, bytes, dtype) in outputs {
