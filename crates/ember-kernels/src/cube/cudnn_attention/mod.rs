@@ -135,6 +135,75 @@ fn packed(x: &CubeTensor) -> CubeTensor {
     burn_cubecl::kernel::into_contiguous(x.clone())
 }
 
+/// Each of a graph's tensors: its uid, the tensor whose buffer holds it, its byte offset there.
+type Bound = Vec<(Uid, CubeTensor, usize)>;
+
+/// The forward graph's tensors for the contiguous projection `qkv`: the new output and
+/// log-sum-exps, and every tensor of the graph bound (the dropout's seeds launched).
+fn forward_bound(
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    shape: &AttentionShape,
+) -> (CubeTensor, CubeTensor, Bound) {
+    let (b, h, t, d) = dims(shape);
+    let qkv = packed(qkv);
+    let out = super::empty_of(&qkv, [b, t, d], qkv.dtype());
+    let lse = super::empty(&qkv, [b, h, t]);
+    let mut bound = vec![
+        (uid::O, out.clone(), 0),
+        (uid::Q, qkv.clone(), offset(shape, uid::Q, &qkv)),
+        (uid::K, qkv.clone(), offset(shape, uid::K, &qkv)),
+        (uid::V, qkv.clone(), offset(shape, uid::V, &qkv)),
+        (uid::STATS, lse.clone(), 0),
+    ];
+    bound.extend(seeds_bound(seed, shape));
+    (out, lse, bound)
+}
+
+/// The backward graph's tensors for the forward pass's projection, output and log-sum-exps and
+/// the output's gradient: the new projection's gradient and every tensor of the graph bound.
+fn backward_bound(
+    [qkv, seed, out, lse, grad]: [&CubeTensor; 5],
+    shape: &AttentionShape,
+) -> (CubeTensor, Bound) {
+    let (b, h, t, d) = dims(shape);
+    let [qkv, out, lse, grad] = [qkv, out, lse, grad].map(packed);
+    let dqkv = super::empty_of(&qkv, [b, t, 3 * d], qkv.dtype());
+    let delta = super::empty(&qkv, [b, h, t]);
+    let accumulator = super::empty(&qkv, [b, h, t, d / h]);
+    let mut bound = vec![
+        (uid::DQ, dqkv.clone(), offset(shape, uid::DQ, &qkv)),
+        (uid::DK, dqkv.clone(), offset(shape, uid::DK, &qkv)),
+        (uid::DV, dqkv.clone(), offset(shape, uid::DV, &qkv)),
+        (uid::Q, qkv.clone(), offset(shape, uid::Q, &qkv)),
+        (uid::K, qkv.clone(), offset(shape, uid::K, &qkv)),
+        (uid::V, qkv.clone(), offset(shape, uid::V, &qkv)),
+        (uid::O, out, 0),
+        (uid::DO, grad, 0),
+        (uid::STATS, lse, 0),
+        (uid::DELTA, delta, 0),
+        (uid::DQ_ACCUMULATOR, accumulator, 0),
+    ];
+    bound.extend(seeds_bound(seed, shape));
+    (dqkv, bound)
+}
+
+/// The dropout's seed and offset bound, where the graph draws (launched from the op's seed).
+fn seeds_bound(seed: &CubeTensor, shape: &AttentionShape) -> Bound {
+    match shape.dropout > 0.0 || shape.rng {
+        true => {
+            let (s, o) = philox_seeds(seed);
+            vec![(uid::SEED, s, 0), (uid::OFFSET, o, 0)]
+        }
+        false => Vec::new(),
+    }
+}
+
+/// A new workspace of `bytes` for a plan, on `like`'s device.
+fn workspace(like: &CubeTensor, bytes: usize) -> CubeTensor {
+    super::empty(like, [bytes.div_ceil(4).max(1)])
+}
+
 /// [`forward`] through `plan` (one of the forward graph's plans for `shape`).
 fn forward_with(
     plan: &Plan,
@@ -142,22 +211,8 @@ fn forward_with(
     seed: &CubeTensor,
     shape: &AttentionShape,
 ) -> Option<(CubeTensor, CubeTensor)> {
-    let (b, h, t, d) = dims(shape);
-    let qkv = &packed(qkv);
-    let out = super::empty_of(qkv, [b, t, d], qkv.dtype());
-    let lse = super::empty(qkv, [b, h, t]);
-    let mut bound: Vec<(Uid, &CubeTensor, usize)> = vec![
-        (uid::O, &out, 0),
-        (uid::Q, qkv, offset(shape, uid::Q, qkv)),
-        (uid::K, qkv, offset(shape, uid::K, qkv)),
-        (uid::V, qkv, offset(shape, uid::V, qkv)),
-        (uid::STATS, &lse, 0),
-    ];
-    let seeds = (shape.dropout > 0.0 || shape.rng).then(|| philox_seeds(seed));
-    if let Some((s, o)) = &seeds {
-        bound.extend([(uid::SEED, s, 0), (uid::OFFSET, o, 0)]);
-    }
-    let workspace = super::empty(qkv, [plan.workspace.div_ceil(4).max(1)]);
+    let (out, lse, bound) = forward_bound(qkv, seed, shape);
+    let workspace = workspace(qkv, plan.workspace);
     match execute(plan, "cudnnSdpaForward", &bound, &workspace, None) {
         Ok(()) => Some((out, lse)),
         Err(e) => {
@@ -179,38 +234,11 @@ pub(crate) fn backward(
     shape: &AttentionShape,
 ) -> Option<CubeTensor> {
     let plans = plans_for(qkv, shape)?;
-    let (b, h, t, d) = dims(shape);
-    let [qkv, out, lse, grad] = &[qkv, out, lse, grad].map(packed);
-    let dtype = qkv.dtype();
-    let dqkv = super::empty_of(qkv, [b, t, 3 * d], dtype);
-    let delta = super::empty(qkv, [b, h, t]);
-    let accumulator = super::empty(qkv, [b, h, t, d / h]);
-    let mut bound: Vec<(Uid, &CubeTensor, usize)> = vec![
-        (uid::DQ, &dqkv, offset(shape, uid::DQ, qkv)),
-        (uid::DK, &dqkv, offset(shape, uid::DK, qkv)),
-        (uid::DV, &dqkv, offset(shape, uid::DV, qkv)),
-        (uid::Q, qkv, offset(shape, uid::Q, qkv)),
-        (uid::K, qkv, offset(shape, uid::K, qkv)),
-        (uid::V, qkv, offset(shape, uid::V, qkv)),
-        (uid::O, out, 0),
-        (uid::DO, grad, 0),
-        (uid::STATS, lse, 0),
-        (uid::DELTA, &delta, 0),
-        (uid::DQ_ACCUMULATOR, &accumulator, 0),
-    ];
-    let seeds = (shape.dropout > 0.0 || shape.rng).then(|| philox_seeds(seed));
-    if let Some((s, o)) = &seeds {
-        bound.extend([(uid::SEED, s, 0), (uid::OFFSET, o, 0)]);
-    }
-    let workspace = super::empty(qkv, [plans.backward.workspace.div_ceil(4).max(1)]);
-    let zero = accumulator_to_zero(b * h * t * (d / h));
-    match execute(
-        &plans.backward,
-        "cudnnSdpaBackward",
-        &bound,
-        &workspace,
-        zero,
-    ) {
+    let (dqkv, bound) = backward_bound([qkv, seed, out, lse, grad], shape);
+    let workspace = workspace(qkv, plans.backward.workspace);
+    let zero = accumulator_to_zero(shape);
+    let plan = &plans.backward;
+    match execute(plan, "cudnnSdpaBackward", &bound, &workspace, zero) {
         Ok(()) => Some(dqkv),
         Err(e) => {
             warn_once(&format!("the backward pass failed ({e})"));
@@ -219,11 +247,12 @@ pub(crate) fn backward(
     }
 }
 
-/// The queries' gradient accumulator (`n` `f32`s) to clear before a backward pass, where the
-/// loaded cuDNN does not clear it itself.
-fn accumulator_to_zero(n: usize) -> Option<(Uid, usize)> {
+/// The queries' gradient accumulator (its `f32`s) to clear before a backward pass of `shape`,
+/// where the loaded cuDNN does not clear it itself.
+fn accumulator_to_zero(shape: &AttentionShape) -> Option<(Uid, usize)> {
+    let (b, h, t, d) = dims(shape);
     (library::api().map_or(0, |a| a.version) < ZEROES_ITS_ACCUMULATOR)
-        .then_some((uid::DQ_ACCUMULATOR, n))
+        .then_some((uid::DQ_ACCUMULATOR, b * h * t * (d / h)))
 }
 
 fn dims(shape: &AttentionShape) -> (usize, usize, usize, usize) {
@@ -414,7 +443,7 @@ unsafe fn with_stream_handle<R>(
 fn execute(
     plan: &Plan,
     name: &'static str,
-    bound: &[(Uid, &CubeTensor, usize)],
+    bound: &[(Uid, CubeTensor, usize)],
     workspace: &CubeTensor,
     zero: Option<(Uid, usize)>,
 ) -> Result<(), CudnnError> {

@@ -11,7 +11,10 @@
 //! more: its outputs are filled with NaN and one line says why, so the run stops at its next
 //! check of the loss ([`crate::products::cublas::poisoned`]).
 
-use super::{CudaServer, Plans, dims, offset, packed, philox_seeds, run, synchronizes};
+use super::{
+    Bound, CudaServer, Plans, accumulator_to_zero, backward_bound, forward_bound, run,
+    synchronizes, workspace,
+};
 use crate::cudnn::attention_graph::{AttentionShape, uid};
 use crate::cudnn::graph::Uid;
 use crate::products::cublas::{Output, asynchronous, poisoned};
@@ -33,28 +36,13 @@ pub(crate) fn forward(
     shape: &AttentionShape,
 ) -> Option<(CubeTensor, CubeTensor)> {
     let (device, plans) = applies(qkv, shape)?;
-    let (b, h, t, d) = dims(shape);
-    let qkv = packed(qkv);
-    let out = super::super::empty_of(&qkv, [b, t, d], qkv.dtype());
-    let lse = super::super::empty(&qkv, [b, h, t]);
-    let mut bound = vec![
-        (uid::O, out.clone(), 0),
-        (uid::Q, qkv.clone(), offset(shape, uid::Q, &qkv)),
-        (uid::K, qkv.clone(), offset(shape, uid::K, &qkv)),
-        (uid::V, qkv.clone(), offset(shape, uid::V, &qkv)),
-        (uid::STATS, lse.clone(), 0),
-    ];
-    if shape.dropout > 0.0 || shape.rng {
-        let (s, o) = philox_seeds(seed);
-        bound.extend([(uid::SEED, s, 0), (uid::OFFSET, o, 0)]);
-    }
-    let workspace = super::super::empty(&qkv, [plans.forward.workspace.div_ceil(4).max(1)]);
+    let (out, lse, bound) = forward_bound(qkv, seed, shape);
     let call = Call {
         name: "cudnnSdpaForward",
+        workspace: workspace(qkv, plans.forward.workspace),
         plans,
         backward: false,
         bound,
-        workspace,
         zero: None,
         outputs: vec![uid::O, uid::STATS],
     };
@@ -73,36 +61,14 @@ pub(crate) fn backward(
     shape: &AttentionShape,
 ) -> Option<CubeTensor> {
     let (device, plans) = applies(qkv, shape)?;
-    let (b, h, t, d) = dims(shape);
-    let [qkv, out, lse, grad] = [qkv, out, lse, grad].map(packed);
-    let dqkv = super::super::empty_of(&qkv, [b, t, 3 * d], qkv.dtype());
-    let delta = super::super::empty(&qkv, [b, h, t]);
-    let accumulator = super::super::empty(&qkv, [b, h, t, d / h]);
-    let mut bound = vec![
-        (uid::DQ, dqkv.clone(), offset(shape, uid::DQ, &qkv)),
-        (uid::DK, dqkv.clone(), offset(shape, uid::DK, &qkv)),
-        (uid::DV, dqkv.clone(), offset(shape, uid::DV, &qkv)),
-        (uid::Q, qkv.clone(), offset(shape, uid::Q, &qkv)),
-        (uid::K, qkv.clone(), offset(shape, uid::K, &qkv)),
-        (uid::V, qkv.clone(), offset(shape, uid::V, &qkv)),
-        (uid::O, out, 0),
-        (uid::DO, grad, 0),
-        (uid::STATS, lse, 0),
-        (uid::DELTA, delta, 0),
-        (uid::DQ_ACCUMULATOR, accumulator, 0),
-    ];
-    if shape.dropout > 0.0 || shape.rng {
-        let (s, o) = philox_seeds(seed);
-        bound.extend([(uid::SEED, s, 0), (uid::OFFSET, o, 0)]);
-    }
-    let workspace = super::super::empty(&qkv, [plans.backward.workspace.div_ceil(4).max(1)]);
+    let (dqkv, bound) = backward_bound([qkv, seed, out, lse, grad], shape);
     let call = Call {
         name: "cudnnSdpaBackward",
+        workspace: workspace(qkv, plans.backward.workspace),
         plans,
         backward: true,
         bound,
-        workspace,
-        zero: super::accumulator_to_zero(b * h * t * (d / h)),
+        zero: accumulator_to_zero(shape),
         outputs: vec![uid::DQ],
     };
     call.submit(device);
@@ -127,8 +93,7 @@ struct Call {
     name: &'static str,
     plans: Arc<Plans>,
     backward: bool,
-    /// Each of the plan's tensors: its uid, the tensor whose buffer holds it, its byte offset.
-    bound: Vec<(Uid, CubeTensor, usize)>,
+    bound: Bound,
     workspace: CubeTensor,
     zero: Option<(Uid, usize)>,
     /// The uids whose buffers are filled with NaN where the call fails there.
