@@ -33,9 +33,9 @@ fn row_end(i: usize, t: usize, block: usize) -> usize {
     end
 }
 
-/// One cube per row: its log-sum-exp `L` over keys `0..=i` of the scaled scores `s`, and
-/// `exp(s - L)` times the dropout factor into `w` (0 past `i`, up to the row's block's end),
-/// computed in `f32` and stored in the weights' type `N`.
+/// One cube per row: its log-sum-exp `L` over keys `0..=i` of the scaled scores `s` (one read
+/// of the row), and `exp(s - L)` times the dropout factor into `w` (0 past `i`, up to the row's
+/// block's end), computed in `f32` and stored in the weights' type `N`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_weights<N: Float>(
@@ -60,16 +60,22 @@ pub(super) fn attention_weights<N: Float>(
     let (u, units) = (UNIT_POS_X as usize, CUBE_DIM_X as usize);
     let (i, at, row) = (r % t, r * t, head_row(r, t, first, h, heads));
     let mut scratch = Shared::<[f32]>::new_slice(ROW_UNITS);
-    let mut max = f32::min_value();
+    // One read of the row for `L`: each unit's running maximum and its sum of exponentials
+    // rescaled whenever the maximum grows (the online softmax), met over the cube after.
+    let mut own_max = f32::min_value();
+    let mut own_sum = 0.0f32;
     for j in range_stepped(u, i + 1, units) {
-        max = f32::max(max, s[at + j]);
+        let x = s[at + j];
+        if x > own_max {
+            own_sum = own_sum * f32::exp(own_max - x) + 1.0;
+            own_max = x;
+        } else {
+            own_sum += f32::exp(x - own_max);
+        }
     }
-    let max = reduce_cube::<f32>(&mut scratch, max, true);
-    let mut sum = 0.0f32;
-    for j in range_stepped(u, i + 1, units) {
-        sum += f32::exp(s[at + j] - max);
-    }
-    let sum = reduce_cube::<f32>(&mut scratch, sum, false);
+    let max = reduce_cube::<f32>(&mut scratch, own_max, true);
+    // A unit that saw no key has a sum of 0 (its maximum the lowest float: no overflow).
+    let sum = reduce_cube::<f32>(&mut scratch, own_sum * f32::exp(own_max - max), false);
     let l = max + f32::ln(sum);
     if u == 0 {
         lse[row] = l;
