@@ -68,9 +68,11 @@ pub(crate) fn capturing(device: &burn::tensor::Device) -> bool {
 /// Whether `kernel` is on ([`crate::gpu_kernels`]) and takes `x`: an `f32` tensor on a
 /// CubeCL device, tracked by autodiff or not.
 pub(crate) fn gpu_kernel_takes<const D: usize>(kernel: GpuKernel, x: &Tensor<D>) -> bool {
-    if !gpu_kernels::uses(kernel) {
-        return false;
-    }
+    gpu_kernels::uses(kernel) && cube_f32(x)
+}
+
+/// Whether `x` is an `f32` tensor of CubeCL's backend (not fusion's), tracked by autodiff or not.
+pub(crate) fn cube_f32<const D: usize>(x: &Tensor<D>) -> bool {
     let x = x.clone().into_dispatch();
     match &x.kind {
         DispatchTensorKind::Cube(BackendTensor::Float(t)) => t.dtype() == DType::F32,

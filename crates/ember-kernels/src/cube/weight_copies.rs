@@ -24,10 +24,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{
-    Autodiff, Backend, BackendTensor, Dispatch, DispatchTensorKind, TensorMetadata,
-    backend_extension,
-};
+use burn::backend::{Autodiff, Backend, Dispatch, TensorMetadata, backend_extension};
 use burn::tensor::{DType, FloatDType, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
@@ -69,20 +66,8 @@ pub(crate) fn weight_in<const D: usize>(
 ) -> Result<Tensor<D>, Tensor<D>> {
     let applies = crate::gpu_kernels::applies(GpuStrategy::WeightCopies)
         && matches!(dtype, DType::BF16 | DType::F16)
-        && w.dtype() == DType::F32
         && w.shape().num_elements() > 0
-        && {
-            let x = w.clone().into_dispatch();
-            match &x.kind {
-                DispatchTensorKind::Cube(BackendTensor::Float(_)) => true,
-                DispatchTensorKind::Autodiff(inner) => matches!(
-                    inner.as_ref(),
-                    DispatchTensorKind::Cube(BackendTensor::Autodiff(_))
-                ),
-                #[allow(unreachable_patterns)]
-                _ => false,
-            }
-        };
+        && super::cube_f32(&w);
     if !applies {
         return Err(w);
     }

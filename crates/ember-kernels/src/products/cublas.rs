@@ -318,13 +318,11 @@ fn device_handle(x: &CubeTensor) -> Option<DeviceHandle<CudaServer>> {
     Some(handle)
 }
 
-/// [`enqueue`] handed to `device`'s thread, which runs it after the work queued before it (the
-/// kernels that write its operands) and before the work queued after it, while this thread goes
-/// on: true once handed over. The call cannot fail back to another product by then: where the
-/// driver or cuBLAS refuses it there, the output is filled with NaN, so that the run stops at
-/// its next check of the loss or the weights instead of training on garbage, and one line says
-/// why (`-async-products` makes every call wait for its answer, with cubek's products to fall
-/// back on).
+/// [`enqueue`] handed to `device`'s thread ([`submit_without_waiting`]), which runs it after
+/// the work queued before it (the kernels that write its operands) and before the work queued
+/// after it, while this thread goes on: true once handed over. Where cuBLAS or the driver then
+/// refuses it, the output is filled with NaN (`-async-products` makes every call wait for its
+/// answer, with cubek's products to fall back on).
 fn enqueue_async(
     device: DeviceHandle<CudaServer>,
     name: &'static str,
@@ -332,50 +330,76 @@ fn enqueue_async(
     inputs: [&CubeTensor; 2],
     call: impl FnOnce(sys::cublasHandle_t, [u64; 3]) -> bool + Send + 'static,
 ) -> bool {
-    let (out, a, b) = (out.clone(), inputs[0].clone(), inputs[1].clone());
-    device.submit(move |server: &mut CudaServer| {
-        let stream = cubecl_environment::stream::StreamId::current();
-        let mut resource = |x: &CubeTensor| {
-            <CudaServer as ServerStorage>::get_resource(server, x.handle.clone().binding(), stream)
-                .ok()
-        };
-        let (Some(c_res), Some(a_res), Some(b_res)) = (resource(&out), resource(&a), resource(&b))
-        else {
-            poisoned(
-                name,
-                &[],
-                "its buffers could not be looked up",
-                CUBLAS_FALLBACK,
-            );
-            return;
-        };
-        let pointers = [
-            c_res.resource().ptr,
-            a_res.resource().ptr,
-            b_res.resource().ptr,
-        ];
-        let stream = c_res.resource().stream;
-        // SAFETY: the pointers are live device buffers (held above), the stream is CubeCL's.
-        let done = unsafe { call_on(name, stream, pointers, call) };
-        if !done {
-            let bytes = out.shape().num_elements() * out.dtype().size();
-            let output = (stream, pointers[0], bytes, out.dtype());
-            poisoned(name, &[output], "cuBLAS refused it", CUBLAS_FALLBACK);
-        }
-    });
+    let buffers = vec![out.clone(), inputs[0].clone(), inputs[1].clone()];
+    let fallback = "cubek's products";
+    submit_without_waiting(
+        device,
+        name,
+        fallback,
+        buffers,
+        vec![0],
+        move |at, stream| {
+            // SAFETY: the buffers are live (held by the task), on the stream's device.
+            match unsafe { call_on(name, stream, [at[0], at[1], at[2]], call) } {
+                true => Ok(()),
+                false => Err("cuBLAS refused it".into()),
+            }
+        },
+    );
     true
 }
 
-/// What a cuBLAS call refused without waiting would have fallen back to.
-const CUBLAS_FALLBACK: &str = "cubek's products";
+/// `work` handed to `device`'s thread without waiting for it: run there after the work queued
+/// before it, with the addresses of `buffers`' memory and their stream (the buffers held until
+/// it returns). A call handed over cannot fall back any more: where a buffer cannot be looked
+/// up or `work` fails, one line says so (once; `fallback` is what `-async-products`, which makes
+/// each call wait, falls back to) and the buffers at `outputs` (indices into `buffers`) are
+/// filled with NaN, so that the run stops at its next check of the loss instead of training on
+/// garbage.
+pub(crate) fn submit_without_waiting(
+    device: DeviceHandle<CudaServer>,
+    name: &'static str,
+    fallback: &'static str,
+    buffers: Vec<CubeTensor>,
+    outputs: Vec<usize>,
+    work: impl FnOnce(&[u64], driver::CUstream) -> Result<(), String> + Send + 'static,
+) {
+    device.submit(move |server: &mut CudaServer| {
+        let stream = cubecl_environment::stream::StreamId::current();
+        let resources = buffers
+            .iter()
+            .map(|x| {
+                let binding = x.handle.clone().binding();
+                <CudaServer as ServerStorage>::get_resource(server, binding, stream).ok()
+            })
+            .collect::<Option<Vec<_>>>();
+        let Some(resources) = resources else {
+            poisoned(name, &[], "its buffers could not be looked up", fallback);
+            return;
+        };
+        let at: Vec<u64> = resources.iter().map(|r| r.resource().ptr).collect();
+        let stream = resources[0].resource().stream;
+        if let Err(why) = work(&at, stream) {
+            let outputs: Vec<Output> = outputs
+                .iter()
+                .map(|&i| {
+                    let x = &buffers[i];
+                    let bytes = x.shape().num_elements() * x.dtype().size();
+                    (stream, at[i], bytes, x.dtype())
+                })
+                .collect();
+            poisoned(name, &outputs, &why, fallback);
+        }
+    });
+}
 
 /// An output of a call made without waiting: its stream, address, bytes and type.
-pub(crate) type Output = (driver::CUstream, u64, usize, DType);
+type Output = (driver::CUstream, u64, usize, DType);
 
 /// Says once that a call made without waiting (`name`) failed, and why, and fills its
 /// `outputs` with NaN; `fallback` is what the call falls back to when it waits
 /// (`-async-products`).
-pub(crate) fn poisoned(name: &str, outputs: &[Output], why: &str, fallback: &str) {
+fn poisoned(name: &str, outputs: &[Output], why: &str, fallback: &str) {
     static SAID: std::sync::Once = std::sync::Once::new();
     let outcome = match outputs.is_empty() {
         true => "its output is left unwritten (its buffers could not be found to fill with NaN)",

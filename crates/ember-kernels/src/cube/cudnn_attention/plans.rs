@@ -18,10 +18,11 @@ pub(super) struct Plans {
     pub(super) backward: Plan,
 }
 
-/// What a pair of plans is built for: the CUDA context and the shape (the dropout by its bits).
+/// What a pair of plans is built for: the device (CubeCL keeps one CUDA context per device)
+/// and the shape (the dropout by its bits).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
-    context: usize,
+    device: cubecl_common::device::DeviceId,
     dims: [i64; 4],
     dtype: DataType,
     dropout: u32,
@@ -29,7 +30,20 @@ struct Key {
     causal: bool,
 }
 
-/// The plans of each context and shape: `None` where cuDNN refused one of the graphs.
+impl Key {
+    fn of(like: &CubeTensor, shape: &AttentionShape) -> Self {
+        Key {
+            device: like.client.service_id().device,
+            dims: [shape.b, shape.h, shape.t, shape.k],
+            dtype: shape.dtype,
+            dropout: shape.dropout.to_bits(),
+            rng: shape.rng,
+            causal: shape.causal,
+        }
+    }
+}
+
+/// The plans of each device and shape: `None` where cuDNN refused one of the graphs.
 fn cache() -> &'static Mutex<HashMap<Key, Option<Arc<Plans>>>> {
     static CACHE: OnceLock<Mutex<HashMap<Key, Option<Arc<Plans>>>>> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
@@ -38,15 +52,11 @@ fn cache() -> &'static Mutex<HashMap<Key, Option<Arc<Plans>>>> {
 /// `shape`'s plans on `like`'s device, built on first use (both passes: a forward pass cuDNN
 /// takes always has its backward pass); `None` where cuDNN refuses either graph (said once).
 pub(super) fn plans_for(like: &CubeTensor, shape: &AttentionShape) -> Option<Arc<Plans>> {
-    let on = with_handle(like, |handle, context| {
-        let key = Key {
-            context,
-            dims: [shape.b, shape.h, shape.t, shape.k],
-            dtype: shape.dtype,
-            dropout: shape.dropout.to_bits(),
-            rng: shape.rng,
-            causal: shape.causal,
-        };
+    let key = Key::of(like, shape);
+    if let Some(found) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return found.clone();
+    }
+    let on = with_handle(like, |handle, _| {
         let mut cache = cache().lock().unwrap_or_else(|e| e.into_inner());
         if let Some(found) = cache.get(&key) {
             return found.clone();
@@ -69,43 +79,17 @@ pub(super) fn plans_for(like: &CubeTensor, shape: &AttentionShape) -> Option<Arc
             }
         };
         cache.insert(key, plans.clone());
-        if let Some(plans) = &plans {
-            let device = like.client.service_id().device;
-            let key = Key { context: 0, ..key };
-            built_list()
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((device, key, plans.clone()));
-        }
         plans
     });
     on.flatten()
 }
 
-/// The plans built on each device, by shape (the key's context 0): what a pass handed over
-/// without waiting takes ([`super::without_waiting`]), since its thread cannot look up the device's
-/// CUDA context.
-type Built = Vec<(cubecl_common::device::DeviceId, Key, Arc<Plans>)>;
-
-fn built_list() -> &'static Mutex<Built> {
-    static BUILT: OnceLock<Mutex<Built>> = OnceLock::new();
-    BUILT.get_or_init(Default::default)
-}
-
-/// `shape`'s plans on `like`'s device where [`plans_for`] has built them; `None` otherwise.
+/// `shape`'s plans on `like`'s device where [`plans_for`] has built them, without building or
+/// looking up anything on the device: what a pass handed over without waiting takes
+/// ([`super::without_waiting`]).
 pub(super) fn built_plans(like: &CubeTensor, shape: &AttentionShape) -> Option<Arc<Plans>> {
-    let device = like.client.service_id().device;
-    let key = Key {
-        context: 0,
-        dims: [shape.b, shape.h, shape.t, shape.k],
-        dtype: shape.dtype,
-        dropout: shape.dropout.to_bits(),
-        rng: shape.rng,
-        causal: shape.causal,
-    };
-    let built = built_list().lock().unwrap_or_else(|e| e.into_inner());
-    let found = built.iter().find(|(d, k, _)| *d == device && *k == key);
-    found.map(|(_, _, plans)| plans.clone())
+    let cache = cache().lock().unwrap_or_else(|e| e.into_inner());
+    cache.get(&Key::of(like, shape)).cloned().flatten()
 }
 
 /// A cuDNN handle, created in one CUDA context and used under the lock of [`handles`].

@@ -9,7 +9,7 @@
 //! shape waits, builds them and runs the start-up check), and never while each call waits for
 //! the device (`EMBER_CUDNN_SYNC=1`). A call refused on the device thread cannot fall back any
 //! more: its outputs are filled with NaN and one line says why, so the run stops at its next
-//! check of the loss ([`crate::products::cublas::poisoned`]).
+//! check of the loss ([`submit_without_waiting`]).
 
 use super::{
     Bound, CudaServer, Plans, accumulator_to_zero, backward_bound, forward_bound, run,
@@ -17,11 +17,9 @@ use super::{
 };
 use crate::cudnn::attention_graph::{AttentionShape, uid};
 use crate::cudnn::graph::Uid;
-use crate::products::cublas::{Output, asynchronous, poisoned};
-use burn::backend::TensorMetadata;
+use crate::products::cublas::{asynchronous, submit_without_waiting};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl_common::device_handle::DeviceHandle;
-use cubecl_runtime::server::ServerStorage;
 use std::sync::Arc;
 
 /// What a pass refused without waiting would have fallen back to.
@@ -37,16 +35,18 @@ pub(crate) fn forward(
 ) -> Option<(CubeTensor, CubeTensor)> {
     let (device, plans) = applies(qkv, shape)?;
     let (out, lse, bound) = forward_bound(qkv, seed, shape);
-    let call = Call {
-        name: "cudnnSdpaForward",
-        workspace: workspace(qkv, plans.forward.workspace),
+    let workspace = workspace(qkv, plans.forward.workspace);
+    let outputs = [uid::O, uid::STATS];
+    submit(
+        device,
+        "cudnnSdpaForward",
         plans,
-        backward: false,
+        false,
         bound,
-        zero: None,
-        outputs: vec![uid::O, uid::STATS],
-    };
-    call.submit(device);
+        workspace,
+        None,
+        &outputs,
+    );
     Some((out, lse))
 }
 
@@ -62,16 +62,18 @@ pub(crate) fn backward(
 ) -> Option<CubeTensor> {
     let (device, plans) = applies(qkv, shape)?;
     let (dqkv, bound) = backward_bound([qkv, seed, out, lse, grad], shape);
-    let call = Call {
-        name: "cudnnSdpaBackward",
-        workspace: workspace(qkv, plans.backward.workspace),
+    let workspace = workspace(qkv, plans.backward.workspace);
+    let zero = accumulator_to_zero(shape);
+    submit(
+        device,
+        "cudnnSdpaBackward",
         plans,
-        backward: true,
+        true,
         bound,
-        zero: accumulator_to_zero(shape),
-        outputs: vec![uid::DQ],
-    };
-    call.submit(device);
+        workspace,
+        zero,
+        &[uid::DQ],
+    );
     Some(dqkv)
 }
 
@@ -88,83 +90,45 @@ fn applies(
     Some((device, super::built_plans(qkv, shape)?))
 }
 
-/// One pass's plan and buffers, owned until the device thread has enqueued it.
-struct Call {
+/// The forward (or `backward`) plan of `plans` on `bound`'s buffers and `workspace`, handed to
+/// `device`'s thread ([`submit_without_waiting`]); the buffers of the `outputs` uids are filled
+/// with NaN where it fails there.
+#[allow(clippy::too_many_arguments)]
+fn submit(
+    device: DeviceHandle<CudaServer>,
     name: &'static str,
     plans: Arc<Plans>,
     backward: bool,
     bound: Bound,
     workspace: CubeTensor,
     zero: Option<(Uid, usize)>,
-    /// The uids whose buffers are filled with NaN where the call fails there.
-    outputs: Vec<Uid>,
-}
-
-impl Call {
-    /// Handed to `device`'s thread, which looks the buffers up and enqueues the plan after the
-    /// work queued before it (the kernels that wrote its inputs, the seeds' launch).
-    fn submit(self, device: DeviceHandle<CudaServer>) {
-        device.submit(move |server: &mut CudaServer| {
-            let stream = cubecl_environment::stream::StreamId::current();
-            let mut resource = |x: &CubeTensor| {
-                <CudaServer as ServerStorage>::get_resource(
-                    server,
-                    x.handle.clone().binding(),
-                    stream,
-                )
-                .ok()
+    outputs: &[Uid],
+) {
+    let outputs = outputs
+        .iter()
+        .filter_map(|uid| bound.iter().position(|(u, ..)| u == uid))
+        .collect();
+    let mut buffers: Vec<CubeTensor> = bound.iter().map(|(_, x, _)| x.clone()).collect();
+    buffers.push(workspace);
+    submit_without_waiting(
+        device,
+        name,
+        FALLBACK,
+        buffers,
+        outputs,
+        move |at, stream| {
+            let plan = match backward {
+                true => &plans.backward,
+                false => &plans.forward,
             };
-            // The resources keep their buffers in place until the plan is enqueued.
-            let resources = self
-                .bound
+            let bound_at: Vec<(Uid, u64)> = bound
                 .iter()
-                .map(|(_, x, _)| resource(x))
-                .collect::<Option<Vec<_>>>();
-            let (Some(resources), Some(space)) = (resources, resource(&self.workspace)) else {
-                poisoned(
-                    self.name,
-                    &[],
-                    "its buffers could not be looked up",
-                    FALLBACK,
-                );
-                return;
-            };
-            let at: Vec<(Uid, u64)> = self
-                .bound
-                .iter()
-                .zip(&resources)
-                .map(|((uid, _, offset), r)| (*uid, r.resource().ptr + *offset as u64))
+                .zip(at)
+                .map(|((uid, _, offset), address)| (*uid, address + *offset as u64))
                 .collect();
-            let stream = resources[0].resource().stream;
-            let plan = match self.backward {
-                true => &self.plans.backward,
-                false => &self.plans.forward,
-            };
-            // SAFETY: the addresses are the live buffers held above, on this CubeCL stream's
-            // device, allocated by the caller from the plan's shape.
-            let ran = unsafe {
-                run(
-                    plan,
-                    self.name,
-                    &at,
-                    space.resource().ptr,
-                    self.zero,
-                    stream,
-                )
-            };
-            if let Err(e) = ran {
-                let outputs: Vec<Output> = self
-                    .outputs
-                    .iter()
-                    .filter_map(|uid| {
-                        let i = self.bound.iter().position(|(u, ..)| u == uid)?;
-                        let x = &self.bound[i].1;
-                        let bytes = x.shape().num_elements() * x.dtype().size();
-                        Some((stream, resources[i].resource().ptr, bytes, x.dtype()))
-                    })
-                    .collect();
-                poisoned(self.name, &outputs, &e.0, FALLBACK);
-            }
-        });
-    }
+            // SAFETY: the addresses are the live buffers the task holds, on this CubeCL stream's
+            // device, allocated by the caller from the plan's shape; the workspace is the last.
+            unsafe { run(plan, name, &bound_at, at[bound.len()], zero, stream) }.map_err(|e| e.0)
+        },
+    );
 }
