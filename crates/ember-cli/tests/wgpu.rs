@@ -23,6 +23,15 @@ fn losses(run: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// The validation losses of a run's evaluations.
+fn val_losses(run: &Path) -> Vec<f64> {
+    ember_train::metrics::read(&run.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|r| r.kind == "eval")
+        .filter_map(|r| r.val_loss)
+        .collect()
+}
+
 fn eval_loss(run: &Path, device: &str, text: &Path) -> f64 {
     let out = ember_ok(&[
         "eval",
@@ -70,7 +79,7 @@ fn wgpu_trains_and_generates_like_the_cpu() {
             format!(
                 "{model}[data]\npath = {:?}\n\
                  [training]\nbatch_size = 8\nmax_steps = {steps}\nlog_interval = 5\neval_interval = 20\n\
-                 eval_batches = 2\ncheckpoint_interval = 20\nlr = 3e-3\nwarmup_steps = 5\n",
+                 eval_batches = 3\ncheckpoint_interval = 20\nlr = 3e-3\nwarmup_steps = 5\n",
                 repo().join("data/tinyshakespeare.txt").to_str().unwrap()
             ),
         )
@@ -128,15 +137,26 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     for (x, y) in a.iter().zip(&b) {
         assert!((x - y).abs() < 1e-4, "flex {a:?} vs wgpu {b:?}");
     }
+    // Its evaluations (3 batches a split: on wgpu two of them replay the first's recorded pass).
+    let (a_val, b_val) = (val_losses(&cpu), val_losses(&gpu));
+    assert_eq!(a_val.len(), 1, "{a_val:?}");
+    assert!(
+        (a_val[0] - b_val[0]).abs() < 1e-4,
+        "flex {a_val:?} vs wgpu {b_val:?}"
+    );
     // The CPU-trained checkpoint runs on the GPU backend: same loss, same greedy text.
     let text = dir.join("text.txt");
     std::fs::write(&text, "ROMEO:\nWhat light through yonder window breaks?\n").unwrap();
-    let (x, y) = (
-        eval_loss(&cpu, "flex", &text),
-        eval_loss(&cpu, "wgpu", &text),
-    );
-    eprintln!("eval loss flex {x}, wgpu {y}");
-    assert!((x - y).abs() < 1e-5, "eval loss flex {x} vs wgpu {y}");
+    // And a longer text: 4 batches of 16 windows of 32 (on wgpu three replay the first's pass),
+    // a smaller batch and a shorter window.
+    let long = dir.join("long.txt");
+    let shakespeare = std::fs::read_to_string(repo().join("data/tinyshakespeare.txt")).unwrap();
+    std::fs::write(&long, &shakespeare[..32 * 16 * 4 + 32 * 3 + 20]).unwrap();
+    for text in [&text, &long] {
+        let (x, y) = (eval_loss(&cpu, "flex", text), eval_loss(&cpu, "wgpu", text));
+        eprintln!("eval loss flex {x}, wgpu {y}");
+        assert!((x - y).abs() < 1e-5, "eval loss flex {x} vs wgpu {y}");
+    }
     // (On the GPU the greedy tokens are chosen on the device and read in bursts: ember-infer's
     // wgpu tests hold that path to the host's on varied text; this one's is mostly spaces.)
     let ((host, _), (device, summary)) = (greedy(&cpu, "flex"), greedy(&cpu, "wgpu"));

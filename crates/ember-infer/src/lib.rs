@@ -6,10 +6,12 @@
 pub mod batch;
 pub mod generate;
 pub mod sampling;
+pub mod summed_losses;
 
 pub use batch::generate_batch;
 pub use generate::{Decoding, GenerateOptions, generate, generate_reporting};
 pub use sampling::{Sampling, argmax, distribution, sample};
+pub use summed_losses::{SummedLosses, summed_losses};
 pub mod beam_search;
 pub use beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search, greedy};
 pub mod translate;

@@ -138,11 +138,14 @@ pub enum GpuStrategy {
     /// weight's copy as it updates the weight, so forward passes read it without a cast
     /// (`cube/weight_copies`); off, every forward pass casts its weights.
     WeightCopies,
+    /// An evaluation's forward pass captured once as a graph and replayed for each of its
+    /// batches (`ember_infer::summed_losses`), instead of launching its kernels batch by batch.
+    EvalGraph,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 10] = [
+    pub const ALL: [GpuStrategy; 11] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
@@ -153,6 +156,7 @@ impl GpuStrategy {
         GpuStrategy::AsyncProducts,
         GpuStrategy::CausalBlocks,
         GpuStrategy::WeightCopies,
+        GpuStrategy::EvalGraph,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -168,6 +172,7 @@ impl GpuStrategy {
             GpuStrategy::AsyncProducts => "async-products",
             GpuStrategy::CausalBlocks => "causal-blocks",
             GpuStrategy::WeightCopies => "weight-copies",
+            GpuStrategy::EvalGraph => "eval-graph",
         }
     }
 }

@@ -4,6 +4,7 @@ use std::path::Path;
 
 use burn::tensor::{Int, Tensor};
 use ember_data::corpus;
+use ember_infer::summed_losses;
 
 use crate::error::{Result, TrainError};
 use crate::lm_source::LoadedLm;
@@ -81,27 +82,40 @@ fn score(lm: &LoadedLm, ids: &[u32], unknown: usize, what: &str) -> Result<EvalR
     let starts: Vec<usize> = (0..ids.len() - 1).step_by(t).collect();
     let (full, partial): (Vec<usize>, Vec<usize>) =
         starts.into_iter().partition(|&s| s + t < ids.len());
-    let mut nll = 0.0f64;
-    let mut count = 0usize;
-    let mut score_windows = |batch: &[usize], len: usize| {
+    let windows = |batch: &[usize], len: usize| {
         let mut x = Vec::with_capacity(batch.len() * len);
         let mut y = Vec::with_capacity(batch.len() * len);
         for &s in batch {
             x.extend_from_slice(&ids[s..s + len]);
             y.extend_from_slice(&ids[s + 1..s + len + 1]);
         }
+        (x, y)
+    };
+    // Batches of WINDOWS_PER_BATCH whole windows, one shape: on GPUs one captured pass
+    // replayed per batch. The rest (a last smaller batch, a last shorter window) one by one.
+    let batches: Vec<&[usize]> = full.chunks_exact(WINDOWS_PER_BATCH).collect();
+    let shape = [WINDOWS_PER_BATCH, t];
+    let summed = summed_losses(
+        &device,
+        shape,
+        batches.len(),
+        |i| windows(batches[i], t),
+        |x, y| lm.model.loss(x, y),
+    );
+    let mut nll = summed.sum * (WINDOWS_PER_BATCH * t) as f64;
+    let mut count = batches.len() * WINDOWS_PER_BATCH * t;
+    let rest = full.chunks_exact(WINDOWS_PER_BATCH).remainder();
+    let last = partial.iter().map(|&s| (vec![s], ids.len() - 1 - s));
+    for (batch, len) in std::iter::once((rest.to_vec(), t)).chain(last) {
+        if batch.is_empty() {
+            continue;
+        }
         let b = batch.len();
+        let (x, y) = windows(&batch, len);
         let x = Tensor::<1, Int>::from_ints(x.as_slice(), &device).reshape([b, len]);
         let y = Tensor::<1, Int>::from_ints(y.as_slice(), &device).reshape([b, len]);
-        let loss = lm.model.loss(x, y).into_scalar::<f32>() as f64;
-        nll += loss * (b * len) as f64;
+        nll += lm.model.loss(x, y).into_scalar::<f32>() as f64 * (b * len) as f64;
         count += b * len;
-    };
-    for batch in full.chunks(WINDOWS_PER_BATCH) {
-        score_windows(batch, t);
-    }
-    for &s in &partial {
-        score_windows(&[s], ids.len() - 1 - s);
     }
     let loss = nll / count as f64;
     Ok(EvalReport {

@@ -6,6 +6,7 @@ use burn::tensor::{Device, Int, Tensor};
 use ember_data::{
     CharTokenizer, TokenFile, Tokenizer, WindowSampler, batch_seed, corpus, token_file,
 };
+use ember_infer::summed_losses;
 use ember_model::DecoderOnly;
 
 use crate::checkpoint::CONFIG_FILE;
@@ -191,20 +192,32 @@ impl Task for LmTask {
 
     /// The mean loss over `batches` batches of `split` (the same batches at every evaluation),
     /// summed on the device and read once: evaluation is forward passes only, and a GPU would
-    /// otherwise wait for the host to read each batch's loss before the next is launched.
+    /// otherwise wait for the host to read each batch's loss before the next is launched. On GPU
+    /// backends one captured pass is replayed per batch ([`ember_infer::summed_losses`]).
     /// (Stacking several batches into one pass was also tried: on an H200 it shortened the
     /// evaluations but the process's GPU memory doubled; docs/benchmarks.md.)
     fn eval_loss(&self, model: &DecoderOnly, split: Split, batches: usize) -> f64 {
-        let total = (0..batches as u64)
-            .map(|i| {
-                let seed = batch_seed(self.config.training.seed ^ EVAL_SALT, i, split as u64);
-                let (x, y) = self.batch(split, seed, &self.device);
-                model.loss(x, y)
-            })
-            .reduce(|a, b| a + b);
-        match total {
-            Some(total) => total.into_scalar::<f32>() as f64 / batches as f64,
-            None => f64::NAN,
+        let sampler = match split {
+            Split::Train => &self.data.train,
+            Split::Val => &self.data.val,
+        };
+        let shape = [
+            self.config.training.batch_size,
+            self.config.model.context_len,
+        ];
+        let batch = |i: usize| {
+            let seed = batch_seed(
+                self.config.training.seed ^ EVAL_SALT,
+                i as u64,
+                split as u64,
+            );
+            let batch = sampler.sample(shape[0], seed);
+            (batch.inputs, batch.targets)
+        };
+        let loss = |x, y| model.loss(x, y);
+        match batches {
+            0 => f64::NAN,
+            _ => summed_losses(&self.device, shape, batches, batch, loss).sum / batches as f64,
         }
     }
 
