@@ -94,7 +94,8 @@ fn replayed(
     // The pass run for real, into a sum held here alone: the addition writes it in place.
     let mut sum = Tensor::<1>::zeros([1], device) + loss(x.clone(), y.clone());
     let first = sum.clone().into_scalar::<f32>() as f64;
-    if Dispatch::graph_start_capture(dispatch).is_err() {
+    // A loss that is not finite cannot be checked against: every pass is launched.
+    if !first.is_finite() || Dispatch::graph_start_capture(dispatch).is_err() {
         // Closing the prepared capture is what releases the stream.
         let _ = Dispatch::graph_stop_capture(dispatch);
         return None;
@@ -112,8 +113,7 @@ fn replayed(
         return None;
     }
     let checked = sum.clone().into_scalar::<f32>() as f64;
-    if (checked - 3.0 * first).abs() > AGREEMENT * (3.0 * first).abs().max(1.0) || tests_disagree()
-    {
+    if !agrees(checked, 3.0 * first) || tests_disagree() {
         disagreed(checked, 3.0 * first);
         return None;
     }
@@ -134,6 +134,12 @@ fn replayed(
         sum: first + rest,
         replays: count - 1,
     })
+}
+
+/// Whether the checking replays' sum is `expected` (a NaN agrees with nothing: a library call
+/// that failed inside the recording may have left one).
+fn agrees(sum: f64, expected: f64) -> bool {
+    (sum - expected).abs() <= AGREEMENT * expected.abs().max(1.0)
 }
 
 /// Says once that a recorded pass's sum disagreed with the real pass's.
@@ -209,6 +215,16 @@ mod tests {
             ..Default::default()
         };
         config.init(device).unwrap()
+    }
+
+    /// The check: within its tolerance, not beyond, never with a NaN.
+    #[test]
+    fn the_check_agrees_within_its_tolerance_and_never_with_nan() {
+        assert!(agrees(6.0, 6.0));
+        assert!(agrees(6.0 + 5e-5, 6.0));
+        assert!(!agrees(6.0 + 1e-3, 6.0));
+        assert!(!agrees(f64::NAN, 6.0));
+        assert!(!agrees(6.0, f64::NAN));
     }
 
     /// On flex (no graphs): every pass launched, their losses summed, equal to the losses
