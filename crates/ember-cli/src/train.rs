@@ -119,8 +119,17 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     if !main {
         return Ok(ExitCode::SUCCESS);
     }
+    // Where the time outside the steps went: the evaluations and checkpoints of this process.
+    let spent: Vec<String> = [
+        ("evaluations", summary.evaluations),
+        ("checkpoints", summary.checkpoints),
+    ]
+    .into_iter()
+    .filter(|(_, spent)| spent.count > 0)
+    .map(|(what, spent)| format!("{} {what} {:.1}s", spent.count, spent.secs))
+    .collect();
     eprintln!(
-        "done: {} steps in {:.1}s ({:.1} ms/step, {:.0} tokens/s){}",
+        "done: {} steps in {:.1}s ({:.1} ms/step, {:.0} tokens/s){}{}",
         summary.step,
         summary.elapsed_secs,
         summary.ms_per_step,
@@ -128,7 +137,11 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         summary
             .val_loss
             .map(|v| format!(", val loss {v:.4}"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        match spent.is_empty() {
+            true => String::new(),
+            false => format!("; of which {}", spent.join(", ")),
+        }
     );
     if let Some(peak) = peak_memory() {
         eprintln!("peak memory: {peak}");

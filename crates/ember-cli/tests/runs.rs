@@ -316,6 +316,17 @@ fn the_best_checkpoint_is_kept_and_early_stopping_ends_a_stalled_run() {
         text.contains(&format!("best: {}", best.display())),
         "{text}"
     );
+    // The summary's share of the evaluations and the saves: each improvement before step 40
+    // saved, and step 40 saved by its interval.
+    let improved_before_40 = evals
+        .iter()
+        .enumerate()
+        .filter(|(i, (step, v))| *step < 40 && evals[..*i].iter().all(|(_, u)| v < u))
+        .count();
+    let done = text.lines().find(|l| l.starts_with("done: ")).unwrap();
+    assert!(done.contains("; of which 4 evaluations "), "{done}");
+    let saves = format!(", {} checkpoints ", improved_before_40 + 1);
+    assert!(done.contains(&saves), "{done}");
     let out = ember_ok(&[
         "generate",
         "--checkpoint",

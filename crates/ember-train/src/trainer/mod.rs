@@ -13,7 +13,7 @@ mod progress;
 mod summary;
 
 pub use options::{Launch, RunOptions};
-pub use summary::{DeviceMemory, RunSummary};
+pub use summary::{DeviceMemory, RunSummary, TimeSpent};
 
 use guards::{Best, check_writable, ensure_finite};
 use progress::{Clock, LogWindow, draw_plot, log_line, progress_bar, say};
@@ -188,8 +188,9 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             if eval_due {
                 let valid = model.valid();
                 let eval_model = config.precision.compute(&valid);
-                let (train, val) =
-                    evaluate(task, &eval_model, config.eval_batches, state.step, &bar);
+                let (train, val) = clock
+                    .evaluations
+                    .time(|| evaluate(task, &eval_model, config.eval_batches, state.step, &bar));
                 metrics.append(&clock.eval_record(state.step, lr, train, val))?;
                 (train_loss, val_loss) = (Some(train), Some(val));
                 state.val_loss = val_loss;
@@ -204,9 +205,11 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
                 ensure_finite(&model, state.step)?;
                 state.elapsed_secs = clock.elapsed();
                 let (m, o) = (&model, &optim);
-                last_checkpoint = checkpoint::save(out, &state, config.keep_checkpoints, |dir| {
-                    save_weights(m, o, dir)?;
-                    task.write_files(dir)
+                last_checkpoint = clock.checkpoints.time(|| {
+                    checkpoint::save(out, &state, config.keep_checkpoints, |dir| {
+                        save_weights(m, o, dir)?;
+                        task.write_files(dir)
+                    })
                 })?;
                 if improved {
                     checkpoint::mark_best(out, &last_checkpoint)?;

@@ -2,7 +2,7 @@
 //! tokens/s, and the loss plot.
 
 use super::guards::read_all;
-use super::summary::RunSummary;
+use super::summary::{RunSummary, TimeSpent};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -35,6 +35,10 @@ pub(super) struct Clock {
     /// Training seconds of earlier segments of a resumed run.
     before: f64,
     pub(super) tokens: u64,
+    /// This process's evaluations and their time.
+    pub(super) evaluations: TimeSpent,
+    /// This process's checkpoint saves and their time.
+    pub(super) checkpoints: TimeSpent,
 }
 
 impl Clock {
@@ -44,6 +48,8 @@ impl Clock {
             start_step: state.step,
             before: state.elapsed_secs,
             tokens: 0,
+            evaluations: TimeSpent::default(),
+            checkpoints: TimeSpent::default(),
         }
     }
 
@@ -81,6 +87,8 @@ impl Clock {
             stopped_early: false,
             kernel_profile: None,
             device_memory: None,
+            evaluations: self.evaluations,
+            checkpoints: self.checkpoints,
         }
     }
 }

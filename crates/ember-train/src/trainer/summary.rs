@@ -32,6 +32,30 @@ pub struct RunSummary {
     pub kernel_profile: Option<KernelProfile>,
     /// What the GPU's allocator held (`None` on CPU devices, whose backends do not report it).
     pub device_memory: Option<DeviceMemory>,
+    /// The evaluations this process ran, and their wall time (inside `elapsed_secs`).
+    pub evaluations: TimeSpent,
+    /// The checkpoints this process saved, and their wall time (inside `elapsed_secs`).
+    pub checkpoints: TimeSpent,
+}
+
+/// How many times something ran in a run, and the wall seconds it took in all.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TimeSpent {
+    /// Times it ran.
+    pub count: u64,
+    /// Wall seconds, all of them together.
+    pub secs: f64,
+}
+
+impl TimeSpent {
+    /// `work`, counted and timed.
+    pub(crate) fn time<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        let start = std::time::Instant::now();
+        let done = work();
+        self.count += 1;
+        self.secs += start.elapsed().as_secs_f64();
+        done
+    }
 }
 
 /// The memory a GPU device's allocator (CubeCL's pools, every stream) held for a run: what
