@@ -38,7 +38,8 @@
 # f32:-cublas:16` for cubek's weight gradients in 4 and 16 chunks of rows); GEN_KERNELS the EMBER_GPU_KERNELS settings `speed` samples with (default `on -step-graph`,
 # the first also without the cache; each sampled twice, the second run the figure); PRECISION
 # the precision of `full` and `memory` (f32 or bf16, default f32); FULL_SEEDS the seeds `full`
-# trains with, one run each (default the config's); SPEED_TORCH PyTorch's runs in `speed`
+# trains with, one run each (default the config's), each `seed` or `seed:EMBER_GPU_KERNELS`
+# (e.g. `config 7 7:-eval-graph`); SPEED_TORCH PyTorch's runs in `speed`
 # (default `f32 f32-compile bf16`: f32 is TF32 on CUDA, `-compile` adds torch.compile); MEMORY_RUNS the runs of `memory`,
 # each EMBER_GPU_KERNELS:persistent_memory (cubecl's setting; default `on:enabled on:size-match
 # -attention-products:enabled`); PROFILE_STEPS the steps `profile` times
@@ -303,15 +304,19 @@ speed() {
 }
 
 full() {
-    local seed seeds=${FULL_SEEDS:-}
-    for seed in ${seeds:-config}; do
+    local entry seed kernels seeds=${FULL_SEEDS:-}
+    for entry in ${seeds:-config}; do
+        seed=${entry%%:*}
+        kernels=${EMBER_GPU_KERNELS:-on}
+        [ "$entry" = "$seed" ] || kernels=${entry#*:}
         rm -rf "$RUNS/full"
         local extra=()
         [ "$seed" = config ] || extra=(--set "training.seed=$seed")
-        echo "seed: $seed"
+        echo "seed: $seed, EMBER_GPU_KERNELS=$kernels"
         start=$(date +%s)
         [ -n "${FULL_STEPS:-}" ] && extra+=(--stop-after "$FULL_STEPS")
-        logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" --out "$RUNS/full" \
+        EMBER_GPU_KERNELS=$kernels logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" \
+            --device "$DEVICE" --out "$RUNS/full" \
             --set "training.precision=\"${PRECISION:-f32}\"" "${extra[@]}"
         echo "wall: $(($(date +%s) - start)) s"
         grep -E "^(step .*val|done|peak|GPU memory|checkpoint:)" "$RUNS/full.log"

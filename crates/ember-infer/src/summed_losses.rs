@@ -10,7 +10,8 @@
 //! it writes in place. The host reads the sum once.
 //!
 //! The order: the first batch runs for real (it also allocates what the recording reuses) and
-//! its loss is read; the same pass is recorded (which runs nothing); two replays on the first
+//! its loss is read; the same pass is recorded (which runs nothing), library calls included
+//! (`ember_kernels::LibraryCallsRecorded`: nothing is allocated between the replays); two replays on the first
 //! batch must bring the sum to three times that loss, which says the recording adds into the
 //! sum and computes what the real pass did. The sum is then zeroed and the other batches are
 //! replayed. A backend that cannot record, a recording or replay it refuses, or a sum that
@@ -100,12 +101,21 @@ fn replayed(
         let _ = Dispatch::graph_stop_capture(dispatch);
         return None;
     }
+    // The recording takes the library calls (cuBLAS's products, cuDNN's attention) the real
+    // pass made: the same pass, and so the same sum.
+    let libraries = ops::LibraryCallsRecorded::new();
     sum = sum + loss(x.clone(), y.clone());
     let graph = Dispatch::graph_stop_capture(dispatch).ok()?;
-    // SAFETY (each replay): every buffer the recording touched is alive while `graph` is: the
-    // model's weights (borrowed by `loss` for this call), `x`, `y` and `sum`; the recording's
-    // own intermediates came from pools whose pages it guards, and nothing is allocated
-    // between the replays. One thread issues everything.
+    // A library call that failed inside the recording may have left its output unwritten.
+    if libraries.a_call_failed() {
+        return None;
+    }
+    drop(libraries);
+    // SAFETY (each replay): every buffer the recording read is alive while `graph` is: the
+    // model's weights (borrowed by `loss` for this call), `x`, `y` and `sum`; its intermediates
+    // lie in pools whose pages no allocation takes while it lives (CubeCL guards those its own
+    // kernels touched, and nothing is allocated on the device between the replays, which keeps
+    // the buffers only library calls touched where they were). One thread issues everything.
     let replay = |at: usize| {
         unsafe { Dispatch::graph_replay(dispatch, &graph) }.is_ok() && !tests_refuse(at)
     };

@@ -68,6 +68,7 @@ pub mod gpu_kernels;
 mod layer_norm;
 pub mod masks;
 mod products;
+pub mod recording;
 /// BLAS's column-major calls for row-major tensors (cuBLAS's products).
 pub use products::blas;
 mod rotary;
@@ -112,6 +113,7 @@ pub use products::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
     linear_into, matmul, matmul_reference, matmul_split_rows, weight_gradient_splits,
 };
+pub use recording::LibraryCallsRecorded;
 pub use rotary::{
     RotaryAt, rotate_qk, rotate_qk_at, rotate_qk_by, rotate_qk_reference, rotate_qk_rows,
 };

@@ -73,7 +73,7 @@ pub(crate) fn takes(a_type: DType, narrow: DType, out: DType, device: &Device) -
         && crate::on_cubecl(device)
         && crate::cube::streaming_multiprocessors(device).is_some()
         && loadable_or_warn()
-        && !crate::cube::capturing(device)
+        && !crate::recording::leaves_libraries_out(crate::cube::capturing(device))
         && agrees_on(device, narrow)
 }
 

@@ -18,6 +18,7 @@
 //! and PyTorch with TF32 allowed); bf16 and f16 ones accumulate in `f32`.
 
 use crate::blas::{Batched, Gemm, Layout};
+use crate::recording::leaves_libraries_out;
 use burn::backend::TensorMetadata;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
@@ -117,13 +118,17 @@ fn layout(x: &CubeTensor) -> Option<Layout> {
 /// as they are, where a product in their type and a cast would round them and launch once
 /// more), or `None` where cuBLAS does not take it: not a CUDA device, no cuBLAS, a type it is
 /// not used for, operands of neither layout, dimensions past `i32`, or a graph being recorded
-/// (a replayed decoding step keeps CubeCL's kernels).
+/// that leaves libraries out (a replayed decoding step's: [`crate::recording`]).
 pub(crate) fn product(a: &CubeTensor, b: &CubeTensor, out: DType) -> Option<CubeTensor> {
     let dtype = a.dtype();
     let (data_type, compute) = types(dtype)?;
     let (out_type, _) = types(out)?;
     let out_taken = out == dtype || out == DType::F32;
-    if b.dtype() != dtype || !out_taken || !loadable() || a.client.is_capturing() {
+    if b.dtype() != dtype
+        || !out_taken
+        || !loadable()
+        || leaves_libraries_out(a.client.is_capturing())
+    {
         return None;
     }
     let [m, k] = a.shape().dims::<2>();
@@ -197,7 +202,7 @@ pub(crate) fn batched_product(call: &Batched, [a, b, c]: [&CubeTensor; 3], alpha
         return false;
     };
     let taken = b.dtype() == a.dtype() && (c.dtype() == a.dtype() || c.dtype() == DType::F32);
-    if !taken || !loadable() || a.client.is_capturing() {
+    if !taken || !loadable() || leaves_libraries_out(a.client.is_capturing()) {
         return false;
     }
     let g = call.gemm;
@@ -355,7 +360,7 @@ fn enqueue_async(
 /// up or `work` fails, one line says so (once; `fallback` is what `-async-products`, which makes
 /// each call wait, falls back to) and the buffers at `outputs` (indices into `buffers`) are
 /// filled with NaN, so that the run stops at its next check of the loss instead of training on
-/// garbage.
+/// garbage (or, inside a graph recording, so that the recording's check refuses it).
 pub(crate) fn submit_without_waiting(
     device: DeviceHandle<CudaServer>,
     name: &'static str,
@@ -364,6 +369,7 @@ pub(crate) fn submit_without_waiting(
     outputs: Vec<usize>,
     work: impl FnOnce(&[u64], driver::CUstream) -> Result<(), String> + Send + 'static,
 ) {
+    let recording = buffers.first().is_some_and(|x| x.client.is_capturing());
     device.submit(move |server: &mut CudaServer| {
         let stream = cubecl_environment::stream::StreamId::current();
         let resources = buffers
@@ -374,7 +380,8 @@ pub(crate) fn submit_without_waiting(
             })
             .collect::<Option<Vec<_>>>();
         let Some(resources) = resources else {
-            poisoned(name, &[], "its buffers could not be looked up", fallback);
+            let why = "its buffers could not be looked up";
+            poisoned(name, &[], why, fallback, recording);
             return;
         };
         let at: Vec<u64> = resources.iter().map(|r| r.resource().ptr).collect();
@@ -388,7 +395,7 @@ pub(crate) fn submit_without_waiting(
                     (stream, at[i], bytes, x.dtype())
                 })
                 .collect();
-            poisoned(name, &outputs, &why, fallback);
+            poisoned(name, &outputs, &why, fallback, recording);
         }
     });
 }
@@ -398,19 +405,33 @@ type Output = (driver::CUstream, u64, usize, DType);
 
 /// Says once that a call made without waiting (`name`) failed, and why, and fills its
 /// `outputs` with NaN; `fallback` is what the call falls back to when it waits
-/// (`-async-products`).
-fn poisoned(name: &str, outputs: &[Output], why: &str, fallback: &str) {
+/// (`-async-products`). A call `recording` into a graph (an evaluation's pass) is said apart:
+/// the recording's check sees the NaN and its passes run one by one, so the run goes on.
+fn poisoned(name: &str, outputs: &[Output], why: &str, fallback: &str, recording: bool) {
     static SAID: std::sync::Once = std::sync::Once::new();
-    let outcome = match outputs.is_empty() {
-        true => "its output is left unwritten (its buffers could not be found to fill with NaN)",
-        false => "its output is NaN, so the run stops at its next check",
-    };
-    SAID.call_once(|| {
-        eprintln!(
-            "error: a {name} call enqueued without waiting failed ({why}); {outcome}; \
-             EMBER_GPU_KERNELS=-async-products makes each call wait and fall back to {fallback}"
-        )
-    });
+    static SAID_RECORDING: std::sync::Once = std::sync::Once::new();
+    if recording {
+        crate::recording::call_failed_in_recording();
+        SAID_RECORDING.call_once(|| {
+            eprintln!(
+                "warning: a {name} call recorded into a graph failed ({why}); the recording is \
+                 not used, its passes run one by one"
+            )
+        });
+    } else {
+        let outcome = match outputs.is_empty() {
+            true => {
+                "its output is left unwritten (its buffers could not be found to fill with NaN)"
+            }
+            false => "its output is NaN, so the run stops at its next check",
+        };
+        SAID.call_once(|| {
+            eprintln!(
+                "error: a {name} call enqueued without waiting failed ({why}); {outcome}; \
+                 EMBER_GPU_KERNELS=-async-products makes each call wait and fall back to {fallback}"
+            )
+        });
+    }
     for &(stream, ptr, bytes, dtype) in outputs {
         // SAFETY: `ptr` is a live buffer of `bytes` bytes on `stream`'s device.
         unsafe {

@@ -21,7 +21,7 @@ pub(super) fn on_device_thread<R: Send + 'static>(
 }
 
 /// Whether the training attention runs as batched products ([`crate::cube::attention_products`]):
-/// `attention-products` and `cublas` on, `qkv` on a CUDA device whose cuBLAS loads, no graph being recorded,
+/// `attention-products` and `cublas` on, `qkv` on a CUDA device whose cuBLAS loads, no graph being recorded that leaves libraries out,
 /// and the products found to agree with the fused kernels there ([`products_agree`], once).
 pub(super) fn by_products(qkv: &CubeTensor) -> bool {
     if crate::gpu_kernels::policy().attention.products_anywhere {
@@ -34,7 +34,7 @@ pub(super) fn by_products(qkv: &CubeTensor) -> bool {
             && applies(crate::GpuStrategy::Cublas)
             && matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
             && crate::products::cublas::loadable()
-            && !qkv.client.is_capturing()
+            && !crate::recording::leaves_libraries_out(qkv.client.is_capturing())
             && products_agree_on(qkv)
     }
     #[cfg(not(feature = "cublas"))]

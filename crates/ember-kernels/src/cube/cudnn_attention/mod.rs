@@ -49,8 +49,9 @@ const ZEROES_ITS_ACCUMULATOR: usize = 9_06_00;
 
 /// The shape of `qkv`'s attention if cuDNN may take it: a bf16 or f16 projection on a CUDA
 /// device, the `cudnn` switch on, head sizes cuDNN's flash kernels take (a multiple of 8, at
-/// most 256), a width whose column blocks start 16-byte aligned, no graph being recorded, cuDNN
-/// loaded, and the start-up check passed for the type.
+/// most 256), a width whose column blocks start 16-byte aligned, no graph being recorded that
+/// leaves libraries out ([`crate::recording`]), cuDNN loaded, and the start-up check passed for
+/// the type.
 pub(crate) fn takes(qkv: &CubeTensor, heads: usize, dropout: f32) -> Option<AttentionShape> {
     let dtype = match qkv.dtype() {
         DType::BF16 => DataType::Bf16,
@@ -59,7 +60,7 @@ pub(crate) fn takes(qkv: &CubeTensor, heads: usize, dropout: f32) -> Option<Atte
     };
     if !crate::gpu_kernels::cudnn_attention()
         || !matches!(qkv.device, burn_cubecl::CubeDevice::Cuda(_))
-        || qkv.client.is_capturing()
+        || crate::recording::leaves_libraries_out(qkv.client.is_capturing())
     {
         return None;
     }
