@@ -29,6 +29,7 @@ use cubecl_runtime::server::ServerStorage;
 use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::sys as driver;
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::ffi::{CString, c_void};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -79,8 +80,45 @@ fn preload_from_toolkit() {
     }
 }
 
-/// A cuBLAS handle, created in one CUDA context and used under the lock of [`handles`].
-struct Handle(sys::cublasHandle_t);
+/// A cuBLAS handle, created in one CUDA context and used under the lock of [`handles`], with the
+/// workspace of each stream it has run on, given after each `cublasSetStream` (which resets it
+/// to cuBLAS's own pool).
+struct Handle(sys::cublasHandle_t, HashMap<usize, Workspace>);
+
+/// Device memory of [`WORKSPACE_BYTES`] for one stream's products, allocated once (outside
+/// CubeCL's pools) and never freed: with memory of its own cuBLAS allocates none as it runs,
+/// which a recorded graph needs (CubeCL rejects a recording with a memory node, and cuBLAS
+/// allocates its pool's workspace with `cudaMallocAsync` inside a capture). One per stream, as
+/// two streams' products may run at once.
+struct Workspace(driver::CUdeviceptr);
+
+/// The workspace's size: cuBLAS's own default pool on Hopper (32 MiB; 4 MiB on earlier GPUs).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+impl Workspace {
+    /// A new workspace in the current context, or `None` (cuBLAS then keeps its own pool).
+    fn new() -> Option<Self> {
+        let mut ptr = 0;
+        // SAFETY: allocates in the context the caller made current.
+        unsafe { driver::cuMemAlloc_v2(&mut ptr, WORKSPACE_BYTES) }
+            .result()
+            .ok()?;
+        Some(Self(ptr))
+    }
+
+    /// Gives `handle` this workspace (after `cublasSetStream`, which takes it back); false where
+    /// cuBLAS refuses.
+    ///
+    /// # Safety
+    /// `handle` is a live handle of the workspace's context.
+    unsafe fn give(&self, handle: sys::cublasHandle_t) -> bool {
+        // SAFETY: the memory is live for the process (never freed) and of the size given.
+        let status = unsafe {
+            sys::cublasSetWorkspace_v2(handle, self.0 as *mut std::ffi::c_void, WORKSPACE_BYTES)
+        };
+        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+    }
+}
 
 // SAFETY: a handle is only used while [`handles`]' lock is held, by one thread at a time.
 unsafe impl Send for Handle {}
@@ -466,18 +504,32 @@ unsafe fn call_on(
         if !known {
             return false;
         }
-        let handle = match handles.get(&(context as usize)) {
-            Some(handle) => handle.0,
-            None => {
+        let Handle(handle, workspaces) = match handles.entry(context as usize) {
+            Entry::Occupied(known) => known.into_mut(),
+            Entry::Vacant(new) => {
                 let Ok(handle) = blas::create_handle() else {
                     return false;
                 };
-                handles.insert(context as usize, Handle(handle));
-                handle
+                new.insert(Handle(handle, HashMap::new()))
             }
         };
+        let handle = *handle;
+        if !workspaces.contains_key(&(stream as usize))
+            && let Some(workspace) = Workspace::new()
+        {
+            workspaces.insert(stream as usize, workspace);
+        }
+        let workspace = workspaces.get(&(stream as usize));
         timed(name, stream, context, || {
-            blas::set_stream(handle, stream as sys::cudaStream_t).is_ok() && call(handle, pointers)
+            if blas::set_stream(handle, stream as sys::cudaStream_t).is_err() {
+                return false;
+            }
+            // Without a workspace of its own (none could be allocated, or cuBLAS refused it)
+            // cuBLAS keeps its pool: the products run, a recording of them may be refused.
+            if let Some(workspace) = workspace {
+                let _ = workspace.give(handle);
+            }
+            call(handle, pointers)
         })
     }
 }
