@@ -75,13 +75,23 @@ pub(crate) fn weight_in<const D: usize>(
     Ok(Tensor::from_dispatch(y))
 }
 
-/// The op on CubeCL's backend and autodiff over it (not fusion's: its tensors have no buffers
-/// yet).
-#[backend_extension(Cube, Autodiff)]
+/// The op on CubeCL's backend and autodiff over it. Fusion's tensors have no buffers yet, so
+/// [`weight_in`] never hands them over: its deferred version is there for the dispatch alone.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
 pub trait WeightCopyKernels: Backend {
     /// The `f32` weight `w` in the float type `dtype`: its kept copy, or a cast kept for the
     /// next call.
+    #[fusion(meta = copy_spec)]
     fn weight_in(w: FloatTensor<Self>, dtype: DType) -> FloatTensor<Self>;
+}
+
+/// The copy: `w`'s shape in `dtype`, for fusion (which defers the op).
+#[cfg(feature = "fusion")]
+fn copy_spec(
+    w: &burn::backend::fusion::custom::TensorSpec,
+    dtype: &DType,
+) -> burn::backend::fusion::custom::TensorSpec {
+    burn::backend::fusion::custom::TensorSpec::new(w.shape.clone(), *dtype)
 }
 
 impl WeightCopyKernels for CubeBackend {
