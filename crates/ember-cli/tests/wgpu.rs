@@ -260,6 +260,14 @@ fn assert_kernel_profile(stderr: &str) {
         Some(3.0 * (4.0 * 2.0 + 1.0)),
         "{rows:?}"
     );
+    // AdamW three parameters to a launch: the 10 matrices (4 a layer, the two tables) in 4, the
+    // 18 biases and gains (no weight decay: other scalars) in 6.
+    let adamw: Vec<_> = rows.iter().filter(|r| r.3.starts_with("Adamw")).collect();
+    assert!(
+        adamw.iter().all(|r| r.3 == "AdamwSteps" && r.2 == "optim"),
+        "{rows:?}"
+    );
+    assert_eq!(adamw.iter().map(|r| r.1).sum::<f64>(), 10.0, "{rows:?}");
     // The optimizer and the clipping launch kernels of their own (no matrix products).
     for part in ["clip", "optim"] {
         assert!(

@@ -16,6 +16,39 @@
 
 use burn::tensor::Tensor;
 
+/// While it lives, the AdamW steps this thread makes on GPU backends (CubeCL's, without Burn's
+/// fusion) are launched three parameters at a time instead of one by one (`cube/adamw_groups`;
+/// `EMBER_GPU_KERNELS=-grouped-adamw` turns it off): the tensors [`adamw_step`] hands back are
+/// written when their group's launch runs, at the latest when this value is dropped, so nothing
+/// may read them before that. Opened around a module optimizer's step, which only moves them
+/// into the model and its state. A group opened inside another leaves the closing to the outer.
+pub struct AdamWGroups {
+    #[cfg_attr(not(all(feature = "cube", not(feature = "fusion"))), allow(dead_code))]
+    opened: bool,
+}
+
+impl AdamWGroups {
+    /// Groups the AdamW steps made on this thread until the value is dropped.
+    pub fn open() -> Self {
+        #[cfg(all(feature = "cube", not(feature = "fusion")))]
+        let opened = crate::gpu_kernels::applies(crate::GpuStrategy::GroupedAdamW)
+            && super::cube::adamw_groups::open();
+        #[cfg(not(all(feature = "cube", not(feature = "fusion"))))]
+        let opened = false;
+        Self { opened }
+    }
+}
+
+impl Drop for AdamWGroups {
+    /// Launches the steps still waiting.
+    fn drop(&mut self) {
+        #[cfg(all(feature = "cube", not(feature = "fusion")))]
+        if self.opened {
+            super::cube::adamw_groups::close();
+        }
+    }
+}
+
 /// The scalars of one step, rounded to `f32` where Burn's tensor ops round them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {

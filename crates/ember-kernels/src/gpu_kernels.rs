@@ -141,11 +141,14 @@ pub enum GpuStrategy {
     /// An evaluation's forward pass captured once as a graph and replayed for each of its
     /// batches (`ember_infer::summed_losses`), instead of launching its kernels batch by batch.
     EvalGraph,
+    /// AdamW's steps launched three parameters at a time where the optimizer opens a group
+    /// ([`crate::AdamWGroups`]), instead of one launch per parameter.
+    GroupedAdamW,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 11] = [
+    pub const ALL: [GpuStrategy; 12] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
@@ -157,6 +160,7 @@ impl GpuStrategy {
         GpuStrategy::CausalBlocks,
         GpuStrategy::WeightCopies,
         GpuStrategy::EvalGraph,
+        GpuStrategy::GroupedAdamW,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -173,6 +177,7 @@ impl GpuStrategy {
             GpuStrategy::CausalBlocks => "causal-blocks",
             GpuStrategy::WeightCopies => "weight-copies",
             GpuStrategy::EvalGraph => "eval-graph",
+            GpuStrategy::GroupedAdamW => "grouped-adamw",
         }
     }
 }

@@ -95,7 +95,7 @@ mod libraries;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 
-pub use adamw::{AdamWStep, adamw_step, adamw_step_reference};
+pub use adamw::{AdamWGroups, AdamWStep, adamw_step, adamw_step_reference};
 pub use attention::{
     cached_causal_attention, cached_causal_attention_at, cached_causal_attention_reference,
     causal_self_attention, causal_self_attention_reference, fused_causal_self_attention,

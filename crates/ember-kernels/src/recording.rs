@@ -67,7 +67,7 @@ pub(crate) fn leaves_libraries_out(capturing: bool) -> bool {
 }
 
 /// Counts a library call that failed inside a recording ([`LibraryCallsRecorded::a_call_failed`]).
-#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+#[cfg_attr(not(feature = "cublas"), allow(dead_code))]
 pub(crate) fn call_failed_in_recording() {
     FAILED.fetch_add(1, Ordering::SeqCst);
 }

@@ -64,6 +64,16 @@ pub(crate) fn step<const D: usize>(
 pub struct Scalars([f32; 9]);
 
 impl Scalars {
+    /// The scalars as the kernels take them.
+    pub(crate) fn values(&self) -> [f32; 9] {
+        self.0
+    }
+
+    /// Their bits, to compare two steps' scalars exactly.
+    pub(crate) fn bits(&self) -> [u32; 9] {
+        self.0.map(f32::to_bits)
+    }
+
     fn of(k: &AdamWStep) -> Self {
         Self([
             k.beta_1,
@@ -136,6 +146,22 @@ impl AdamWKernels for CubeBackend {
             Some(dtype) => super::empty_of(&param, param.shape(), dtype),
             None => super::empty(&param, [1]),
         };
+        if copy_type.is_some() {
+            super::weight_copies::keep(p_out.clone(), copy.clone());
+        }
+        // Where the optimizer opened a group, the launch waits for the group's other steps.
+        let step = super::adamw_groups::Step {
+            inputs: [param, grad, m1, m2],
+            outputs: [p_out.clone(), m1_out.clone(), m2_out.clone()],
+            copy,
+        };
+        let step = match super::adamw_groups::defer(step, k, has_scale.then_some(&scale), copy_type)
+        {
+            Ok(()) => return (p_out, m1_out, m2_out),
+            Err(step) => step,
+        };
+        let [param, grad, m1, m2] = step.inputs;
+        let copy = step.copy;
         let n = param.shape().num_elements();
         let (count, dim) = super::launch_size(&param, n);
         let [b1, b2, f1, f2, c1, c2, eps, lr, keep] = k.0;
@@ -173,9 +199,6 @@ impl AdamWKernels for CubeBackend {
             Some(DType::BF16) => launch!(bf16),
             Some(DType::F16) => launch!(f16),
             Some(other) => unreachable!("a weight's copy in {other:?} (bf16 or f16 only)"),
-        }
-        if copy_type.is_some() {
-            super::weight_copies::keep(p_out.clone(), copy);
         }
         (p_out, m1_out, m2_out)
     }

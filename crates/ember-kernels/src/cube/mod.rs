@@ -9,6 +9,7 @@
 //! what every other backend runs, and what the tests compare these kernels with.
 
 pub(crate) mod adamw;
+pub(crate) mod adamw_groups;
 pub(crate) mod attention;
 pub(crate) mod attention_products;
 pub(crate) mod autodiff;

@@ -217,8 +217,9 @@ mod tests {
     /// A layer's weight trained by ember's AdamW kernel through mixed precision's products (f16
     /// standing in for bf16, which lavapipe lacks), with the kept copies and with a cast each
     /// step: the same losses and the same weights, bit for bit, after every step; the steps
-    /// after the first read the copies (none with `weight-copies` off); the gradient reaches the
-    /// `f32` weight in `f32`.
+    /// after the first read the copies (none with `weight-copies` off), also where the AdamW
+    /// steps are grouped and the copy is written by the group's launch; the gradient reaches
+    /// the `f32` weight in `f32`.
     #[test]
     fn training_with_copies_equals_training_with_casts_on_wgpu() {
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
@@ -226,7 +227,7 @@ mod tests {
         let start = Tensor::<2>::random([6, 5], Distribution::Normal(0.0, 1.0), &plain);
         let start = start.into_data();
         let x = Tensor::<2>::random([4, 6], Distribution::Normal(0.0, 1.0), &plain).into_data();
-        let run = |copies: bool| {
+        let run = |copies: bool, grouped: bool| {
             let kernels = crate::gpu_kernels::policy()
                 .kernels
                 .with_strategy(GpuStrategy::WeightCopies, copies);
@@ -250,8 +251,11 @@ mod tests {
                     let grad = leaf.grad(&grads).expect("the weight's gradient");
                     assert_eq!(grad.dtype(), DType::F32, "the gradient in f32");
                     let k = AdamWStep::new(0.9, 0.99, 1e-8, 0.1, 1e-2, step);
+                    // Grouped, the step (and the copy it writes) waits for the group's end.
+                    let group = grouped.then(crate::AdamWGroups::open);
                     let (p, m1, m2) = adamw_step(w, grad, moments, &k, None)
                         .unwrap_or_else(|_| panic!("the kernel takes wgpu f32 tensors"));
+                    drop(group);
                     trace.push(loss.into_scalar::<f32>().to_bits());
                     trace.extend(
                         p.to_data()
@@ -265,10 +269,19 @@ mod tests {
                 (trace, SERVED.get() - served)
             })
         };
-        let (with_copies, served) = run(true);
-        let (with_casts, served_off) = run(false);
+        let (with_copies, served) = run(true, false);
+        let (with_casts, served_off) = run(false, false);
+        let (grouped, served_grouped) = run(true, true);
         assert_eq!(served, 3, "steps 2 to 4 read the copies");
         assert_eq!(served_off, 0, "weight-copies off serves none");
+        assert_eq!(
+            served_grouped, 3,
+            "the grouped launches write the copies too"
+        );
         assert_eq!(with_copies, with_casts, "losses and weights, bit for bit");
+        assert_eq!(
+            grouped, with_casts,
+            "grouped: losses and weights, bit for bit"
+        );
     }
 }

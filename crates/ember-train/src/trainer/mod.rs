@@ -155,6 +155,8 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             norm
         })?;
         model = kernel_profile::part(&mut profiled, Part::Optimizer, || {
+            // On GPUs the parameters' steps are launched three at a time, all before this returns.
+            let _grouped = ember_kernels::AdamWGroups::open();
             optim.step(lr, model, grads)
         })?;
         grad_scale.set(None);
