@@ -129,7 +129,7 @@ fn launch(group: Group) {
     let Some(first) = group.steps.first() else {
         return;
     };
-    #[cfg(test)]
+    #[cfg(all(test, feature = "wgpu"))]
     tests::LAUNCHES.with(|n| n.set(n.get() + 1));
     let client = first.inputs[0].client.clone();
     let sizes: Vec<usize> = group
