@@ -513,6 +513,8 @@ mod tests {
                 "async-products",
                 "causal-blocks",
                 "weight-copies",
+                "eval-graph",
+                "grouped-adamw",
             ]
         );
         assert_eq!(

@@ -34,8 +34,8 @@ pub(crate) struct Step {
     pub copy: CubeTensor,
 }
 
-/// What the steps of one launch share: the scalars (compared bit for bit), whether the gradients
-/// are scaled and by which tensor, the copies' type.
+/// What the steps of one launch share: the device, the scalars (compared bit for bit), whether
+/// the gradients are scaled and by which tensor, the copies' type.
 struct Group {
     scalars: Scalars,
     scale: Option<CubeTensor>,
@@ -44,7 +44,14 @@ struct Group {
 }
 
 impl Group {
-    fn takes(&self, scalars: &Scalars, scale: Option<&CubeTensor>, copy: Option<DType>) -> bool {
+    fn takes(
+        &self,
+        step: &Step,
+        scalars: &Scalars,
+        scale: Option<&CubeTensor>,
+        copy: Option<DType>,
+    ) -> bool {
+        let same_device = self.steps[0].inputs[0].device == step.inputs[0].device;
         let same_scale = match (&self.scale, scale) {
             (None, None) => true,
             (Some(a), Some(b)) => {
@@ -52,7 +59,7 @@ impl Group {
             }
             _ => false,
         };
-        self.scalars.bits() == scalars.bits() && same_scale && self.copy == copy
+        same_device && self.scalars.bits() == scalars.bits() && same_scale && self.copy == copy
     }
 }
 
@@ -103,7 +110,10 @@ pub(crate) fn defer(
         let Some(groups) = open else {
             return Err(step);
         };
-        let at = match groups.iter().position(|g| g.takes(&scalars, scale, copy)) {
+        let at = match groups
+            .iter()
+            .position(|g| g.takes(&step, &scalars, scale, copy))
+        {
             Some(at) => at,
             None => {
                 groups.push(Group {
