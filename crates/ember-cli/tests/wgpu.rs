@@ -14,20 +14,21 @@ use std::path::Path;
 
 use common::{assert_clear_error, ember, ember_ok, repo, temp};
 
+/// A run's metrics records of `kind` (`log`, `eval`).
+fn records(run: &Path, kind: &str) -> Vec<ember_train::metrics::Record> {
+    let all = ember_train::metrics::read(&run.join("metrics.jsonl"));
+    all.into_iter().filter(|r| r.kind == kind).collect()
+}
+
 /// Train losses logged by a run.
 fn losses(run: &Path) -> Vec<f64> {
-    ember_train::metrics::read(&run.join("metrics.jsonl"))
-        .into_iter()
-        .filter(|r| r.kind == "log")
-        .map(|r| r.train_loss)
-        .collect()
+    records(run, "log").iter().map(|r| r.train_loss).collect()
 }
 
 /// The validation losses of a run's evaluations.
 fn val_losses(run: &Path) -> Vec<f64> {
-    ember_train::metrics::read(&run.join("metrics.jsonl"))
-        .into_iter()
-        .filter(|r| r.kind == "eval")
+    records(run, "eval")
+        .iter()
         .filter_map(|r| r.val_loss)
         .collect()
 }

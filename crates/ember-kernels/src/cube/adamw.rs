@@ -204,7 +204,7 @@ impl AdamWKernels for CubeBackend {
     }
 }
 
-mod kernel {
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -239,15 +239,95 @@ mod kernel {
         if i >= param.len() {
             terminate!();
         }
+        let mut factor = F::new(1.0);
+        if has_scale {
+            factor = scale[0];
+        }
+        let k = scalars::<F>(
+            beta_1,
+            beta_2,
+            factor_1,
+            factor_2,
+            correction_1,
+            correction_2,
+            epsilon,
+            lr,
+            keep,
+        );
+        update::<F, N>(
+            param, grad, m1, m2, param_out, m1_out, m2_out, copy_out, i, factor, &k, has_scale,
+            has_copy,
+        );
+    }
+
+    /// A step's scalars in the kernel's float type.
+    #[derive(CubeType)]
+    pub(crate) struct Scalars<F: Float> {
+        beta_1: F,
+        beta_2: F,
+        factor_1: F,
+        factor_2: F,
+        correction_1: F,
+        correction_2: F,
+        epsilon: F,
+        lr: F,
+        keep: F,
+    }
+
+    /// The launch arguments as [`Scalars`].
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    pub(crate) fn scalars<F: Float>(
+        beta_1: f32,
+        beta_2: f32,
+        factor_1: f32,
+        factor_2: f32,
+        correction_1: f32,
+        correction_2: f32,
+        epsilon: f32,
+        lr: f32,
+        keep: f32,
+    ) -> Scalars<F> {
+        Scalars::<F> {
+            beta_1: F::cast_from(beta_1),
+            beta_2: F::cast_from(beta_2),
+            factor_1: F::cast_from(factor_1),
+            factor_2: F::cast_from(factor_2),
+            correction_1: F::cast_from(correction_1),
+            correction_2: F::cast_from(correction_2),
+            epsilon: F::cast_from(epsilon),
+            lr: F::cast_from(lr),
+            keep: F::cast_from(keep),
+        }
+    }
+
+    /// Element `i` of one parameter's step (its gradient times `factor` where `has_scale`):
+    /// Burn's AdamW expressions in their order.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    pub(crate) fn update<F: Float, N: Float>(
+        param: &Tensor<F>,
+        grad: &Tensor<F>,
+        m1: &Tensor<F>,
+        m2: &Tensor<F>,
+        param_out: &mut Tensor<F>,
+        m1_out: &mut Tensor<F>,
+        m2_out: &mut Tensor<F>,
+        copy_out: &mut Tensor<N>,
+        i: usize,
+        factor: F,
+        k: &Scalars<F>,
+        #[comptime] has_scale: bool,
+        #[comptime] has_copy: bool,
+    ) {
         let mut g = grad[i];
         if has_scale {
-            g *= scale[0];
+            g *= factor;
         }
-        let a = m1[i] * F::cast_from(beta_1) + g * F::cast_from(factor_1);
-        let b = m2[i] * F::cast_from(beta_2) + (g * g) * F::cast_from(factor_2);
-        let delta = (a / F::cast_from(correction_1))
-            / (F::sqrt(b / F::cast_from(correction_2)) + F::cast_from(epsilon));
-        let p = param[i] * F::cast_from(keep) - delta * F::cast_from(lr);
+        let a = m1[i] * k.beta_1 + g * k.factor_1;
+        let b = m2[i] * k.beta_2 + (g * g) * k.factor_2;
+        let delta = (a / k.correction_1) / (F::sqrt(b / k.correction_2) + k.epsilon);
+        let p = param[i] * k.keep - delta * k.lr;
         param_out[i] = p;
         if has_copy {
             // The same rounding as a cast of `p`.

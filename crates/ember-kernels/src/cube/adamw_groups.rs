@@ -211,6 +211,8 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
+    use crate::cube::adamw::kernel::{scalars, update};
+
     /// The launch of [`SLOTS`](super::SLOTS) steps, eight buffers each (parameter, gradient,
     /// moments, and their outputs with the parameter's copy): unit `i` updates element `i` of
     /// the `used` steps' parameters laid end to end, with `adamw_step`'s expressions in their
@@ -273,17 +275,17 @@ mod kernel {
         if has_scale {
             factor = scale[0];
         }
-        let k = Scalars::<F> {
-            beta_1: F::cast_from(beta_1),
-            beta_2: F::cast_from(beta_2),
-            factor_1: F::cast_from(factor_1),
-            factor_2: F::cast_from(factor_2),
-            correction_1: F::cast_from(correction_1),
-            correction_2: F::cast_from(correction_2),
-            epsilon: F::cast_from(epsilon),
-            lr: F::cast_from(lr),
-            keep: F::cast_from(keep),
-        };
+        let k = scalars::<F>(
+            beta_1,
+            beta_2,
+            factor_1,
+            factor_2,
+            correction_1,
+            correction_2,
+            epsilon,
+            lr,
+            keep,
+        );
         if i < n0 {
             update::<F, N>(
                 p0, g0, a0, b0, po0, ao0, bo0, c0, i, factor, &k, has_scale, has_copy,
@@ -299,55 +301,6 @@ mod kernel {
                 p2, g2, a2, b2, po2, ao2, bo2, c2, j, factor, &k, has_scale, has_copy,
             );
         }
-    }
-
-    /// The step's scalars in the kernel's float type.
-    #[derive(CubeType)]
-    pub(super) struct Scalars<F: Float> {
-        beta_1: F,
-        beta_2: F,
-        factor_1: F,
-        factor_2: F,
-        correction_1: F,
-        correction_2: F,
-        epsilon: F,
-        lr: F,
-        keep: F,
-    }
-
-    /// Element `i` of one step (`factor` the gradient's where `has_scale`), with
-    /// `adamw_step`'s expressions in their order.
-    #[allow(clippy::too_many_arguments)]
-    #[cube]
-    fn update<F: Float, N: Float>(
-        param: &Tensor<F>,
-        grad: &Tensor<F>,
-        m1: &Tensor<F>,
-        m2: &Tensor<F>,
-        param_out: &mut Tensor<F>,
-        m1_out: &mut Tensor<F>,
-        m2_out: &mut Tensor<F>,
-        copy_out: &mut Tensor<N>,
-        i: usize,
-        factor: F,
-        k: &Scalars<F>,
-        #[comptime] has_scale: bool,
-        #[comptime] has_copy: bool,
-    ) {
-        let mut g = grad[i];
-        if has_scale {
-            g *= factor;
-        }
-        let a = m1[i] * k.beta_1 + g * k.factor_1;
-        let b = m2[i] * k.beta_2 + (g * g) * k.factor_2;
-        let delta = (a / k.correction_1) / (F::sqrt(b / k.correction_2) + k.epsilon);
-        let p = param[i] * k.keep - delta * k.lr;
-        param_out[i] = p;
-        if has_copy {
-            copy_out[i] = N::cast_from(p);
-        }
-        m1_out[i] = a;
-        m2_out[i] = b;
     }
 }
 
