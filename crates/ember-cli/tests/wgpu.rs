@@ -269,6 +269,9 @@ fn assert_kernel_profile(stderr: &str) {
         "{rows:?}"
     );
     assert_eq!(adamw.iter().map(|r| r.1).sum::<f64>(), 10.0, "{rows:?}");
+    // Clipping: the 28 gradients' squares in 4 launches of 8, one more for the norm and factor.
+    let clip: f64 = rows.iter().filter(|r| r.2 == "clip").map(|r| r.1).sum();
+    assert_eq!(clip, 5.0, "{rows:?}");
     // The optimizer and the clipping launch kernels of their own (no matrix products).
     for part in ["clip", "optim"] {
         assert!(

@@ -26,7 +26,7 @@
 //! | [`write_cache_rows`] (a decoding step's keys and values into the KV cache) | two `slice_assign`s | none on flex; on GPUs one kernel writes both buffers, in place where they are not shared (`cube::cache_write`) |
 //! | [`single_query_attention`] | softmax of one row, times `V` | loops over the cache in place ([`kernels::attention`]) |
 //! | [`dropout`] | Burn's `Dropout::forward` | none on flex; on GPUs one kernel each way, a hashed mask recomputed from a seed, nothing stored (`cube::dropout`) |
-//! | [`sum_of_squares`] (a gradient norm, squared, over all of a step's gradients) | `sum(x^2)` of each tensor, added up | none on flex; on GPUs one launch per 8 tensors, cubes striding over each in turn and reducing in shared memory, then one cube adding their sums (`cube::sum_of_squares`) |
+//! | [`sum_of_squares`] (a gradient norm, squared, over all of a step's gradients), [`global_norm`] (the norm and clipping's factor) | `sum(x^2)` of each tensor, added up (then the root and the factor's ops) | none on flex; on GPUs one launch per 8 tensors, cubes striding over each in turn and reducing in shared memory, then one cube adding their sums (and writing the norm and the factor) (`cube::sum_of_squares`) |
 //! | [`cross_entropy`] (a training step's loss) | `log_softmax`, `gather`, the padding mask, the mean | none on flex; on GPUs a cube per row for its log-sum-exp and loss, one cube for the mean, one launch backward from the kept log-sum-exps (`cube::cross_entropy`) |
 //! | [`embed`] | Burn's `Embedding::forward` | none on flex; on GPUs, for a tracked table of a small vocabulary (a bf16 one widened to `f32` first), the table's gradient with one unit per table element (`cube::embedding`) |
 //! | [`draw`] (a token drawn from `softmax(logits / temperature)` by a uniform number, when decoding) | max, `exp`, `cumsum`, the count at or below `u`, the argmax past them all | none on flex (it samples on the host); on GPUs one kernel, a cube per row: chunk sums, then one unit walks to the token (`cube::draw`) |
@@ -119,7 +119,9 @@ pub use rotary::{
 };
 pub use softmax::{causal_softmax, causal_softmax_reference};
 pub use step_inputs::{write_in_place, write_token, write_token_reference};
-pub use sum_of_squares::{sum_of_squares, sum_of_squares_reference};
+pub use sum_of_squares::{
+    global_norm, global_norm_reference, sum_of_squares, sum_of_squares_reference,
+};
 
 use burn::tensor::Tensor;
 

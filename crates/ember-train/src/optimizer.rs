@@ -4,7 +4,7 @@
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
-use ember_kernels::sum_of_squares;
+use ember_kernels::global_norm;
 
 use crate::adamw::{FusedAdamW, GradScale};
 use crate::config::TrainingConfig;
@@ -108,17 +108,9 @@ pub fn clip_factor<M: Module>(
         flat: Vec::new(),
     };
     model.visit(&mut gradients);
-    // On GPUs one launch per 8 gradients and one more (Burn's ops take about three per
-    // gradient).
-    let norm = sum_of_squares(gradients.flat)?.sqrt();
-    let factor = (max_norm > 0.0).then(|| {
-        norm.clone()
-            .add_scalar(1e-6)
-            .recip()
-            .mul_scalar(max_norm)
-            .clamp_max(1.0)
-    });
-    Some((norm, factor))
+    // On GPUs one launch per 8 gradients and one more that writes the norm and the factor
+    // (Burn's ops take about three per gradient and six more).
+    global_norm(gradients.flat, (max_norm > 0.0).then_some(max_norm as f32))
 }
 
 #[cfg(test)]

@@ -41,17 +41,58 @@ pub(crate) fn sum(xs: Vec<Tensor<1>>) -> Result<Tensor<1>, Vec<Tensor<1>>> {
 
 /// [`sum`] with at most `most` tensors per launch.
 fn sum_in_launches_of(xs: Vec<Tensor<1>>, most: usize) -> Result<Tensor<1>, Vec<Tensor<1>>> {
+    let xs = taken(xs)?;
+    let partials = partial_sums(xs, most);
+    let out = super::empty(&partials, [1]);
+    kernel::sum::launch::<f32>(
+        &partials.client.clone(),
+        CubeCount::new_1d(1),
+        CubeDim::new_1d(UNITS),
+        partials.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        UNITS as usize,
+    );
+    Ok(plain(out))
+}
+
+/// [`crate::global_norm`] on the GPU: the partial sums of [`sum`], then one cube that adds them
+/// and writes the norm and, with `max_norm`, the clipping factor (where Burn's ops launch six
+/// more kernels for the square root and the factor's four operations); the tensors back where
+/// [`sum`] would hand them back.
+#[allow(clippy::type_complexity)]
+pub(crate) fn norm(
+    xs: Vec<Tensor<1>>,
+    max_norm: Option<f32>,
+) -> Result<(Tensor<1>, Option<Tensor<1>>), Vec<Tensor<1>>> {
+    let xs = taken(xs)?;
+    let partials = partial_sums(xs, MAX_TENSORS);
+    let norm = super::empty(&partials, [1]);
+    let factor = super::empty(&partials, [1]);
+    kernel::norm_and_factor::launch::<f32>(
+        &partials.client.clone(),
+        CubeCount::new_1d(1),
+        CubeDim::new_1d(UNITS),
+        partials.into_tensor_arg(),
+        norm.clone().into_tensor_arg(),
+        factor.clone().into_tensor_arg(),
+        max_norm.unwrap_or(0.0),
+        UNITS as usize,
+        max_norm.is_some(),
+    );
+    Ok((plain(norm), max_norm.map(|_| plain(factor))))
+}
+
+/// `xs` as CubeCL tensors where the kernels take all of them (plain `f32`, one device that
+/// binds a launch's tensors); back otherwise.
+fn taken(xs: Vec<Tensor<1>>) -> Result<Vec<CubeTensor>, Vec<Tensor<1>>> {
     #[cfg(feature = "fusion")]
     {
-        let _ = most;
         Err(xs)
     }
     #[cfg(not(feature = "fusion"))]
     {
         use crate::GpuKernel;
-        use burn::backend::{
-            BackendTensor, DispatchAutodiffContext, DispatchTensor, DispatchTensorKind,
-        };
+        use burn::backend::{BackendTensor, DispatchTensorKind};
         let device = match xs.first() {
             Some(x) => x.device(),
             None => return Err(xs),
@@ -66,25 +107,30 @@ fn sum_in_launches_of(xs: Vec<Tensor<1>>, most: usize) -> Result<Tensor<1>, Vec<
         if !take {
             return Err(xs);
         }
-        let cubes = xs
+        Ok(xs
             .into_iter()
             .map(|x| match x.into_dispatch().kind {
                 DispatchTensorKind::Cube(BackendTensor::Float(t)) => t,
                 _ => unreachable!("kernels_take_plain checked the tensor's kind"),
             })
-            .collect();
-        let sum = DispatchTensor {
-            kind: DispatchTensorKind::Cube(BackendTensor::Float(sum_of_squares(cubes, most))),
-            autodiff: DispatchAutodiffContext::Disabled,
-        };
-        Ok(Tensor::from_dispatch(sum))
+            .collect())
     }
 }
 
-/// The launches, at most `most` tensors each: per group of tensors, each cube's partial sum into
-/// its own element of one buffer; then one cube adds them.
-#[cfg_attr(feature = "fusion", allow(dead_code))]
-fn sum_of_squares(xs: Vec<CubeTensor>, most: usize) -> CubeTensor {
+/// A plain (not tracked) tensor of the dispatch from `x`.
+fn plain(x: CubeTensor) -> Tensor<1> {
+    use burn::backend::{
+        BackendTensor, DispatchAutodiffContext, DispatchTensor, DispatchTensorKind,
+    };
+    Tensor::from_dispatch(DispatchTensor {
+        kind: DispatchTensorKind::Cube(BackendTensor::Float(x)),
+        autodiff: DispatchAutodiffContext::Disabled,
+    })
+}
+
+/// The launches over `xs`, at most `most` tensors each: per group of tensors, each cube's partial
+/// sum into its own element of the buffer returned.
+fn partial_sums(xs: Vec<CubeTensor>, most: usize) -> CubeTensor {
     let xs: Vec<CubeTensor> = xs.into_iter().map(into_contiguous).collect();
     let client = xs[0].client.clone();
     let per_launch = most.clamp(1, MAX_TENSORS);
@@ -121,16 +167,7 @@ fn sum_of_squares(xs: Vec<CubeTensor>, most: usize) -> CubeTensor {
         );
         offset += cubes;
     }
-    let out = super::empty(&xs[0], [1]);
-    kernel::sum::launch::<f32>(
-        &client,
-        CubeCount::new_1d(1),
-        CubeDim::new_1d(UNITS),
-        partials.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        UNITS as usize,
-    );
-    out
+    partials
 }
 
 mod kernel {
@@ -204,9 +241,9 @@ mod kernel {
         sum
     }
 
-    /// `out[0] = sum(x)`, one cube of `units` units (a power of two).
-    #[cube(launch)]
-    pub(super) fn sum<F: Float>(x: &Tensor<F>, out: &mut Tensor<F>, #[comptime] units: usize) {
+    /// `sum(x)`, one cube of `units` units (a power of two): its sum reaches unit 0.
+    #[cube]
+    fn cube_sum<F: Float>(x: &Tensor<F>, #[comptime] units: usize) -> F {
         let u = UNIT_POS_X as usize;
         let mut partial = F::new(0.0);
         let mut i = u;
@@ -215,8 +252,41 @@ mod kernel {
             i += units;
         }
         let mut sums = Shared::<[F]>::new_slice(units);
-        let sum = reduce_cube::<F>(&mut sums, partial, false);
-        if u == 0 {
+        reduce_cube::<F>(&mut sums, partial, false)
+    }
+
+    /// `norm[0] = sqrt(sum(x))` and, where `has_factor`, `factor[0] = min(1, max_norm / (norm +
+    /// 1e-6))` in the order of the reference's ops (the reciprocal, then the product), one cube
+    /// of `units` units.
+    #[cube(launch)]
+    pub(super) fn norm_and_factor<F: Float>(
+        x: &Tensor<F>,
+        norm: &mut Tensor<F>,
+        factor: &mut Tensor<F>,
+        max_norm: f32,
+        #[comptime] units: usize,
+        #[comptime] has_factor: bool,
+    ) {
+        let sum = cube_sum::<F>(x, units);
+        if UNIT_POS_X == 0 {
+            let n = F::sqrt(sum);
+            norm[0] = n;
+            if has_factor {
+                let mut f = F::new(1.0) / (n + F::cast_from(1e-6f32)) * F::cast_from(max_norm);
+                // Burn's clamp_max: a NaN stays NaN.
+                if f > F::new(1.0) {
+                    f = F::new(1.0);
+                }
+                factor[0] = f;
+            }
+        }
+    }
+
+    /// `out[0] = sum(x)`, one cube of `units` units (a power of two).
+    #[cube(launch)]
+    pub(super) fn sum<F: Float>(x: &Tensor<F>, out: &mut Tensor<F>, #[comptime] units: usize) {
+        let sum = cube_sum::<F>(x, units);
+        if UNIT_POS_X == 0 {
             out[0] = sum;
         }
     }
@@ -280,6 +350,41 @@ mod tests {
         let got = sum_of_squares(one.clone()).unwrap().into_scalar::<f32>();
         let want = sum_of_squares_reference(one).unwrap().into_scalar::<f32>();
         assert!((got - want).abs() <= 1e-5 * want, "{got} vs {want}");
+    }
+
+    /// The norm and clipping's factor from the last cube against the reference's ops: limits
+    /// below the norm (a factor under 1), above it (1), none; the norm alone where no limit.
+    #[test]
+    fn the_norm_and_the_factor_equal_the_reference_on_wgpu() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let normal = Distribution::Normal(0.0, 1.0);
+        let xs: Vec<Tensor<1>> = [(37, 19), (1, 1), (64, 65), (5, 3000)]
+            .into_iter()
+            .map(|(r, c)| Tensor::<2>::random([r, c], normal, &device).reshape([-1]))
+            .collect();
+        let value = |t: Tensor<1>| t.into_scalar::<f32>();
+        for max_norm in [Some(1.0), Some(1e4), None] {
+            let (norm, factor) = super::norm(xs.clone(), max_norm)
+                .unwrap_or_else(|_| panic!("plain wgpu f32 tensors"));
+            let (want_norm, want_factor) =
+                crate::global_norm_reference(xs.clone(), max_norm).expect("tensors");
+            let (n, m) = (value(norm), value(want_norm));
+            assert!((n - m).abs() <= 1e-5 * m, "{max_norm:?}: norm {n} vs {m}");
+            assert!(n > 100.0, "about the root of the values' count: {n}");
+            match (factor, want_factor) {
+                (Some(f), Some(g)) => {
+                    let (f, g) = (value(f), value(g));
+                    assert!((f - g).abs() <= 1e-5 * g, "{max_norm:?}: factor {f} vs {g}");
+                    assert_eq!(f == 1.0, max_norm == Some(1e4), "{max_norm:?}: {f}");
+                }
+                (None, None) => assert_eq!(max_norm, None),
+                _ => panic!("{max_norm:?}: a factor on one side only"),
+            }
+        }
+        // The entry point takes the kernel path.
+        let (n, _) = crate::global_norm(xs.clone(), None).unwrap();
+        let (m, _) = crate::global_norm_reference(xs, None).unwrap();
+        assert!((value(n) - value(m.clone())).abs() <= 1e-5 * value(m));
     }
 
     /// What the kernel does not take goes to the reference: tensors tracked by autodiff, an
