@@ -11,12 +11,13 @@
 //!
 //! The order: the first batch runs for real (it also allocates what the recording reuses) and
 //! its loss is read; the same pass is recorded (which runs nothing), library calls included
-//! (`ember_kernels::LibraryCallsRecorded`: nothing is allocated between the replays); two replays on the first
-//! batch must bring the sum to three times that loss, which says the recording adds into the
-//! sum and computes what the real pass did. The sum is then zeroed and the other batches are
-//! replayed. A backend that cannot record, a recording or replay it refuses, or a sum that
-//! disagrees (said once, in one line) sends the whole sum to the pass-by-pass path, which
-//! launches every pass and also sums on the device.
+//! (`ember_kernels::LibraryCallsRecorded`: nothing is allocated between the replays); two
+//! replays on the first batch must bring the sum to three times that loss, which says the
+//! recording adds into the sum and computes what the real pass did. The sum is then zeroed and
+//! the other batches are replayed. A backend that cannot record, a recording or replay it
+//! refuses, a library call that failed inside the recording, or a sum that disagrees (said
+//! once, in one line) sends the whole sum to the pass-by-pass path, which launches every pass
+//! and also sums on the device.
 
 use burn::backend::{Backend, Dispatch};
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -153,13 +154,13 @@ fn agrees(sum: f64, expected: f64) -> bool {
 }
 
 /// Says once that a recorded pass's sum disagreed with the real pass's.
-fn disagreed(replayed: f64, launched: f64) {
+fn disagreed(replayed: f64, expected: f64) {
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
         eprintln!(
-            "warning: an evaluation pass replayed from its recording summed {replayed} where \
-             the pass run gave {launched}; evaluations launch every pass instead \
-             (EMBER_GPU_KERNELS=-eval-graph does so from the start)"
+            "warning: two replays of a recorded evaluation pass summed {replayed} where three \
+             times the pass run gives {expected}; such evaluations launch every pass instead \
+             (EMBER_GPU_KERNELS=-eval-graph never records them)"
         )
     });
 }

@@ -3,6 +3,8 @@
 //! tensors (Burn's `AdamW` launches about fifteen kernels for the same step without fusion). A
 //! gradient scale (global-norm clipping's factor, a `[1]` tensor on the device) multiplies each
 //! gradient value as it is read: clipping then launches nothing per gradient beyond its norm.
+//! Inside an optimizer step that groups them ([`crate::AdamWGroups`]) three parameters share a
+//! launch (`cube/adamw_groups`), with the same element update ([`kernel::update`]).
 
 use crate::GpuKernel;
 use burn::backend::tensor::FloatTensor;
