@@ -171,6 +171,14 @@ check() {
         echo "the cuda run again with cubek's products and the fused attention (EMBER_GPU_KERNELS=-cublas):"
         grep -E "^(step .*val|done)" "$RUNS/tiny-cubek.log"
         grep -i "cublas" "$RUNS/tiny-cuda.log" || true
+        # Its evaluations (5 batches a split) replayed from a recording, cuBLAS's calls included
+        # (the default), against every pass launched: the same weights and batches, so the same
+        # validation losses but for the last digits.
+        rm -rf "$RUNS/tiny-evals"
+        EMBER_GPU_KERNELS=-eval-graph logged "$RUNS/tiny-evals.log" \
+            "$EMBER" train --config configs/tiny.toml --device cuda --out "$RUNS/tiny-evals"
+        echo "the cuda run again with every evaluation pass launched (EMBER_GPU_KERNELS=-eval-graph):"
+        grep -E "^(step .*val|done)" "$RUNS/tiny-evals.log"
         # Mixed precision with dropout: the tiny config in bf16 on flex, on cuda, and on cuda
         # without the one-op mixed products and the asynchronous cuBLAS calls (the tracked casts
         # and waiting calls before them): near each other (each device its own initial weights
@@ -189,6 +197,10 @@ check() {
             echo "bf16 with dropout on $dev (EMBER_GPU_KERNELS=$kernels):"
             grep -E "^(step .*val|done)" "$RUNS/tiny-bf16-$dev.log"
         done
+        # Every warning and error line of those runs (a recorded evaluation refused or
+        # disagreeing, a library call that failed), counted.
+        echo "warning and error lines of the tiny runs:"
+        cat "$RUNS"/tiny-*.log | grep -E "^(warning|error)" | sort | uniq -c || echo "  none"
     fi
     for dev in flex "$DEVICE"; do
         "$EMBER_GEN" generate --checkpoint "$RUNS/tiny-flex" --device "$dev" --prompt ROMEO: \
