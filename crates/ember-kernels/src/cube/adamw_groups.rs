@@ -5,8 +5,9 @@
 //!
 //! Why: a model's parameters are dozens of tensors, many of them small (biases, LayerNorm
 //! gains), and a launch each is mostly the launch's fixed cost: 39 of the 353 launches of a bf16
-//! step of nanoGPT's GPU config, 148 of GPT-2 small's (with its biases). Three to a launch (each
-//! step's 8 buffers are bindings: Vulkan devices such as lavapipe allow 31), about a third as many.
+//! step of nanoGPT's GPU config, 148 of GPT-2 small's (with its biases). Three to a launch
+//! (each step's 8 buffers are bindings: Vulkan devices such as lavapipe allow 31), about a third
+//! as many.
 //!
 //! The tensors handed back are written by the deferred launch: nothing may read them before the
 //! group closes, which a module optimizer's step does not (it only moves them into the model and
