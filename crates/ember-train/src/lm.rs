@@ -215,10 +215,8 @@ impl Task for LmTask {
             (batch.inputs, batch.targets)
         };
         let loss = |x, y| model.loss(x, y);
-        match batches {
-            0 => f64::NAN,
-            _ => summed_losses(&self.device, shape, batches, batch, loss).sum / batches as f64,
-        }
+        // No batches: 0 / 0, NaN.
+        summed_losses(&self.device, shape, batches, batch, loss).sum / batches as f64
     }
 
     fn write_files(&self, dir: &Path) -> Result<()> {

@@ -106,17 +106,16 @@ impl Workspace {
         Some(Self(ptr))
     }
 
-    /// Gives `handle` this workspace (after `cublasSetStream`, which takes it back); false where
-    /// cuBLAS refuses.
+    /// Gives `handle` this workspace (after `cublasSetStream`, which takes it back); where cuBLAS
+    /// refuses, it keeps its own pool (the products run, a recording of them may be refused).
     ///
     /// # Safety
     /// `handle` is a live handle of the workspace's context.
-    unsafe fn give(&self, handle: sys::cublasHandle_t) -> bool {
+    unsafe fn give(&self, handle: sys::cublasHandle_t) {
         // SAFETY: the memory is live for the process (never freed) and of the size given.
-        let status = unsafe {
+        let _ = unsafe {
             sys::cublasSetWorkspace_v2(handle, self.0 as *mut std::ffi::c_void, WORKSPACE_BYTES)
         };
-        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
     }
 }
 
@@ -524,10 +523,9 @@ unsafe fn call_on(
             if blas::set_stream(handle, stream as sys::cudaStream_t).is_err() {
                 return false;
             }
-            // Without a workspace of its own (none could be allocated, or cuBLAS refused it)
-            // cuBLAS keeps its pool: the products run, a recording of them may be refused.
+            // Without a workspace of its own (none could be allocated) cuBLAS keeps its pool.
             if let Some(workspace) = workspace {
-                let _ = workspace.give(handle);
+                workspace.give(handle);
             }
             call(handle, pointers)
         })
