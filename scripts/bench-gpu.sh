@@ -14,6 +14,7 @@
 #   DEVICE=cuda bash scripts/bench-gpu.sh kernels   # what limits each attention kernel (ncu)
 #   DEVICE=cuda bash scripts/bench-gpu.sh cudnn     # cuDNN's flash attention: found, checked, run
 #   DEVICE=cuda bash scripts/bench-gpu.sh gpt2      # GPT-2 124M's body: ember and PyTorch, ms/step
+#   DEVICE=cuda bash scripts/bench-gpu.sh mt        # translation: ember and PyTorch, tokens/s
 #   DEVICE=cuda bash scripts/bench-gpu.sh nccl      # NCCL at world size 1 (torchrun's variables) vs none
 #   DEVICE=cuda bash scripts/bench-gpu.sh firstrun  # a first generation with and without the caches
 #   DEVICE=cuda BUDGET=550 bash scripts/bench-gpu.sh all  # speed, check, profile, memory, full
@@ -664,6 +665,63 @@ gpt2() {
 # spent (its validation losses so far are printed when it is stopped). Each stage's output also
 # goes to LOGS/<stage>.log (default RUNS/stages). A stopped stage's processes are ended before
 # the next.
+# Translation: configs/multi30k-de-en-2h.toml (7.6M parameters, batches of at most 4096
+# padded tokens) for MT_EPOCHS epochs (default 1) after a first one (in which a GPU compiles
+# and tunes its kernels for each bucketed shape), ember on DEVICE at each of MT_RUNS
+# (PRECISION:EMBER_GPU_KERNELS, default `f32:on bf16:on`) and PyTorch eager on the same batches
+# at each of MT_TORCH (default `tf32 bf16`; scripts/torch_translation.py): target tokens per
+# second over the timed epochs, as `ember train` counts them. Evaluations off. MT_PAIRS: the
+# first that many training pairs only (a quick try on a CPU: DEVICE=flex MT_PAIRS=2000).
+mt() {
+    local config=configs/multi30k-de-en-2h.toml epochs=${MT_EPOCHS:-1}
+    local quiet=(--set training.eval_interval=1000000 --set data.bleu_sentences=0
+        --set training.checkpoint_interval=1000000) pairs=()
+    if [ -n "${MT_PAIRS:-}" ]; then
+        quiet+=(--set "data.max_train_pairs=$MT_PAIRS")
+        pairs=(--max-pairs "$MT_PAIRS")
+    fi
+    # One step on the CPU for the run's BPE (trained at the start of every run, the same each
+    # time) and the epoch's batches and target tokens.
+    rm -rf "$RUNS/mt"
+    logged "$RUNS/mt.log" "$EMBER" train --config "$config" --device flex --out "$RUNS/mt" \
+        --stop-after 1 "${quiet[@]}" || return 1
+    local batches tokens
+    batches=$(sed -nE 's/^batches: ([0-9]+) a training epoch.*/\1/p' "$RUNS/mt.log")
+    tokens=$(sed -nE 's/^batches: .*\(([0-9]+) target tokens\)/\1/p' "$RUNS/mt.log")
+    cp "$(ls "$RUNS"/mt/checkpoints/*/tokenizer.json | head -1)" "$RUNS/mt-tokenizer.json"
+    echo "an epoch: $batches batches, $tokens target tokens"
+    local run precision kernels
+    for run in ${MT_RUNS:-f32:on bf16:on}; do
+        IFS=: read -r precision kernels <<<"$run"
+        echo "translation, ember, precision $precision, EMBER_GPU_KERNELS=$kernels"
+        rm -rf "$RUNS/mt"
+        EMBER_GPU_KERNELS=$kernels logged "$RUNS/mt.log" "$EMBER" train --config "$config" \
+            --device "$DEVICE" --out "$RUNS/mt" --stop-after $((batches * (epochs + 1))) \
+            --set training.log_interval="$batches" --set "training.precision=\"$precision\"" \
+            "${quiet[@]}" || continue
+        grep -E "^(warning|done|peak|GPU memory)" "$RUNS/mt.log" || true
+        "$PYTHON" - "$RUNS/mt/metrics.jsonl" "$batches" "$tokens" <<'EOF'
+import json, sys
+logs = [json.loads(l) for l in open(sys.argv[1]) if '"kind":"log"' in l]
+batches, tokens = int(sys.argv[2]), int(sys.argv[3])
+first, last = logs[0], logs[-1]
+epochs = (last["step"] - first["step"]) // batches
+seconds = last["elapsed_secs"] - first["elapsed_secs"]
+print(f"ember: {epochs} epoch(s) after the first in {seconds:.1f} s: "
+      f"{epochs * tokens / seconds:.0f} target tokens/s, "
+      f"{1000 * seconds / (epochs * batches):.1f} ms/step "
+      f"(the first epoch {first['elapsed_secs']:.1f} s)")
+EOF
+    done
+    local p torch
+    for p in ${MT_TORCH:-tf32 bf16}; do
+        torch=("$PYTHON" scripts/torch_translation.py --tokenizer "$RUNS/mt-tokenizer.json"
+            --device "$TORCH_DEVICE" --precision "$p" --epochs "$epochs" "${pairs[@]}")
+        echo "\$ ${torch[*]}"
+        with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch translation, $p"
+    done
+}
+
 all() {
     local t0 deadline left stage cap logs=${LOGS:-$RUNS/stages}
     t0=$(date +%s)
@@ -692,7 +750,7 @@ all() {
             tee "$logs/$name.log" || true
         # `timeout` stops the stage's shell; its ember or PyTorch child may still run.
         pkill -9 -x "$(basename "$EMBER")" 2>/dev/null || true
-        pkill -9 -f "scripts/torch_reference.py" 2>/dev/null || true
+        pkill -9 -f "scripts/torch_(reference|translation).py" 2>/dev/null || true
     done
     if [ -f "$RUNS/full.log" ] && ! grep -q "^done" "$RUNS/full.log"; then
         echo "full stopped by the budget; its evaluations so far:"
@@ -714,4 +772,4 @@ all() {
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|nccl|firstrun|all}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|mt|nccl|firstrun|all}"

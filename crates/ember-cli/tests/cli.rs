@@ -239,7 +239,26 @@ fn translation_commands_train_translate_and_score() {
         "--out",
         run.to_str().unwrap(),
     ]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("val BLEU"));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("val BLEU"));
+    // An epoch's batches and target tokens, in the line scripts/bench-gpu.sh's `mt` stage reads
+    // (its PyTorch reference must cut the same batches): every batch holds at least one target
+    // token and at most its padded budget.
+    let line = said.lines().find(|l| l.starts_with("batches: ")).unwrap();
+    let numbers: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let [batches, budget, tokens] = numbers[..] else {
+        panic!("{line}")
+    };
+    assert!(
+        line == format!(
+            "batches: {batches} a training epoch, of at most {budget} padded tokens ({tokens} target tokens)"
+        ) && batches > 0
+            && (batches..=batches * budget).contains(&tokens),
+        "{line}"
+    );
     let input = dir.join("in.de");
     std::fs::write(&input, "Ein Hund läuft.\nZwei Männer spielen Fußball.\n").unwrap();
     for beam in ["1", "3"] {

@@ -344,6 +344,15 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     let train = Bucketed::new(train, d.batch_tokens).map_err(|_| empty("training"))?;
     let val = Bucketed::new(val, d.batch_tokens).map_err(|_| empty("validation"))?;
     if main {
+        // An epoch's length in steps (for max_steps and the schedule), and its work.
+        let tokens: usize = train.pairs().iter().map(|p| p.tgt.len() + 1).sum();
+        eprintln!(
+            "batches: {} a training epoch, of at most {} padded tokens ({tokens} target tokens)",
+            train.len(),
+            d.batch_tokens
+        );
+    }
+    if main {
         std::fs::create_dir_all(&out_dir).map_err(|e| write_err(&out_dir, e))?;
         let config_path = out_dir.join(CONFIG_FILE);
         std::fs::write(&config_path, config.to_toml()).map_err(|e| write_err(&config_path, e))?;
