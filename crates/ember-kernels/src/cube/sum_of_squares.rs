@@ -119,13 +119,22 @@ fn taken(xs: Vec<Tensor<1>>) -> Result<Vec<CubeTensor>, Vec<Tensor<1>>> {
 
 /// A plain (not tracked) tensor of the dispatch from `x`.
 fn plain(x: CubeTensor) -> Tensor<1> {
-    use burn::backend::{
-        BackendTensor, DispatchAutodiffContext, DispatchTensor, DispatchTensorKind,
-    };
-    Tensor::from_dispatch(DispatchTensor {
-        kind: DispatchTensorKind::Cube(BackendTensor::Float(x)),
-        autodiff: DispatchAutodiffContext::Disabled,
-    })
+    // Under fusion the dispatch holds fusion's tensors, and [`taken`] hands none over.
+    #[cfg(feature = "fusion")]
+    {
+        let _ = x;
+        unreachable!("no CubeCL tensor is taken under fusion")
+    }
+    #[cfg(not(feature = "fusion"))]
+    {
+        use burn::backend::{
+            BackendTensor, DispatchAutodiffContext, DispatchTensor, DispatchTensorKind,
+        };
+        Tensor::from_dispatch(DispatchTensor {
+            kind: DispatchTensorKind::Cube(BackendTensor::Float(x)),
+            autodiff: DispatchAutodiffContext::Disabled,
+        })
+    }
 }
 
 /// The launches over `xs`, at most `most` tensors each: per group of tensors, each cube's partial
