@@ -79,12 +79,12 @@ fn row_width(device: &Device) -> Option<usize> {
     Some(alignment.div_ceil(4).max(1))
 }
 
-/// The hash threshold for dropping with probability `p`: `p * 2^32`, rounded.
-pub(crate) fn threshold(p: f32) -> u32 {
-    (p as f64 * 4_294_967_296.0).round().min(u32::MAX as f64) as u32
-}
+/// The hash threshold for dropping with probability `p`: `p * 2^32`, rounded (the CPU
+/// kernel's).
+pub(crate) use crate::kernels::dropout::threshold;
 
-/// Chris Wellons' `lowbias32` integer hash (a bijection of `u32`).
+/// Chris Wellons' `lowbias32` integer hash (a bijection of `u32`), as the CPU kernel's
+/// [`crate::kernels::dropout::mix`].
 #[cube]
 pub(crate) fn mix(x: u32) -> u32 {
     let mut x = x;
@@ -140,26 +140,13 @@ impl<F: Float> Mask<F> {
 }
 
 /// For tests: the factors (0 or `1 / (1 - p)`) of elements `0..n` of the mask of `seed`,
-/// computed on the host.
+/// computed on the host (the CPU kernel's mask: the same hash of the same seed).
 #[cfg(test)]
 #[cfg_attr(not(feature = "wgpu"), allow(dead_code))] // the tests that use it run on lavapipe
 pub(crate) fn host_factors(seed: f32, p: f32, n: usize) -> Vec<f32> {
-    fn mix(mut x: u32) -> u32 {
-        x ^= x >> 16;
-        x = x.wrapping_mul(0x7feb_352d);
-        x ^= x >> 15;
-        x = x.wrapping_mul(0x846c_a68b);
-        x ^= x >> 16;
-        x
-    }
-    let hashed = mix((seed * 16_777_216.0) as u32);
-    let threshold = threshold(p);
-    (0..n)
-        .map(|index| {
-            let keep = mix(hashed ^ index as u32) >= threshold;
-            if keep { 1.0 / (1.0 - p) } else { 0.0 }
-        })
-        .collect()
+    use crate::kernels::dropout::{Mask, seed_of};
+    let mask = Mask::new(seed_of(seed), p);
+    (0..n).map(|index| mask.factor(index)).collect()
 }
 
 #[cfg(all(test, feature = "wgpu"))]

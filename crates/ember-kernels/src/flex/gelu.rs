@@ -15,8 +15,8 @@ use core::marker::PhantomData;
 
 use super::op;
 use super::tensor::{Tracked, contiguous, from_values};
+use super::threads::spread;
 use crate::kernels::gelu::{self as gelu_kernel, GeluKind};
-use rayon::prelude::*;
 
 /// GELU of kind `K` where ember's kernels take `x`; otherwise `x` back.
 pub(crate) fn gelu<K: GeluKind, const D: usize>(x: Tensor<D>) -> Result<Tensor<D>, Tensor<D>> {
@@ -131,20 +131,4 @@ fn backward<K: GeluKind>(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
         gelu_kernel::backward_into::<K>(&xs[range.clone()], &gs[range], ys)
     });
     from_values(out, grad.shape())
-}
-
-/// Elements per task when a GELU is spread over rayon's threads. Shorter tensors (a
-/// decoding step's) stay on the calling thread: handing work to the pool costs more than
-/// it saves there.
-const TASK: usize = 1 << 15;
-
-/// `f(chunk, offset of its first element)` over `out` in chunks of [`TASK`] elements, on
-/// rayon's threads when there are at least two chunks.
-fn spread(out: &mut [f32], f: impl Fn(&mut [f32], usize) + Send + Sync) {
-    if out.len() < 2 * TASK {
-        return f(out, 0);
-    }
-    out.par_chunks_mut(TASK)
-        .enumerate()
-        .for_each(|(i, chunk)| f(chunk, i * TASK));
 }

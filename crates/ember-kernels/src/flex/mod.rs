@@ -4,6 +4,7 @@
 pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod decode_attention;
+pub(crate) mod dropout;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
 pub(crate) mod op;

@@ -1,4 +1,5 @@
-//! The calling thread as one of the threads of rayon's global pool, for CPU speed.
+//! The calling thread as one of the threads of rayon's global pool, for CPU speed, and
+//! element-wise work spread over that pool.
 //!
 //! Flex's operations, `gemm` and ember's own kernels split their work over rayon's global pool.
 //! Called from a thread outside the pool (a program's main thread), each of the few hundred
@@ -21,4 +22,21 @@ pub fn join_global_pool() -> bool {
         .use_current_thread()
         .build_global()
         .is_ok()
+}
+
+/// Elements per task when an element-wise kernel (GELU, dropout) is spread over rayon's
+/// threads. Shorter tensors (a decoding step's) stay on the calling thread: handing work to the
+/// pool costs more than it saves there.
+const TASK: usize = 1 << 15;
+
+/// `f(chunk, offset of its first element)` over `out` in chunks of [`TASK`] elements, on
+/// rayon's threads when there are at least two chunks.
+pub(crate) fn spread(out: &mut [f32], f: impl Fn(&mut [f32], usize) + Send + Sync) {
+    use rayon::prelude::*;
+    if out.len() < 2 * TASK {
+        return f(out, 0);
+    }
+    out.par_chunks_mut(TASK)
+        .enumerate()
+        .for_each(|(i, chunk)| f(chunk, i * TASK));
 }
