@@ -40,15 +40,29 @@ pub fn causal_self_attention(
         let context = causal_self_attention(qkv.cast(FloatDType::F32), heads, dropout)?;
         return Ok(context.cast(FloatDType::from(dtype)));
     }
-    if drop > 0.0 {
-        return Err(qkv);
-    }
     #[cfg(feature = "flex")]
-    let qkv = match super::flex::attention::causal_self_attention(qkv, heads) {
+    let qkv = match flex_attention(qkv, heads, drop) {
         Ok(context) => return Ok(context),
         Err(qkv) => qkv,
     };
+    if drop > 0.0 {
+        return Err(qkv);
+    }
     Ok(causal_self_attention_reference(qkv, heads))
+}
+
+/// [`causal_self_attention`] by the flex kernel, with dropout's mask where `drop` is above 0
+/// (drawn only where the kernel takes `qkv`); `qkv` back where it does not apply.
+#[cfg(feature = "flex")]
+fn flex_attention(qkv: Tensor<3>, heads: usize, drop: f64) -> Result<Tensor<3>, Tensor<3>> {
+    let mask = match drop > 0.0 {
+        false => None,
+        true if drop < 1.0 && super::flex::tensor::is_flex_f32(&qkv) => {
+            Some(super::dropout::drawn_mask(&qkv.device(), drop as f32))
+        }
+        true => return Err(qkv),
+    };
+    super::flex::attention::causal_self_attention(qkv, heads, mask)
 }
 
 /// The training attention of `x` on itself under the causal mask alone, from the block's input

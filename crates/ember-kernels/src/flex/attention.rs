@@ -7,7 +7,10 @@
 //! task per (sequence, head), spread over rayon's threads, reads its query, key and value
 //! columns where the projection wrote them, keeps its weights `P` (`[T, T]`) for the backward
 //! pass, and writes its context columns straight into the `[B, T, D]` output; the backward pass
-//! writes the gradient of the projection's output the same way.
+//! writes the gradient of the projection's output the same way. With dropout the weights are
+//! multiplied by a hashed mask ([`crate::kernels::dropout`], the GPU kernels' mask: weight `(i,
+//! j)` of sequence `b` and head `h` is element `((b H + h) T + i) T + j` of it) before they
+//! weigh the values, and the backward pass computes the same factors again.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -20,16 +23,22 @@ use rayon::prelude::*;
 
 use super::op;
 use super::tensor::{Tracked, contiguous, from_values};
+use crate::kernels::dropout::Mask;
 use crate::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
 use crate::products::flex::mm;
 
-/// `softmax(Q K^T / sqrt(K) + causal mask) V` per head, heads merged, from the fused projection
-/// `qkv`; `qkv` back where this path does not apply (not a flex `f32` tensor, no rows).
+/// `dropout(softmax(Q K^T / sqrt(K) + causal mask)) V` per head, heads merged, from the fused
+/// projection `qkv`, the weights multiplied by `mask`'s factors where there is one; `qkv` back
+/// where this path does not apply (not a flex `f32` tensor, no rows).
 ///
 /// # Shapes
 /// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head `h` at columns `h*K..(h+1)*K` of each
 /// - output: `[B, T, D]`
-pub(crate) fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Result<Tensor<3>, Tensor<3>> {
+pub(crate) fn causal_self_attention(
+    qkv: Tensor<3>,
+    heads: usize,
+    mask: Option<Mask>,
+) -> Result<Tensor<3>, Tensor<3>> {
     let [_, t, d3] = qkv.dims();
     if t == 0 || d3 == 0 {
         return Err(qkv);
@@ -38,24 +47,27 @@ pub(crate) fn causal_self_attention(qkv: Tensor<3>, heads: usize) -> Result<Tens
         d3 % 3 == 0 && (d3 / 3) % heads == 0,
         "fused attention: {d3} columns do not split into Q, K, V of {heads} heads"
     );
-    op::unary(qkv, Heads(heads))
+    op::unary(qkv, Heads { heads, mask })
 }
 
-/// The op on a fused projection of this many heads.
-struct Heads(usize);
+/// The op on a fused projection of this many heads, with dropout's mask or none.
+struct Heads {
+    heads: usize,
+    mask: Option<Mask>,
+}
 
 impl op::Unary for Heads {
     fn plain(self, x: FlexTensor) -> FlexTensor {
-        forward(x, self.0).0
+        forward(x, self.heads, self.mask).0
     }
 
     fn tracked<C: CheckpointStrategy>(self, x: Tracked) -> Tracked {
-        tracked::<C>(x, self.0)
+        tracked::<C>(x, self.heads, self.mask)
     }
 }
 
-/// The autodiff op; its backward needs the input and the weights.
-fn tracked<C: CheckpointStrategy>(t: Tracked, heads: usize) -> Tracked {
+/// The autodiff op; its backward needs the input, the weights and the mask.
+fn tracked<C: CheckpointStrategy>(t: Tracked, heads: usize, mask: Option<Mask>) -> Tracked {
     match FusedAttention
         .prepare::<C>([t.node()])
         .compute_bound()
@@ -63,10 +75,10 @@ fn tracked<C: CheckpointStrategy>(t: Tracked, heads: usize) -> Tracked {
     {
         OpsKind::Tracked(prep) => {
             let qkv = contiguous(t.primitive().clone());
-            let (out, weights) = forward(qkv.clone(), heads);
-            prep.finish((qkv, weights, heads), out)
+            let (out, weights) = forward(qkv.clone(), heads, mask);
+            prep.finish((qkv, weights, heads, mask), out)
         }
-        OpsKind::UnTracked(prep) => prep.finish(forward(t.into_primitive(), heads).0),
+        OpsKind::UnTracked(prep) => prep.finish(forward(t.into_primitive(), heads, mask).0),
     }
 }
 
@@ -74,13 +86,14 @@ fn tracked<C: CheckpointStrategy>(t: Tracked, heads: usize) -> Tracked {
 struct FusedAttention;
 
 impl Backward<Flex, 1> for FusedAttention {
-    /// The projection (contiguous), the weights `[B * H * T * T]` and the number of heads.
-    type State = (FlexTensor, Vec<f32>, usize);
+    /// The projection (contiguous), the weights `[B * H * T * T]` (before dropout), the number
+    /// of heads and dropout's mask.
+    type State = (FlexTensor, Vec<f32>, usize, Option<Mask>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (qkv, weights, heads) = ops.state;
+        let (qkv, weights, heads, mask) = ops.state;
         unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
-            backward(&qkv, &weights, contiguous(g), heads)
+            backward(&qkv, &weights, contiguous(g), heads, mask)
         });
     }
 }
@@ -125,8 +138,8 @@ impl Dims {
     }
 }
 
-/// The output `[B, T, D]` and the weights `[B * H * T * T]`.
-fn forward(qkv: FlexTensor, heads: usize) -> (FlexTensor, Vec<f32>) {
+/// The output `[B, T, D]` and the weights `[B * H * T * T]` (before dropout).
+fn forward(qkv: FlexTensor, heads: usize, mask: Option<Mask>) -> (FlexTensor, Vec<f32>) {
     let qkv = contiguous(qkv);
     let dims = Dims::of(&qkv, heads);
     let Dims { b, t, d, .. } = dims;
@@ -140,37 +153,41 @@ fn forward(qkv: FlexTensor, heads: usize) -> (FlexTensor, Vec<f32>) {
     weights
         .par_chunks_mut((t * t).max(1))
         .enumerate()
-        .for_each(|(pair, p)| {
-            let (bi, h) = (pair / heads, pair % heads);
-            let (q, kk, v) = (
-                dims.qkv_at(bi, h, 0),
-                dims.qkv_at(bi, h, 1),
-                dims.qkv_at(bi, h, 2),
-            );
-            // SAFETY: every view lies inside `x`, `p` or `out` (offsets from `Dims`, rows of
-            // `row` or `t` elements); each task writes only its own `p` and its own columns of
-            // `out`, whose capacity is b * t * d.
-            unsafe {
-                // P = Q K^T, then the causal softmax of P / sqrt(K).
-                mm(
-                    (t, t, k),
-                    (p.as_mut_ptr(), ti),
-                    (at(x, q), row, 1),
-                    (at(x, kk), 1, row),
-                    ONE,
+        .for_each_init(
+            || vec![0.0f32; if mask.is_some() { t * t } else { 0 }],
+            |dropped, (pair, p)| {
+                let (bi, h) = (pair / heads, pair % heads);
+                let (q, kk, v) = (
+                    dims.qkv_at(bi, h, 0),
+                    dims.qkv_at(bi, h, 1),
+                    dims.qkv_at(bi, h, 2),
                 );
-                causal_softmax_in_place(p, t, t, dims.scale());
-                // context = P V
-                let o = dst.add(dims.out_at(bi, h));
-                mm(
-                    (t, k, t),
-                    (o, di),
-                    (p.as_ptr(), ti, 1),
-                    (at(x, v), row, 1),
-                    ONE,
-                );
-            }
-        });
+                // SAFETY: every view lies inside `x`, `p` or `out` (offsets from `Dims`, rows of
+                // `row` or `t` elements); each task writes only its own `p` and its own columns of
+                // `out`, whose capacity is b * t * d.
+                unsafe {
+                    // P = Q K^T, then the causal softmax of P / sqrt(K).
+                    mm(
+                        (t, t, k),
+                        (p.as_mut_ptr(), ti),
+                        (at(x, q), row, 1),
+                        (at(x, kk), 1, row),
+                        ONE,
+                    );
+                    causal_softmax_in_place(p, t, t, dims.scale());
+                    // context = P V, or (P M) V with dropout's factors M.
+                    let weighs = match mask {
+                        Some(mask) => {
+                            mask.apply_into(p, dropped, pair * t * t);
+                            dropped.as_ptr()
+                        }
+                        None => p.as_ptr(),
+                    };
+                    let o = dst.add(dims.out_at(bi, h));
+                    mm((t, k, t), (o, di), (weighs, ti, 1), (at(x, v), row, 1), ONE);
+                }
+            },
+        );
     // SAFETY: the tasks together wrote all b * t * d elements (every head's columns of
     // every row).
     unsafe { out.set_len(b * t * d) };
@@ -178,7 +195,13 @@ fn forward(qkv: FlexTensor, heads: usize) -> (FlexTensor, Vec<f32>) {
 }
 
 /// The gradient of the projection `[B, T, 3D]` from the output's gradient `g` `[B, T, D]`.
-fn backward(qkv: &FlexTensor, weights: &[f32], g: FlexTensor, heads: usize) -> FlexTensor {
+fn backward(
+    qkv: &FlexTensor,
+    weights: &[f32],
+    g: FlexTensor,
+    heads: usize,
+    mask: Option<Mask>,
+) -> FlexTensor {
     let dims = Dims::of(qkv, heads);
     let Dims { b, t, d, .. } = dims;
     let (start, end) = qkv.layout().contiguous_offsets().expect("contiguous");
@@ -198,8 +221,11 @@ fn backward(qkv: &FlexTensor, weights: &[f32], g: FlexTensor, heads: usize) -> F
         .par_chunks((t * t).max(1))
         .enumerate()
         .for_each_init(
-            || vec![0.0f32; t * t],
-            |dp, (pair, p)| {
+            || {
+                let dropped = vec![0.0f32; if mask.is_some() { t * t } else { 0 }];
+                (vec![0.0f32; t * t], dropped)
+            },
+            |(dp, dropped), (pair, p)| {
                 let (bi, h) = (pair / heads, pair % heads);
                 let (q, kk, v) = (
                     dims.qkv_at(bi, h, 0),
@@ -210,7 +236,8 @@ fn backward(qkv: &FlexTensor, weights: &[f32], g: FlexTensor, heads: usize) -> F
                 // SAFETY: as in `forward`; each task writes only its own head's Q, K and V
                 // columns of `dx`, whose capacity is b * t * 3d.
                 unsafe {
-                    // dP = dO V^T, then the scores' gradient dS = softmax'(P) dP (scaled).
+                    // dP = dO V^T (times dropout's factors: the gradient of P, not of P M),
+                    // then the scores' gradient dS = softmax'(P) dP (scaled).
                     mm(
                         (t, t, k),
                         (dp.as_mut_ptr(), ti),
@@ -218,8 +245,11 @@ fn backward(qkv: &FlexTensor, weights: &[f32], g: FlexTensor, heads: usize) -> F
                         (at(x, v), 1, row),
                         ONE,
                     );
+                    if let Some(mask) = mask {
+                        mask.apply_in_place(dp, pair * t * t);
+                    }
                     causal_softmax_backward_in_place(p, dp, t, dims.scale());
-                    // dQ = dS K, dK = dS^T Q, dV = P^T dO
+                    // dQ = dS K, dK = dS^T Q
                     let (dq, dk, dv) = (dst.add(q), dst.add(kk), dst.add(v));
                     mm(
                         (t, k, t),
@@ -235,7 +265,15 @@ fn backward(qkv: &FlexTensor, weights: &[f32], g: FlexTensor, heads: usize) -> F
                         (at(x, q), row, 1),
                         ONE,
                     );
-                    mm((t, k, t), (dv, row), (p.as_ptr(), 1, ti), (go, di, 1), ONE);
+                    // dV = (P M)^T dO: the weights that weighed the values.
+                    let weighed = match mask {
+                        Some(mask) => {
+                            mask.apply_into(p, dropped, pair * t * t);
+                            dropped.as_ptr()
+                        }
+                        None => p.as_ptr(),
+                    };
+                    mm((t, k, t), (dv, row), (weighed, 1, ti), (go, di, 1), ONE);
                 }
             },
         );
@@ -294,10 +332,55 @@ mod tests {
                 &Device::flex(),
                 &x,
                 &g,
-                |qkv| causal_self_attention(qkv, heads).expect("a flex tensor"),
+                |qkv| causal_self_attention(qkv, heads, None).expect("a flex tensor"),
                 |qkv| crate::causal_self_attention_reference(qkv, heads),
                 2e-5,
                 &format!("reference, {b}x{t}, {heads} heads of {k}"),
+            );
+        }
+    }
+
+    /// With dropout: output and the projection's gradient against the reference's weights
+    /// multiplied by the mask's factors (element `((b H + h) T + i) T + j`), on flex, flex +
+    /// autodiff and flex + autodiff + checkpointing; a sequence long enough that most of a
+    /// row's weights are dropped or kept by chance.
+    #[test]
+    fn equals_the_reference_with_dropout() {
+        let mask = Mask::new(crate::kernels::dropout::seed_of(0.618), 0.25);
+        for (b, t, heads, k) in [(2, 9, 3, 4), (3, 40, 2, 8)] {
+            let d = heads * k;
+            let draw = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.5), &Device::flex())
+                    .into_data()
+            };
+            let (x, g) = (draw([b, t, 3 * d]), draw([b, t, d]));
+            let n = b * heads * t * t;
+            let factors: Vec<f32> = (0..n).map(|i| mask.factor(i)).collect();
+            let dropped = factors.iter().filter(|&&f| f == 0.0).count();
+            assert!(dropped > 0 && dropped < n, "{dropped} of {n}");
+            let reference = |qkv: Tensor<3>| {
+                let device = qkv.device();
+                let scale = 1.0 / (k as f64).sqrt();
+                let part = |i: usize| {
+                    qkv.clone()
+                        .slice([0..b, 0..t, i * d..(i + 1) * d])
+                        .reshape([b, t, heads, k])
+                        .swap_dims(1, 2)
+                };
+                let (q, kk, v) = (part(0), part(1), part(2));
+                let weights = crate::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
+                let m =
+                    Tensor::<1>::from_floats(factors.as_slice(), &device).reshape([b, heads, t, t]);
+                (weights * m).matmul(v).swap_dims(1, 2).reshape([b, t, d])
+            };
+            agrees_on(
+                &Device::flex(),
+                &x,
+                &g,
+                |qkv| causal_self_attention(qkv, heads, Some(mask)).expect("a flex tensor"),
+                reference,
+                2e-5,
+                &format!("dropout, {b}x{t}, {heads} heads of {k}"),
             );
         }
     }
