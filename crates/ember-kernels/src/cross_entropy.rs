@@ -6,7 +6,8 @@
 //! kept for the backward pass. Kernel (on the GPU backends, `f32` logits, tracked by autodiff or
 //! not): one cube per row for each row's log-sum-exp and loss, one cube for the mean, and one
 //! launch backward that writes `softmax - target` straight from the logits and the kept
-//! log-sum-exps (`cube/cross_entropy`). None on flex: the reference runs there.
+//! log-sum-exps (`cube/cross_entropy`). On flex (`f32` logits): each row's log-sum-exp and loss
+//! in two reads of the row, the gradient in one pass (`flex/cross_entropy`).
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};
@@ -30,6 +31,12 @@ pub fn cross_entropy(
     #[cfg(feature = "cube")]
     let (logits, targets) =
         match super::cube::cross_entropy::cross_entropy(logits, targets, pad, smoothing) {
+            Ok(loss) => return loss,
+            Err(inputs) => inputs,
+        };
+    #[cfg(feature = "flex")]
+    let (logits, targets) =
+        match super::flex::cross_entropy::cross_entropy(logits, targets, pad, smoothing) {
             Ok(loss) => return loss,
             Err(inputs) => inputs,
         };

@@ -3,6 +3,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod cross_entropy;
 pub mod dropout;
 pub mod gelu;
 pub mod layer_norm;

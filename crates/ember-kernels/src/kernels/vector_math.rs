@@ -41,20 +41,20 @@ pub(crate) fn exp<const F: bool>(x: f32) -> f32 {
 macro_rules! multiversion {
     (
         $(#[$doc:meta])*
-        pub fn $name:ident$(<$g:ident: $bound:path>)?($($arg:ident: $ty:ty),*) $body:block
+        pub fn $name:ident$(<$g:ident: $bound:path>)?($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
     ) => {
         $(#[$doc])*
-        pub fn $name$(<$g: $bound>)?($($arg: $ty),*) {
+        pub fn $name$(<$g: $bound>)?($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
-            fn generic<$($g: $bound,)? const F: bool>($($arg: $ty),*) $body
+            fn generic<$($g: $bound,)? const F: bool>($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-                fn avx512$(<$g: $bound>)?($($arg: $ty),*) {
+                fn avx512$(<$g: $bound>)?($($arg: $ty),*) $(-> $ret)? {
                     generic::<$($g,)? true>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                fn avx2$(<$g: $bound>)?($($arg: $ty),*) {
+                fn avx2$(<$g: $bound>)?($($arg: $ty),*) $(-> $ret)? {
                     generic::<$($g,)? true>($($arg),*)
                 }
                 if std::arch::is_x86_feature_detected!("avx512f")
