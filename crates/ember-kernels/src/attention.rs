@@ -169,6 +169,29 @@ pub fn cached_causal_attention_at(
     cached_causal_attention_reference(q, k, v, start, Some(dropout))
 }
 
+#[cfg(test)]
+/// The reference attention of `qkv` `[B, T, 3D]` with each weight multiplied by its
+/// factor in `factors` (`[B, H, T, T]`, the dropout mask).
+pub(crate) fn masked_reference(qkv: Tensor<3>, heads: usize, factors: &[f32]) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    let (d, on) = (d3 / 3, qkv.device());
+    let k = d / heads;
+    let part = |i: usize| {
+        qkv.clone()
+            .slice([0..b, 0..t, i * d..(i + 1) * d])
+            .reshape([b, t, heads, k])
+            .swap_dims(1, 2)
+    };
+    let (q, kk, v) = (part(0), part(1), part(2));
+    let scale = 1.0 / (k as f64).sqrt();
+    let weights = crate::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
+    let mask = burn::tensor::TensorData::new(factors.to_vec(), [b, heads, t, t]);
+    (weights * Tensor::<4>::from_data(mask, &on))
+        .matmul(v)
+        .swap_dims(1, 2)
+        .reshape([b, t, d])
+}
+
 /// The probability with which `dropout` drops on `device`, as `Dropout::forward` decides it:
 /// its own in training mode under autodiff, else 0.
 fn applied(dropout: &Dropout, device: &Device) -> f64 {

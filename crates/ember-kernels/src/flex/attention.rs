@@ -358,21 +358,7 @@ mod tests {
             let factors: Vec<f32> = (0..n).map(|i| mask.factor(i)).collect();
             let dropped = factors.iter().filter(|&&f| f == 0.0).count();
             assert!(dropped > 0 && dropped < n, "{dropped} of {n}");
-            let reference = |qkv: Tensor<3>| {
-                let device = qkv.device();
-                let scale = 1.0 / (k as f64).sqrt();
-                let part = |i: usize| {
-                    qkv.clone()
-                        .slice([0..b, 0..t, i * d..(i + 1) * d])
-                        .reshape([b, t, heads, k])
-                        .swap_dims(1, 2)
-                };
-                let (q, kk, v) = (part(0), part(1), part(2));
-                let weights = crate::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
-                let m =
-                    Tensor::<1>::from_floats(factors.as_slice(), &device).reshape([b, heads, t, t]);
-                (weights * m).matmul(v).swap_dims(1, 2).reshape([b, t, d])
-            };
+            let reference = |qkv| crate::attention::masked_reference(qkv, heads, &factors);
             agrees_on(
                 &Device::flex(),
                 &x,

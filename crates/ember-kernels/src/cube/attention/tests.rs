@@ -163,7 +163,7 @@ fn narrow_products_stay_narrow_near_the_reference_on_wgpu() {
         .unwrap_or_else(|_| panic!("{what}: the kernels take an f16 projection"));
         assert_eq!(narrow.dtype(), DType::F16, "{what}");
         let narrow = narrow.cast(FloatDType::F32);
-        let wide = masked_reference(wide_in.clone(), heads, &factors);
+        let wide = crate::attention::masked_reference(wide_in.clone(), heads, &factors);
         let weights = Tensor::<3>::from_data(g, &device);
         let near = |a: Tensor<3>, r: Tensor<3>, part: &str| {
             let scale = r.clone().abs().max().into_scalar::<f32>();
@@ -289,32 +289,10 @@ fn agrees_with_the_masked_reference(
             let seed = |on: &Device| Tensor::<1>::from_floats([seed], on);
             seeded(qkv, heads, p as f64, seed).expect("a wgpu f32 tensor")
         },
-        |qkv| masked_reference(qkv, heads, &factors),
+        |qkv| crate::attention::masked_reference(qkv, heads, &factors),
         1e-4,
         what,
     );
-}
-
-/// The reference attention of `qkv` `[B, T, 3D]` with each weight multiplied by its
-/// factor in `factors` (`[B, H, T, T]`, the dropout mask).
-fn masked_reference(qkv: Tensor<3>, heads: usize, factors: &[f32]) -> Tensor<3> {
-    let [b, t, d3] = qkv.dims();
-    let (d, on) = (d3 / 3, qkv.device());
-    let k = d / heads;
-    let part = |i: usize| {
-        qkv.clone()
-            .slice([0..b, 0..t, i * d..(i + 1) * d])
-            .reshape([b, t, heads, k])
-            .swap_dims(1, 2)
-    };
-    let (q, kk, v) = (part(0), part(1), part(2));
-    let scale = 1.0 / (k as f64).sqrt();
-    let weights = crate::causal_softmax_reference(q.matmul(kk.swap_dims(2, 3)), scale);
-    let mask = burn::tensor::TensorData::new(factors.to_vec(), [b, heads, t, t]);
-    (weights * Tensor::<4>::from_data(mask, &on))
-        .matmul(v)
-        .swap_dims(1, 2)
-        .reshape([b, t, d])
 }
 
 /// Queries over a cache's whole buffer against the reference (scores, mask by position,
