@@ -13,7 +13,9 @@ pub use generate::{Decoding, GenerateOptions, generate, generate_reporting};
 pub use sampling::{Sampling, argmax, distribution, sample};
 pub use summed_losses::{SummedLosses, summed_losses};
 pub mod beam_search;
-pub use beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search, greedy};
+pub use beam_search::{
+    Hypothesis, SearchOptions, StepScorer, beam_search, beam_search_batch, greedy,
+};
 pub mod translate;
 pub use translate::{Seq2SeqScorer, translate_batch};
 pub mod attention_maps;

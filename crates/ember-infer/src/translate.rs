@@ -5,7 +5,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 use ember_model::{DecoderCache, EncoderDecoder, Memory};
 
-use crate::beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search, greedy};
+use crate::beam_search::{Hypothesis, SearchOptions, StepScorer, beam_search_batch, greedy};
 
 /// Decoder steps of an encoder-decoder model over a fixed encoder output.
 pub struct Seq2SeqScorer<'a> {
@@ -71,8 +71,9 @@ fn pad_sources(
     (ids, mask)
 }
 
-/// Translates a batch of tokenized sources (each ending with EOS). Beam 1 decodes all rows
-/// together greedily; a wider beam searches each sentence over the shared encoder output.
+/// Translates a batch of tokenized sources (each ending with EOS): the encoder runs once over the
+/// batch, then the decoder steps every sentence at once, greedily (beam 1) or with beam search
+/// (`beam` rows a sentence, [`beam_search_batch`]).
 pub fn translate_batch(
     model: &EncoderDecoder,
     sources: &[Vec<u32>],
@@ -102,15 +103,15 @@ pub fn translate_batch(
         let mut scorer = Seq2SeqScorer::new(model, memory);
         return greedy(&mut scorer, sources.len(), &options);
     }
-    (0..sources.len())
-        .map(|i| {
-            let rows =
-                Tensor::<1, Int>::from_ints(vec![i as i32; options.beam].as_slice(), &device);
-            let beam_memory = Memory {
-                states: memory.states.clone().select(0, rows.clone()),
-                pad: memory.pad.clone().map(|p| p.select(0, rows)),
-            };
-            beam_search(&mut Seq2SeqScorer::new(model, beam_memory), &options)
-        })
-        .collect()
+    // Each sentence's encoder output `beam` times over, the rows of its hypotheses.
+    let n = sources.len();
+    let rows: Vec<i32> = (0..n as i32)
+        .flat_map(|i| std::iter::repeat_n(i, options.beam))
+        .collect();
+    let rows = Tensor::<1, Int>::from_ints(rows.as_slice(), &device);
+    let memory = Memory {
+        states: memory.states.select(0, rows.clone()),
+        pad: memory.pad.map(|p| p.select(0, rows)),
+    };
+    beam_search_batch(&mut Seq2SeqScorer::new(model, memory), n, &options)
 }

@@ -191,6 +191,18 @@ fn learns_to_copy_and_decodes_consistently() {
             g.score
         );
     }
+    // Beam search over a batch (all sentences' hypotheses stepped together, padded sources)
+    // gives each sentence what it gets alone.
+    let mut beam4 = options;
+    beam4.beam = 4;
+    let batch: Vec<Vec<u32>> = sources[5..11].to_vec();
+    assert!(batch.iter().any(|s| s.len() != batch[0].len()), "padding");
+    let together = translate_batch(&t.model, &batch, PAD, &beam4);
+    for (src, got) in batch.iter().zip(&together) {
+        let alone = translate_batch(&t.model, std::slice::from_ref(src), PAD, &beam4).remove(0);
+        assert_eq!(got.tokens, alone.tokens);
+        assert!((got.log_prob - alone.log_prob).abs() < 1e-3);
+    }
     let _ = EOS;
     let _ = std::fs::remove_dir_all(dir);
 }
