@@ -1,7 +1,6 @@
 //! Translating with an [`EncoderDecoder`]: the encoder runs once per batch of sentences, the
 //! decoder steps with the KV cache, greedily or with beam search.
 
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 use ember_model::{DecoderCache, EncoderDecoder, Memory};
 
@@ -13,17 +12,39 @@ pub struct Seq2SeqScorer<'a> {
     memory: Memory,
     cache: DecoderCache,
     device: Device,
+    /// Each row's source: rows with the same one hold the same encoder output.
+    sources: Vec<usize>,
 }
 
 impl<'a> Seq2SeqScorer<'a> {
     /// Rows of `memory` are the hypotheses to extend.
     pub fn new(model: &'a EncoderDecoder, memory: Memory) -> Self {
+        let sources = (0..memory.states.dims()[0]).collect();
+        Self::with_sources(model, memory, sources)
+    }
+
+    /// `beam` rows for each row of `memory`, the hypotheses of its source: row `i * beam + j`
+    /// is hypothesis `j` of source `i`, as [`crate::beam_search_batch`] takes them.
+    pub fn for_beams(model: &'a EncoderDecoder, memory: Memory, beam: usize) -> Self {
+        let n = memory.states.dims()[0];
+        let sources: Vec<usize> = (0..n).flat_map(|i| std::iter::repeat_n(i, beam)).collect();
+        let rows: Vec<i32> = sources.iter().map(|&i| i as i32).collect();
+        let rows = Tensor::<1, Int>::from_ints(rows.as_slice(), &memory.states.device());
+        let memory = Memory {
+            states: memory.states.select(0, rows.clone()),
+            pad: memory.pad.map(|p| p.select(0, rows)),
+        };
+        Self::with_sources(model, memory, sources)
+    }
+
+    fn with_sources(model: &'a EncoderDecoder, memory: Memory, sources: Vec<usize>) -> Self {
         let device = memory.states.device();
         Self {
             model,
             memory,
             cache: model.new_cache(),
             device,
+            sources,
         }
     }
 }
@@ -38,7 +59,7 @@ impl StepScorer for Seq2SeqScorer<'_> {
             .decode(tokens, None, &self.memory, Some(&mut self.cache), false)
             .logits; // [N, 1, V]
         let v = logits.dims()[2];
-        let flat = log_softmax(logits.reshape([n, v]), 1)
+        let flat = ember_kernels::log_softmax(logits.reshape([n, v]))
             .try_into_vec_as::<f32>()
             .expect("logits are f32");
         flat.chunks(v).map(<[f32]>::to_vec).collect()
@@ -47,6 +68,14 @@ impl StepScorer for Seq2SeqScorer<'_> {
     fn reorder(&mut self, rows: &[usize]) {
         let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         let index = Tensor::<1, Int>::from_ints(ids.as_slice(), &self.device);
+        let sources: Vec<usize> = rows.iter().map(|&r| self.sources[r]).collect();
+        if sources == self.sources {
+            // Rows change places only among hypotheses of one source: the encoder output, its
+            // padding and the cross-attention keys and values stay where they are.
+            self.cache.select_self_batch(index);
+            return;
+        }
+        self.sources = sources;
         self.cache.select_batch(index.clone());
         self.memory.states = self.memory.states.clone().select(0, index.clone());
         self.memory.pad = self.memory.pad.take().map(|p| p.select(0, index));
@@ -103,15 +132,6 @@ pub fn translate_batch(
         let mut scorer = Seq2SeqScorer::new(model, memory);
         return greedy(&mut scorer, sources.len(), &options);
     }
-    // Each sentence's encoder output `beam` times over, the rows of its hypotheses.
-    let n = sources.len();
-    let rows: Vec<i32> = (0..n as i32)
-        .flat_map(|i| std::iter::repeat_n(i, options.beam))
-        .collect();
-    let rows = Tensor::<1, Int>::from_ints(rows.as_slice(), &device);
-    let memory = Memory {
-        states: memory.states.select(0, rows.clone()),
-        pad: memory.pad.map(|p| p.select(0, rows)),
-    };
-    beam_search_batch(&mut Seq2SeqScorer::new(model, memory), n, &options)
+    let mut scorer = Seq2SeqScorer::for_beams(model, memory, options.beam);
+    beam_search_batch(&mut scorer, sources.len(), &options)
 }

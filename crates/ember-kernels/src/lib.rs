@@ -66,6 +66,7 @@ pub mod external_launches;
 mod gelu;
 pub mod gpu_kernels;
 mod layer_norm;
+mod log_softmax;
 pub mod masks;
 mod products;
 pub mod recording;
@@ -109,6 +110,7 @@ pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{AttentionTuning, GpuKernel, GpuKernels, GpuPolicy, GpuStrategy};
 pub use layer_norm::{layer_norm, layer_norm_reference};
+pub use log_softmax::{log_softmax, log_softmax_reference};
 pub use products::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
     linear_into, matmul, matmul_reference, matmul_split_rows, weight_gradient_splits,

@@ -1,6 +1,7 @@
 //! The causal attention softmax on flex through [`crate::kernels::softmax`], with its own
 //! autodiff op, in place of scaling, masking and Burn's softmax (three tensor ops, each with a
-//! backward, and a scalar `expf` per score, masked ones included).
+//! backward, and a scalar `expf` per score, masked ones included); and the log-softmax of plain
+//! rows of logits ([`crate::log_softmax`]).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -11,8 +12,39 @@ use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::Tensor;
 
 use super::op;
-use super::tensor::{Tracked, contiguous, from_values};
+use super::tensor::{Tracked, as_flex, contiguous, from_flex, from_values, values_mut};
+use crate::kernels::cross_entropy::log_sum_exp;
 use crate::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
+
+/// `log(softmax(x))` over the last axis where `x` is a plain flex `f32` tensor (not tracked by
+/// autodiff) with rows; otherwise `x` back. Rows are spread over rayon's threads in blocks of
+/// about 64k values.
+///
+/// # Shapes
+/// - x: `[N, V]`
+/// - output: `[N, V]`
+pub(crate) fn log_softmax(x: Tensor<2>) -> Result<Tensor<2>, Tensor<2>> {
+    use rayon::prelude::*;
+    let [n, v] = x.dims();
+    let Some(t) = as_flex(&x).filter(|_| n > 0 && v > 0) else {
+        return Err(x);
+    };
+    drop(x); // the buffer is `t`'s alone unless someone else holds `x`'s
+    let mut t = contiguous(t);
+    let values = values_mut(&mut t);
+    let rows_per_task = (1 << 16) / v + 1;
+    let block = |rows: &mut [f32]| {
+        for row in rows.chunks_exact_mut(v) {
+            let lse = log_sum_exp(row);
+            row.iter_mut().for_each(|x| *x -= lse);
+        }
+    };
+    match n > rows_per_task {
+        true => values.par_chunks_mut(rows_per_task * v).for_each(block),
+        false => block(values),
+    }
+    Ok(from_flex(t))
+}
 
 /// `softmax(scale * scores)` over the last axis with the causal mask (query `i` sees keys
 /// `..= S - T + i`) where ember's kernels take `scores`; otherwise `scores` back.

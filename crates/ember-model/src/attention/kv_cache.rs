@@ -222,8 +222,25 @@ impl KvCache {
                 .map(|&r| self.left_padding[r as usize])
                 .collect();
         }
-        self.k = self.k.take().map(|k| k.select(0, indices.clone()));
-        self.v = self.v.take().map(|v| v.select(0, indices));
+        let (len, whole_buffer, b) = (self.len, self.whole_buffer, indices.dims()[0]);
+        let select = |buffer: Tensor<4>| {
+            let [n, h, capacity, d] = buffer.dims();
+            if whole_buffer || self.position.is_some() || b != n || 2 * len > capacity {
+                // Attention reads past `len` (masked, so zeros there), rows are dropped, or
+                // the buffer is mostly valid: every position is selected.
+                return buffer.select(0, indices.clone());
+            }
+            // The same rows in another order: the valid positions alone are gathered and
+            // written back into the buffer, in place (it is the cache's alone).
+            let valid = [0..n, 0..h, 0..len, 0..d];
+            let moved = buffer
+                .clone()
+                .slice(valid.clone())
+                .select(0, indices.clone());
+            buffer.slice_assign(valid, moved)
+        };
+        self.k = self.k.take().map(select);
+        self.v = self.v.take().map(select);
     }
 }
 
@@ -330,6 +347,83 @@ impl DecoderCache {
     pub fn select_batch(&mut self, indices: burn::tensor::Tensor<1, burn::tensor::Int>) {
         for cache in self.self_attn.iter_mut().chain(self.cross_attn.iter_mut()) {
             cache.select_batch(indices.clone());
+        }
+    }
+
+    /// [`DecoderCache::select_batch`] for the self-attention caches alone: for rows that only
+    /// change places among rows with the same encoder output (a beam's hypotheses of one
+    /// source), whose cross-attention keys and values are the same.
+    pub fn select_self_batch(&mut self, indices: burn::tensor::Tensor<1, burn::tensor::Int>) {
+        for cache in &mut self.self_attn {
+            cache.select_batch(indices.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, Distribution, Int};
+
+    fn steps(device: &Device) -> Vec<(Tensor<4>, Tensor<4>)> {
+        let normal = Distribution::Normal(0.0, 1.0);
+        (0..3)
+            .map(|i| {
+                let t = 1 + i % 2;
+                let k = Tensor::<4>::random([3, 2, t, 4], normal, device);
+                (k.clone(), k.mul_scalar(-2.0))
+            })
+            .collect()
+    }
+
+    /// Reordering the rows (in place, the valid positions alone) and dropping rows (the whole
+    /// buffer) keep each row's keys and values, before and after further steps; a cache read
+    /// whole keeps zeros past its valid positions.
+    #[test]
+    fn selecting_rows_keeps_their_keys_and_values() {
+        let device = Device::flex();
+        for (rows, whole) in [
+            (vec![2, 0, 1], false),
+            (vec![1, 1, 0], false),
+            (vec![2, 0], false),
+        ]
+        .into_iter()
+        .chain([(vec![2, 0, 1], true)])
+        {
+            let mut cache = match whole {
+                true => KvCache::whole_buffer(),
+                false => KvCache::new(),
+            };
+            let steps = steps(&device);
+            let index = |rows: &[usize]| {
+                let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+                Tensor::<1, Int>::from_ints(ids.as_slice(), &device)
+            };
+            for (k, v) in &steps[..2] {
+                cache.append(k.clone(), v.clone());
+            }
+            cache.select_batch(index(&rows));
+            let (k2, v2) = steps[2].clone();
+            let (k2, v2) = (k2.select(0, index(&rows)), v2.select(0, index(&rows)));
+            cache.append(k2.clone(), v2.clone());
+            let expected = |i: usize| {
+                let parts: Vec<Tensor<4>> = steps[..2]
+                    .iter()
+                    .map(|(k, v)| [k, v][i].clone().select(0, index(&rows)))
+                    .chain([[&k2, &v2][i].clone()])
+                    .collect();
+                Tensor::cat(parts, 2)
+            };
+            let (k, v) = cache.get().expect("cached");
+            assert_eq!(cache.len(), 4);
+            k.into_data().assert_eq(&expected(0).into_data(), true);
+            v.into_data().assert_eq(&expected(1).into_data(), true);
+            if whole {
+                let buffer = cache.k.clone().expect("a buffer");
+                let [b, h, capacity, d] = buffer.dims();
+                let rest = buffer.slice([0..b, 0..h, 4..capacity, 0..d]);
+                assert_eq!(rest.abs().max().into_scalar::<f32>(), 0.0);
+            }
         }
     }
 }
