@@ -225,25 +225,65 @@ pub fn cached_causal_attention_reference(
     weights.matmul(v)
 }
 
-/// `softmax(q K^T / sqrt(K)) V` for one query position that sees every key, with `dropout` on
-/// the weights.
+/// `softmax(q K^T / sqrt(K) + mask) V` for one query position, with `dropout` on the weights:
+/// a decoding step, over the keys cached so far or over a source (`mask`: its padding).
+///
+/// `mask` is `true` at keys the query may not see and broadcasts to `[B, H, 1, S]`. The flex
+/// kernel takes plain tensors (where dropout does nothing) with no mask, or with a padding mask
+/// `[B, 1, 1, S]` that hides the last keys of each row (right-padded sources, as ember pads
+/// them); others take the reference.
 ///
 /// # Shapes
 /// - q: `[B, H, 1, K]`
 /// - k, v: `[B, H, S, K]`
+/// - mask: broadcastable to `[B, H, 1, S]`
 /// - output: `[B, H, 1, K]`
 pub fn single_query_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
+    mask: Option<Tensor<4, Bool>>,
     dropout: Option<&Dropout>,
 ) -> Tensor<4> {
-    // The kernel takes plain tensors only, on which dropout does nothing.
+    // The mask is read on the host: only where the kernel may take the tensors.
     #[cfg(feature = "flex")]
-    if let Some(context) = super::flex::decode_attention::single_query(&q, &k, &v) {
+    if super::flex::tensor::as_flex(&q).is_some()
+        && let Some(lens) = key_lens(mask.as_ref(), q.dims()[0], k.dims()[2])
+        && let Some(context) = super::flex::decode_attention::single_query(&q, &k, &v, &lens)
+    {
         return context;
     }
-    single_query_attention_reference(q, k, v, dropout)
+    single_query_attention_reference(q, k, v, mask, dropout)
+}
+
+/// The keys each batch row sees where `mask` hides the last ones of each row (none: all `s`,
+/// given as no lengths), each row seeing at least one; `None` for any other mask.
+#[cfg(feature = "flex")]
+fn key_lens(mask: Option<&Tensor<4, Bool>>, b: usize, s: usize) -> Option<Vec<usize>> {
+    let Some(mask) = mask else {
+        return Some(Vec::new());
+    };
+    let [mb, mh, mt, ms] = mask.dims();
+    if (mb != b && mb != 1) || mh != 1 || mt != 1 || ms != s || s == 0 {
+        return None;
+    }
+    let hidden = mask
+        .to_data()
+        .convert::<bool>()
+        .try_into_vec::<bool>()
+        .ok()?;
+    let lens: Vec<usize> = hidden
+        .chunks(s)
+        .map(|row| row.iter().position(|&h| h).unwrap_or(s))
+        .collect();
+    let trailing = hidden
+        .chunks(s)
+        .zip(&lens)
+        .all(|(row, &len)| len > 0 && row[len..].iter().all(|&h| h));
+    trailing.then(|| match mb {
+        1 => vec![lens[0]; b],
+        _ => lens,
+    })
 }
 
 /// [`single_query_attention`] in Burn's tensor ops, on every backend.
@@ -251,10 +291,16 @@ pub fn single_query_attention_reference(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
+    mask: Option<Tensor<4, Bool>>,
     dropout: Option<&Dropout>,
 ) -> Tensor<4> {
     let scale = 1.0 / (q.dims()[3] as f64).sqrt();
-    let weights = softmax(q.matmul(k.swap_dims(2, 3)).mul_scalar(scale), 3); // [B, H, 1, S]
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, 1, S]
+    let scores = match mask {
+        Some(mask) => scores.mask_fill(mask, MASKED_SCORE),
+        None => scores,
+    };
+    let weights = softmax(scores, 3);
     let weights = match dropout {
         Some(dropout) => dropout.forward(weights),
         None => weights,
@@ -267,15 +313,39 @@ mod tests {
     use super::*;
 
     /// One query over a cache-like view (the first 37 of 50 positions, as a KV cache returns
-    /// them): the flex loops take it, and equal the op's reference. (Against the model's general
-    /// attention: ember-model's tests/ops_and_concepts.rs.)
+    /// them): the flex loops take it, and equal the op's reference; with padding masks that
+    /// hide the last keys of each row (per row, or one row for all), too. A mask of another
+    /// shape (hiding keys inside a row) takes the reference.
     #[test]
     fn single_query_equals_its_reference() {
         let (q, k, v) = crate::check::cache_like_query(&Device::flex());
-        assert!(crate::flex::decode_attention::single_query(&q, &k, &v).is_some());
-        let fast = single_query_attention(q.clone(), k.clone(), v.clone(), None);
-        let reference = single_query_attention_reference(q, k, v, None);
-        let diff = (fast - reference).abs().max().into_scalar::<f32>();
-        assert!(diff < 1e-5, "differs by {diff}");
+        let device = q.device();
+        let pad = |rows: &[usize]| {
+            let hidden: Vec<bool> = rows
+                .iter()
+                .flat_map(|&len| (0..37).map(move |s| s >= len))
+                .collect();
+            let data = burn::tensor::TensorData::new(hidden, [rows.len(), 1, 1, 37]);
+            Tensor::<4, Bool>::from_data(data, &device)
+        };
+        let inner = {
+            let mut hidden = vec![false; 2 * 37];
+            hidden[3] = true;
+            let data = burn::tensor::TensorData::new(hidden, [2, 1, 1, 37]);
+            Tensor::<4, Bool>::from_data(data, &device)
+        };
+        let masks = [None, Some(pad(&[37, 20])), Some(pad(&[5])), Some(inner)];
+        for (i, mask) in masks.into_iter().enumerate() {
+            let taken = key_lens(mask.as_ref(), 2, 37);
+            assert_eq!(taken.is_some(), i < 3, "mask {i}");
+            if let Some(lens) = taken {
+                assert!(crate::flex::decode_attention::single_query(&q, &k, &v, &lens).is_some());
+            }
+            let fast = single_query_attention(q.clone(), k.clone(), v.clone(), mask.clone(), None);
+            let reference =
+                single_query_attention_reference(q.clone(), k.clone(), v.clone(), mask, None);
+            let diff = (fast - reference).abs().max().into_scalar::<f32>();
+            assert!(diff < 1e-5, "mask {i}: differs by {diff}");
+        }
     }
 }

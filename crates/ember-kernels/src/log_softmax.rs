@@ -47,7 +47,7 @@ mod tests {
         ] {
             let x = Tensor::<2>::random([n, v], Distribution::Normal(0.0, 4.0), &device)
                 .add_scalar(offset);
-            let values = x.to_data().to_vec::<f32>().unwrap();
+            let values = x.to_data().try_to_vec::<f32>().unwrap();
             let exact: Vec<f32> = values
                 .chunks(v)
                 .flat_map(|row| {

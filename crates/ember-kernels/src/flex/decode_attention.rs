@@ -7,17 +7,28 @@ use burn::tensor::{Shape, Tensor};
 use crate::flex::tensor::{as_flex, contiguous, from_flex, from_values};
 use crate::kernels::attention::{HeadsView, single_query_attention};
 
-/// `softmax(q k^T / sqrt(K)) v` for a single query position, or `None` where this path does not
-/// apply (more than one query, another backend, autodiff, another dtype, unusual strides).
+/// `softmax(q k^T / sqrt(K)) v` for a single query position over the first `key_lens[b]` keys of
+/// each batch row `b` (all of them where `key_lens` is empty), or `None` where this path does
+/// not apply (more than one query, another backend, autodiff, another dtype, unusual strides).
 ///
 /// # Shapes
 /// - q: `[B, H, 1, K]`
 /// - k, v: `[B, H, S, K]`
 /// - output: `[B, H, 1, K]`
-pub(crate) fn single_query(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> Option<Tensor<4>> {
+pub(crate) fn single_query(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+    key_lens: &[usize],
+) -> Option<Tensor<4>> {
     let [b, h, t, d] = q.dims();
     let [_, _, s, _] = k.dims();
     if t != 1 || s == 0 || k.dims() != [b, h, s, d] || v.dims() != [b, h, s, d] {
+        return None;
+    }
+    let lens_fit = key_lens.is_empty()
+        || (key_lens.len() == b && key_lens.iter().all(|&len| (1..=s).contains(&len)));
+    if !lens_fit {
         return None;
     }
     let (q, k, v) = (contiguous(as_flex(q)?), as_flex(k)?, as_flex(v)?);
@@ -32,6 +43,7 @@ pub(crate) fn single_query(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> Optio
         keys,
         values,
         [b, h, s, d],
+        key_lens,
         scale,
         &mut scores,
         &mut out,

@@ -181,7 +181,9 @@ unsafe fn scores_avx512_unchecked<const D: usize>(
 }
 
 multiversion! {
-    /// `out[b, h] = softmax_s(scale * q[b, h] . keys[b, h, s]) @ values[b, h]`.
+    /// `out[b, h] = softmax_s(scale * q[b, h] . keys[b, h, s]) @ values[b, h]`, `s` over the
+    /// first `key_lens[b]` keys of batch row `b` (each at least 1; all `S` where `key_lens` is
+    /// empty): a source's padding at its end, hidden.
     ///
     /// `dims = [B, H, S, K]`; `q` and `out` are contiguous `[B, H, K]`; `scores` has room for
     /// `S` values (scratch).
@@ -190,12 +192,14 @@ multiversion! {
         keys: HeadsView<'_>,
         values: HeadsView<'_>,
         dims: [usize; 4],
+        key_lens: &[usize],
         scale: f32,
         scores: &mut [f32],
         out: &mut [f32]
     ) {
-        let [batch, heads, len, d] = dims;
+        let [batch, heads, all, d] = dims;
         for b in 0..batch {
+            let len = key_lens.get(b).copied().unwrap_or(all);
             for h in 0..heads {
                 let at = (b * heads + h) * d;
                 let query = &q[at..at + d];
@@ -290,11 +294,13 @@ mod tests {
         let mut scores = vec![0.0; len];
         let mut out = vec![0.0; batch * heads * head_size];
         let dims = [batch, heads, len, head_size];
-        single_query_attention(&q, keys, values, dims, scale, &mut scores, &mut out);
+        // Batch row 1 sees its first keys alone (padding after them) where there are several.
+        let lens = [len, len.div_ceil(2)];
+        single_query_attention(&q, keys, values, dims, &lens, scale, &mut scores, &mut out);
         for b in 0..batch {
             for h in 0..heads {
                 let rows = |view: &HeadsView| -> Vec<Vec<f32>> {
-                    (0..len)
+                    (0..lens[b])
                         .map(|s| view.row(b, h, s, head_size).to_vec())
                         .collect()
                 };
@@ -329,6 +335,7 @@ mod tests {
             view(&keys),
             view(&values),
             dims,
+            &[],
             0.5,
             &mut [0.0],
             &mut out,

@@ -27,7 +27,7 @@ pub struct AttentionOutput {
 /// a causal mask can be `[1, 1, T, S]`, a padding mask `[B, 1, 1, S]`.
 /// `dropout` (if any) applies to the weights before they multiply `V`, as in the paper.
 ///
-/// One query with no mask and no weights asked for (a decoding step with a KV cache) is
+/// One query with no weights asked for (a decoding step with a KV cache) is
 /// [`ops::single_query_attention`].
 ///
 /// # Shapes
@@ -44,10 +44,10 @@ pub fn scaled_dot_product_attention(
     dropout: Option<&Dropout>,
     return_weights: bool,
 ) -> AttentionOutput {
-    if mask.is_none() && !return_weights && q.dims()[2] == 1 {
-        // A decoding step: one query that sees every key.
+    if !return_weights && q.dims()[2] == 1 {
+        // A decoding step: one query, over the keys cached so far or a source's.
         return AttentionOutput {
-            context: ops::single_query_attention(q, k, v, dropout),
+            context: ops::single_query_attention(q, k, v, mask, dropout),
             weights: None,
         };
     }
