@@ -145,6 +145,21 @@ pub fn beam_search_batch(
     beams.into_iter().map(|b| b.best(options)).collect()
 }
 
+/// The `m` largest values of `row` with their indices, largest first (equal values: the lower
+/// index first), in one pass that compares most values with the smallest kept alone.
+fn largest(row: &[f32], m: usize) -> Vec<(f32, u32)> {
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(m + 1);
+    for (i, &p) in row.iter().enumerate() {
+        if best.len() == m && best.last().is_none_or(|last| p.total_cmp(&last.0).is_le()) {
+            continue;
+        }
+        let at = best.partition_point(|(q, _)| q.total_cmp(&p).is_ge());
+        best.insert(at, (p, i as u32));
+        best.truncate(m);
+    }
+    best
+}
+
 /// One sentence's search: its live hypotheses (`(tokens, log_prob)`, row `i` of its rows in the
 /// scorer holds hypothesis `i`; a dead row's log-probability is minus infinity) and those
 /// finished.
@@ -181,11 +196,7 @@ impl Beam {
             if self.live[row].1 == f32::NEG_INFINITY {
                 continue;
             }
-            let mut best: Vec<(f32, u32)> =
-                lp.iter().enumerate().map(|(v, &p)| (p, v as u32)).collect();
-            let take = (2 * k).min(best.len());
-            best.select_nth_unstable_by(take - 1, |a, b| b.0.total_cmp(&a.0));
-            for &(p, v) in &best[..take] {
+            for (p, v) in largest(lp, 2 * k) {
                 candidates.push((self.live[row].1 + p, row, v));
             }
         }
@@ -349,6 +360,22 @@ mod tests {
         let b = beam_search(&mut table(1, 1, trap), &options(1));
         assert_eq!(g.tokens, b.tokens);
         assert!((g.log_prob - b.log_prob).abs() < 1e-6);
+    }
+
+    /// The largest values against a full sort, ties included, and fewer values than asked.
+    #[test]
+    fn largest_keeps_the_top_values_in_order() {
+        let row = [0.5, -1.0, 3.0, 0.5, 2.0, f32::NEG_INFINITY, 3.0, 0.25];
+        let mut sorted: Vec<(f32, u32)> = row.iter().zip(0..).map(|(&p, i)| (p, i)).collect();
+        sorted.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for m in [1, 3, 5, 8, 12] {
+            assert_eq!(
+                largest(&row, m),
+                sorted[..m.min(row.len())].to_vec(),
+                "m = {m}"
+            );
+        }
+        assert!(largest(&row, 0).is_empty());
     }
 
     /// Sentences searched together give what each gives alone, to the bit, whether they stop at
