@@ -36,18 +36,8 @@ pub(crate) fn single_query(
     let query = &q.storage::<f32>()[start..end];
     let (keys, values) = (view(&k)?, view(&v)?);
     let mut out = vec![0.0; b * h * d];
-    let mut scores = vec![0.0; s];
     let scale = 1.0 / (d as f32).sqrt();
-    single_query_attention(
-        query,
-        keys,
-        values,
-        [b, h, s, d],
-        key_lens,
-        scale,
-        &mut scores,
-        &mut out,
-    );
+    single_query_attention(query, keys, values, [b, h, s, d], key_lens, scale, &mut out);
     Some(from_flex(from_values(out, Shape::new([b, h, 1, d]))))
 }
 

@@ -185,8 +185,7 @@ multiversion! {
     /// first `key_lens[b]` keys of batch row `b` (each at least 1; all `S` where `key_lens` is
     /// empty): a source's padding at its end, hidden.
     ///
-    /// `dims = [B, H, S, K]`; `q` and `out` are contiguous `[B, H, K]`; `scores` has room for
-    /// `S` values (scratch).
+    /// `dims = [B, H, S, K]`; `q` and `out` are contiguous `[B, H, K]`.
     pub fn single_query_attention(
         q: &[f32],
         keys: HeadsView<'_>,
@@ -194,10 +193,10 @@ multiversion! {
         dims: [usize; 4],
         key_lens: &[usize],
         scale: f32,
-        scores: &mut [f32],
         out: &mut [f32]
     ) {
         let [batch, heads, all, d] = dims;
+        let scores = &mut vec![0.0; all];
         for b in 0..batch {
             let len = key_lens.get(b).copied().unwrap_or(all);
             for h in 0..heads {
@@ -291,16 +290,15 @@ mod tests {
             .map(|i| value(i + 99_999))
             .collect();
         let scale = 1.0 / (head_size as f32).sqrt();
-        let mut scores = vec![0.0; len];
         let mut out = vec![0.0; batch * heads * head_size];
         let dims = [batch, heads, len, head_size];
         // Batch row 1 sees its first keys alone (padding after them) where there are several.
         let lens = [len, len.div_ceil(2)];
-        single_query_attention(&q, keys, values, dims, &lens, scale, &mut scores, &mut out);
-        for b in 0..batch {
+        single_query_attention(&q, keys, values, dims, &lens, scale, &mut out);
+        for (b, &seen) in lens.iter().enumerate() {
             for h in 0..heads {
                 let rows = |view: &HeadsView| -> Vec<Vec<f32>> {
-                    (0..lens[b])
+                    (0..seen)
                         .map(|s| view.row(b, h, s, head_size).to_vec())
                         .collect()
                 };
@@ -337,7 +335,6 @@ mod tests {
             dims,
             &[],
             0.5,
-            &mut [0.0],
             &mut out,
         );
         assert_eq!(out, values);
