@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::op;
 use super::tensor::{Tracked, contiguous, from_values, values, values_mut};
+use super::threads::rows_per_task;
 use crate::kernels::layer_norm as layer_norm_kernel;
 
 /// `(x - mean) * rstd * gamma` over the last axis with epsilon `eps`, where `x` and `gamma`
@@ -81,12 +82,6 @@ impl Backward<Flex, 2> for ScaledNorm {
             grads.register::<Flex>(node.id, dgamma);
         }
     }
-}
-
-/// Rows per task when a tensor is split over rayon's threads: about 32k values. Shorter
-/// tensors (a decoding step's) stay on the calling thread.
-fn rows_per_task(d: usize) -> usize {
-    ((1 << 15) / d.max(1)).max(1)
 }
 
 /// The output and `[mean, rstd]` per row.

@@ -13,12 +13,13 @@ use burn::tensor::Tensor;
 
 use super::op;
 use super::tensor::{Tracked, as_flex, contiguous, from_flex, from_values, values_mut};
+use super::threads::rows_per_task;
 use crate::kernels::cross_entropy::log_sum_exp;
 use crate::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
 
 /// `log(softmax(x))` over the last axis where `x` is a plain flex `f32` tensor (not tracked by
-/// autodiff) with rows; otherwise `x` back. Rows are spread over rayon's threads in blocks of
-/// about 64k values.
+/// autodiff) with rows; otherwise `x` back. Rows are spread over rayon's threads
+/// ([`rows_per_task`]).
 ///
 /// # Shapes
 /// - x: `[N, V]`
@@ -32,16 +33,16 @@ pub(crate) fn log_softmax(x: Tensor<2>) -> Result<Tensor<2>, Tensor<2>> {
     drop(x); // the buffer is `t`'s alone unless someone else holds `x`'s
     let mut t = contiguous(t);
     let values = values_mut(&mut t);
-    let rows_per_task = (1 << 16) / v + 1;
+    let task = rows_per_task(v);
     let block = |rows: &mut [f32]| {
         for row in rows.chunks_exact_mut(v) {
             let lse = log_sum_exp(row);
             row.iter_mut().for_each(|x| *x -= lse);
         }
     };
-    match n > rows_per_task {
-        true => values.par_chunks_mut(rows_per_task * v).for_each(block),
-        false => block(values),
+    match n < 2 * task {
+        true => block(values),
+        false => values.par_chunks_mut(task * v).for_each(block),
     }
     Ok(from_flex(t))
 }

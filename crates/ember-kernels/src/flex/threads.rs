@@ -29,6 +29,13 @@ pub fn join_global_pool() -> bool {
 /// pool costs more than it saves there.
 const TASK: usize = 1 << 15;
 
+/// Rows of `width` values per task when whole rows are split over rayon's threads: about
+/// [`TASK`] values, at least one row. A tensor of fewer than two tasks' rows stays on the
+/// calling thread.
+pub(crate) fn rows_per_task(width: usize) -> usize {
+    (TASK / width.max(1)).max(1)
+}
+
 /// `f(chunk, offset of its first element)` over `out` in chunks of [`TASK`] elements, on
 /// rayon's threads when there are at least two chunks.
 pub(crate) fn spread(out: &mut [f32], f: impl Fn(&mut [f32], usize) + Send + Sync) {
