@@ -5,6 +5,7 @@ pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
+pub mod few_rows;
 pub mod gelu;
 pub mod layer_norm;
 pub mod softmax;
