@@ -421,7 +421,7 @@ mod tests {
         assert_eq!(column_block(1, 2304, 768, 2), Some(1152));
         assert_eq!(column_block(FEW_ROWS, 1000, 768, 2), Some(512)); // 512 + 488
         let block = column_block(1, 50257, 768, 3).unwrap();
-        assert!(block % COLUMN_BLOCK == 0 && 3 * block >= 50257 && 2 * block < 50257);
+        assert!(block.is_multiple_of(COLUMN_BLOCK) && 3 * block >= 50257 && 2 * block < 50257);
         assert_eq!(column_block(FEW_ROWS + 1, 2304, 768, 2), None);
         assert_eq!(column_block(1, 2304, 768, 1), None);
         assert_eq!(column_block(1, 100, 2000, 2), None);
