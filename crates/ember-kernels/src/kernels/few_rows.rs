@@ -14,7 +14,7 @@
 //! Both write `out` without reading it. Rows are `a[r * a_rs..][..k]`; the `[k, n]` weight's
 //! row `p` is `b[p * b_rs..][..n]`, the `[n, k]` one's row `j` is `b[j * b_rs..][..k]`.
 
-use crate::kernels::vector_math::{madd, multiversion};
+use crate::kernels::vector_math::{madd, multiversion, tree_sum};
 
 /// The most rows these loops are meant for. Beyond it gemm's panels, reused by many rows, catch
 /// up (16 rows of GPT-2 124M decoded no faster by these loops than by gemm on 2 cores).
@@ -113,15 +113,8 @@ fn dots<const R: usize, const F: bool>(
             }
         }
         for ((acc, x), o) in acc.iter_mut().zip(rows).zip(out.iter_mut()) {
-            let mut width = 8;
-            while width > 0 {
-                for l in 0..width {
-                    acc[l] += acc[l + width];
-                }
-                width /= 2;
-            }
             let tail = (split..k).fold(0.0, |s, p| madd::<F>(x[p], w[p], s));
-            o[j] = acc[0] + tail;
+            o[j] = tree_sum(acc) + tail;
         }
     }
 }

@@ -108,6 +108,13 @@ pub(crate) fn dot<const F: bool, const LANES: usize>(a: &[f32], b: &[f32]) -> f3
     for (x, y) in a[split..].iter().zip(&b[split..]) {
         sum = madd::<F>(*x, *y, sum);
     }
+    sum + tree_sum(&mut acc)
+}
+
+/// The sum of `LANES` partial sums (a power of two), added as a tree in place (so that it
+/// vectorises): the last step of [`dot`] and [`lanes_sum`].
+#[inline(always)]
+pub(crate) fn tree_sum<const LANES: usize>(acc: &mut [f32; LANES]) -> f32 {
     let mut width = LANES / 2;
     while width > 0 {
         for i in 0..width {
@@ -115,7 +122,7 @@ pub(crate) fn dot<const F: bool, const LANES: usize>(a: &[f32], b: &[f32]) -> f3
         }
         width /= 2;
     }
-    sum + acc[0]
+    acc[0]
 }
 
 /// The sum, with 16 partial sums added as a tree so that it vectorises.
@@ -128,14 +135,7 @@ pub(crate) fn lanes_sum(xs: &[f32]) -> f32 {
             acc[i] += chunk[i];
         }
     }
-    let mut width = 8;
-    while width > 0 {
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-        width /= 2;
-    }
-    acc[0] + xs[split..].iter().sum::<f32>()
+    tree_sum(&mut acc) + xs[split..].iter().sum::<f32>()
 }
 
 pub(crate) use multiversion;
