@@ -93,8 +93,14 @@ impl Tokenizer {
         match self {
             Tokenizer::Char(t) => t.decode(ids),
             Tokenizer::Bpe(t) => {
-                let vocab = t.get_vocab_size(true) as u32;
-                let known: Vec<u32> = ids.iter().copied().filter(|&i| i < vocab).collect();
+                // Per id, not against `get_vocab_size(true)`: that walks every added token on
+                // each call (42k of them in a vocabulary padded to GPT-2's size), and streaming
+                // decodes twice a token.
+                let known: Vec<u32> = ids
+                    .iter()
+                    .copied()
+                    .filter(|&i| t.id_to_token(i).is_some())
+                    .collect();
                 t.decode(&known, false).unwrap_or_default()
             }
         }
@@ -190,8 +196,11 @@ mod tests {
         tok.save(&dir).unwrap();
         let again = Tokenizer::load(&dir).unwrap();
         assert_eq!(again.encode(TEXT).unwrap(), tok.encode(TEXT).unwrap());
-        // Out-of-range ids never panic.
+        // Out-of-range ids never panic; added tokens are text like any other.
         assert_eq!(tok.decode(&[u32::MAX, 5_000_000]), "");
+        let pad = tok.encode("<pad>").unwrap().ids;
+        assert_eq!(pad.len(), 1);
+        assert_eq!(tok.decode(&[pad[0], u32::MAX, pad[0]]), "<pad><pad>");
     }
 
     #[test]
