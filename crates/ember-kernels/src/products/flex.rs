@@ -266,7 +266,7 @@ unsafe fn mm_column_blocks(
     });
 }
 
-/// [`mm`] by ember's loops for a few rows (`kernels::few_rows`), which read each weight once,
+/// [`mm`] by ember's kernels for a few rows (`kernels::few_rows`), which read each weight once,
 /// where the layout suits them: `A`'s rows contiguous, `B` row-major, or its transpose for more
 /// than one row. Returns `false`, having done nothing, otherwise.
 ///

@@ -5,16 +5,23 @@
 //! cost. gemm serves more than one row from packed panels: it reads the weights, writes them
 //! again in its own layout and reads that. Here every weight is read once from where it lies:
 //!
-//! - [`rows_by_matrix`]: a weight stored `[k, n]` row-major (a linear layer's `[in, out]`). The
-//!   output rows accumulate in panels of columns (kept in L1 across the pass over `k`), four
-//!   rows of weights at a time, each a contiguous stretch of the panel's width.
+//! - [`rows_by_matrix`]: a weight stored `[k, n]` row-major (a linear layer's `[in, out]`). With
+//!   AVX-512 and two rows or more, register tiles of 32 columns of every row summed down the
+//!   whole of `k` (`avx512::tiles`); otherwise the output rows accumulate in panels of columns
+//!   (kept in L1 across the pass over `k`), four rows of weights at a time, each a contiguous
+//!   stretch of the panel's width.
 //! - [`rows_by_transposed`]: a weight stored `[n, k]` (the token table as a tied output head):
-//!   each of its rows is read once and dotted with up to eight input rows at a time (in L1).
+//!   each of its rows is read once and dotted with up to eight input rows at a time (in L1);
+//!   with AVX-512, two weight rows at a time.
 //!
+//! The AVX-512 kernels add in the loops' order, so they give the loops' results to the bit.
 //! Both write `out` without reading it. Rows are `a[r * a_rs..][..k]`; the `[k, n]` weight's
 //! row `p` is `b[p * b_rs..][..n]`, the `[n, k]` one's row `j` is `b[j * b_rs..][..k]`.
 
 use crate::kernels::vector_math::{madd, multiversion, tree_sum};
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 /// The most rows these loops are meant for. Beyond it gemm's panels, reused by many rows, catch
 /// up (16 rows of GPT-2 124M decoded no faster by these loops than by gemm on 2 cores).
@@ -28,10 +35,64 @@ const PANEL_VALUES: usize = 4096;
 /// The narrowest panel: 1 KiB of each weight row.
 const MIN_PANEL: usize = 256;
 
+/// Lanes of a 64-byte vector of `f32`.
+const LANES: usize = 16;
+
+/// The fewest rows for the register tiles: one row reads its weights faster as the panels'
+/// contiguous stretches (GPT-2 124M decoded one sequence at a time no faster with tiles).
+const TILE_MIN_ROWS: usize = 2;
+
+/// `$call` with `R`, the number of `$rows` (1 to [`MAX_ROWS`]), a constant for a const
+/// parameter, and `$rows` an array of that length.
+macro_rules! with_rows {
+    ($rows:ident, $call:expr) => {
+        match $rows.len() {
+            8 => with_rows!(@ 8, $rows, $call),
+            7 => with_rows!(@ 7, $rows, $call),
+            6 => with_rows!(@ 6, $rows, $call),
+            5 => with_rows!(@ 5, $rows, $call),
+            4 => with_rows!(@ 4, $rows, $call),
+            3 => with_rows!(@ 3, $rows, $call),
+            2 => with_rows!(@ 2, $rows, $call),
+            _ => with_rows!(@ 1, $rows, $call),
+        }
+    };
+    (@ $n:literal, $rows:ident, $call:expr) => {{
+        const R: usize = $n;
+        let $rows: &[&[f32]; R] = $rows.try_into().unwrap();
+        $call
+    }};
+}
+use with_rows;
+
+/// `out[r][j] = sum_p a[r * a_rs + p] * b[p * b_rs + j]` for `r < out.len()`,
+/// `j < out[r].len()`, `p < k`.
+pub fn rows_by_matrix(
+    a: &[f32],
+    a_rs: usize,
+    k: usize,
+    b: &[f32],
+    b_rs: usize,
+    out: &mut [&mut [f32]],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if out.len() >= TILE_MIN_ROWS && avx512::available() {
+        let rows: Vec<&[f32]> = (0..out.len()).map(|r| &a[r * a_rs..][..k]).collect();
+        let tiled = avx512::rows_by_matrix(&rows, k, b, b_rs, out);
+        if tiled < out[0].len() {
+            let mut rest: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut o[tiled..]).collect();
+            rows_by_matrix_loops(a, a_rs, k, &b[tiled..], b_rs, &mut rest);
+        }
+        return;
+    }
+    rows_by_matrix_loops(a, a_rs, k, b, b_rs, out)
+}
+
 multiversion! {
-    /// `out[r][j] = sum_p a[r * a_rs + p] * b[p * b_rs + j]` for `r < out.len()`,
-    /// `j < out[r].len()`, `p < k`.
-    pub fn rows_by_matrix(a: &[f32], a_rs: usize, k: usize, b: &[f32], b_rs: usize, out: &mut [&mut [f32]]) {
+    /// [`rows_by_matrix`] as loops the compiler vectorises: on CPUs without AVX-512, for one
+    /// row (where the weights' contiguous stretches beat the tiles' stride), and for the columns
+    /// after the last whole tile.
+    pub fn rows_by_matrix_loops(a: &[f32], a_rs: usize, k: usize, b: &[f32], b_rs: usize, out: &mut [&mut [f32]]) {
         let Some(n) = out.first().map(|row| row.len()) else { return };
         let rows: Vec<&[f32]> = (0..out.len()).map(|r| &a[r * a_rs..][..k]).collect();
         let weights = |p: usize, cols: core::ops::Range<usize>| &b[p * b_rs..][cols];
@@ -69,22 +130,30 @@ multiversion! {
     }
 }
 
-multiversion! {
-    /// `out[r][j] = sum_p a[r * a_rs + p] * b[j * b_rs + p]` for `r < out.len()`,
-    /// `j < out[r].len()`, `p < k`.
-    pub fn rows_by_transposed(a: &[f32], a_rs: usize, k: usize, b: &[f32], b_rs: usize, out: &mut [&mut [f32]]) {
+/// `out[r][j] = sum_p a[r * a_rs + p] * b[j * b_rs + p]` for `r < out.len()`,
+/// `j < out[r].len()`, `p < k`.
+pub fn rows_by_transposed(
+    a: &[f32],
+    a_rs: usize,
+    k: usize,
+    b: &[f32],
+    b_rs: usize,
+    out: &mut [&mut [f32]],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
         let rows: Vec<&[f32]> = (0..out.len()).map(|r| &a[r * a_rs..][..k]).collect();
-        for (rows, out) in rows.chunks(8).zip(out.chunks_mut(8)) {
-            match rows.len() {
-                8 => dots::<8, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-                7 => dots::<7, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-                6 => dots::<6, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-                5 => dots::<5, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-                4 => dots::<4, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-                3 => dots::<3, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-                2 => dots::<2, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-                _ => dots::<1, F>(rows.try_into().unwrap(), b, b_rs, k, out),
-            }
+        return avx512::rows_by_transposed(&rows, k, b, b_rs, out);
+    }
+    rows_by_transposed_loops(a, a_rs, k, b, b_rs, out)
+}
+
+multiversion! {
+    /// [`rows_by_transposed`] as loops the compiler vectorises (CPUs without AVX-512).
+    pub fn rows_by_transposed_loops(a: &[f32], a_rs: usize, k: usize, b: &[f32], b_rs: usize, out: &mut [&mut [f32]]) {
+        let rows: Vec<&[f32]> = (0..out.len()).map(|r| &a[r * a_rs..][..k]).collect();
+        for (rows, out) in rows.chunks(MAX_ROWS).zip(out.chunks_mut(MAX_ROWS)) {
+            with_rows!(rows, dots::<R, F>(rows, b, b_rs, k, out))
         }
     }
 }
@@ -99,7 +168,7 @@ fn dots<const R: usize, const F: bool>(
     k: usize,
     out: &mut [&mut [f32]],
 ) {
-    let split = k / 16 * 16;
+    let split = k / LANES * LANES;
     for j in 0..out[0].len() {
         let w = &b[j * b_rs..][..k];
         let mut acc = [[0.0f32; 16]; R];
@@ -173,6 +242,51 @@ mod tests {
                         assert!(
                             (*got as f64 - want).abs() < 1e-5 * (1.0 + k as f64),
                             "{m}x{k}x{n} transposed {transposed}: [{r}, {j}] {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 kernels give the loops' results to the bit (they add in the same order),
+    /// tiles and remainders, pairs of weight rows and a last single one, more rows than
+    /// [`MAX_ROWS`]; on a CPU without AVX-512 there is nothing to compare.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_kernels_equal_the_loops_to_the_bit() {
+        if !avx512::available() {
+            return;
+        }
+        for (m, k, n) in [
+            (2, 37, 300),
+            (5, 64, 96),
+            (MAX_ROWS, 19, 1100),
+            (MAX_ROWS, 768, 65),
+            (11, 3, 33),
+        ] {
+            let a_rs = k + 1;
+            let a = values(m * a_rs, 3);
+            for transposed in [false, true] {
+                let b_rs = if transposed { k + 2 } else { n + 7 };
+                let b = values(b_rs * if transposed { n } else { k }, 4);
+                let mut want = vec![vec![0.0; n]; m];
+                let mut got = vec![vec![f32::NAN; n]; m];
+                let mut w: Vec<&mut [f32]> = want.iter_mut().map(|r| r.as_mut_slice()).collect();
+                let mut g: Vec<&mut [f32]> = got.iter_mut().map(|r| r.as_mut_slice()).collect();
+                if transposed {
+                    rows_by_transposed_loops(&a, a_rs, k, &b, b_rs, &mut w);
+                    rows_by_transposed(&a, a_rs, k, &b, b_rs, &mut g);
+                } else {
+                    rows_by_matrix_loops(&a, a_rs, k, &b, b_rs, &mut w);
+                    rows_by_matrix(&a, a_rs, k, &b, b_rs, &mut g);
+                }
+                for (r, (want, got)) in want.iter().zip(&got).enumerate() {
+                    for (j, (x, y)) in want.iter().zip(got).enumerate() {
+                        assert_eq!(
+                            x.to_bits(),
+                            y.to_bits(),
+                            "{m}x{k}x{n} transposed {transposed}: [{r}, {j}] {x} vs {y}"
                         );
                     }
                 }
