@@ -81,7 +81,9 @@ pub fn rows_by_matrix(
         let tiled = avx512::rows_by_matrix(&rows, k, b, b_rs, out);
         if tiled < out[0].len() {
             let mut rest: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut o[tiled..]).collect();
-            rows_by_matrix_loops(a, a_rs, k, &b[tiled..], b_rs, &mut rest);
+            // (`b` may be empty when `k` is 0; the loops then read none of it.)
+            let b = b.get(tiled..).unwrap_or_default();
+            rows_by_matrix_loops(a, a_rs, k, b, b_rs, &mut rest);
         }
         return;
     }
@@ -214,6 +216,7 @@ mod tests {
             (3, 37, 256),
             (5, 64, 513),
             (MAX_ROWS, 19, 1100),
+            (3, 0, 40),
         ] {
             let (a_rs, pad) = (k + 3, 5);
             let a = values(m * a_rs, 1);
