@@ -5,9 +5,12 @@
 //! backward), multiplies per head twice through flex's batched matmul (zero-filled, re-copied
 //! outputs), and merges the heads with another copy: a dozen autodiff nodes per layer. Here one
 //! task per (sequence, head), spread over rayon's threads, reads its query, key and value
-//! columns where the projection wrote them, keeps its weights `P` (`[T, T]`) for the backward
-//! pass, and writes its context columns straight into the `[B, T, D]` output; the backward pass
-//! writes the gradient of the projection's output the same way. With dropout the weights are
+//! columns where the projection wrote them and writes its context columns straight into the
+//! `[B, T, D]` output; the backward pass writes the gradient of the projection's output the same
+//! way. Short sequences keep their weights `P` (`[T, T]` per task) for the backward pass; from
+//! [`RECOMPUTED_FROM`] positions on, and wherever no backward pass follows, the tasks work in
+//! blocks of query rows and the backward pass recomputes the weights
+//! ([`super::attention_blocks`]), which keeps no `T x T` buffer. With dropout the weights are
 //! multiplied by a hashed mask ([`crate::kernels::dropout`], the GPU kernels' mask: weight `(i,
 //! j)` of sequence `b` and head `h` is element `((b H + h) T + i) T + j` of it) before they
 //! weigh the values, and the backward pass computes the same factors again.
@@ -21,6 +24,7 @@ use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{Shape, Tensor};
 use rayon::prelude::*;
 
+use super::attention_blocks;
 use super::op;
 use super::tensor::{Tracked, contiguous, from_values};
 use crate::kernels::dropout::Mask;
@@ -58,7 +62,7 @@ struct Heads {
 
 impl op::Unary for Heads {
     fn plain(self, x: FlexTensor) -> FlexTensor {
-        forward(x, self.heads, self.mask).0
+        routed(contiguous(x), self.heads, self.mask, false).0
     }
 
     fn tracked<C: CheckpointStrategy>(self, x: Tracked) -> Tracked {
@@ -75,10 +79,35 @@ fn tracked<C: CheckpointStrategy>(t: Tracked, heads: usize, mask: Option<Mask>) 
     {
         OpsKind::Tracked(prep) => {
             let qkv = contiguous(t.primitive().clone());
-            let (out, weights) = forward(qkv.clone(), heads, mask);
+            let (out, weights) = routed(qkv.clone(), heads, mask, true);
             prep.finish((qkv, weights, heads, mask), out)
         }
-        OpsKind::UnTracked(prep) => prep.finish(forward(t.into_primitive(), heads, mask).0),
+        OpsKind::UnTracked(prep) => {
+            let qkv = contiguous(t.into_primitive());
+            prep.finish(routed(qkv, heads, mask, false).0)
+        }
+    }
+}
+
+/// The output `[B, T, D]` of the contiguous projection `qkv`, and the weights where its route
+/// keeps them (`tracked`: a backward pass follows).
+fn routed(
+    qkv: FlexTensor,
+    heads: usize,
+    mask: Option<Mask>,
+    tracked: bool,
+) -> (FlexTensor, Option<Vec<f32>>) {
+    let dims = Dims::of(&qkv, heads);
+    match route(dims, tracked) {
+        Route::Kept => {
+            let (out, weights) = forward(qkv, heads, mask);
+            (out, Some(weights))
+        }
+        Route::Blocks => {
+            let block = attention_blocks::BLOCK;
+            let out = attention_blocks::forward(values(&qkv), dims, mask, block);
+            (from_values(out, Shape::new([dims.b, dims.t, dims.d])), None)
+        }
     }
 }
 
@@ -86,25 +115,66 @@ fn tracked<C: CheckpointStrategy>(t: Tracked, heads: usize, mask: Option<Mask>) 
 struct FusedAttention;
 
 impl Backward<Flex, 1> for FusedAttention {
-    /// The projection (contiguous), the weights `[B * H * T * T]` (before dropout), the number
-    /// of heads and dropout's mask.
-    type State = (FlexTensor, Vec<f32>, usize, Option<Mask>);
+    /// The projection (contiguous), the weights `[B * H * T * T]` (before dropout) where they
+    /// were kept, the number of heads and dropout's mask.
+    type State = (FlexTensor, Option<Vec<f32>>, usize, Option<Mask>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (qkv, weights, heads, mask) = ops.state;
         unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
-            backward(&qkv, &weights, contiguous(g), heads, mask)
+            let g = contiguous(g);
+            match weights {
+                Some(weights) => backward(&qkv, &weights, g, heads, mask),
+                None => {
+                    let dims = Dims::of(&qkv, heads);
+                    let block = attention_blocks::BLOCK;
+                    let dx =
+                        attention_blocks::backward(values(&qkv), values(&g), dims, mask, block);
+                    from_values(dx, Shape::new([dims.b, dims.t, 3 * dims.d]))
+                }
+            }
         });
     }
 }
 
+/// Where the backward pass gets the attention weights from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Route {
+    /// Kept from the forward pass, `B * H * T * T` floats.
+    Kept,
+    /// Recomputed in blocks of query rows ([`attention_blocks`]).
+    Blocks,
+}
+
+/// The route for a call of these sizes, `tracked` where a backward pass follows. Without one
+/// nothing is kept, so the blocks; with one, the weights are kept below [`RECOMPUTED_FROM`]
+/// positions, where the backward pass's second product of the scores costs more than keeping
+/// them (on 2 Xeon cores: nanoGPT's baby GPT at context 64 steps 4-6% slower with the blocks,
+/// GPT-2's body at context 256 at par, at 1024 at par to 15% faster in 40% less memory;
+/// docs/benchmarks.md).
+fn route(dims: Dims, tracked: bool) -> Route {
+    match !tracked || dims.t >= RECOMPUTED_FROM {
+        true => Route::Blocks,
+        false => Route::Kept,
+    }
+}
+
+/// The sequence length from which a training step recomputes the weights.
+const RECOMPUTED_FROM: usize = 256;
+
+/// A contiguous flex tensor's `f32` values.
+fn values(x: &FlexTensor) -> &[f32] {
+    let (start, end) = x.layout().contiguous_offsets().expect("contiguous");
+    &x.storage::<f32>()[start..end]
+}
+
 /// The sizes of one call.
 #[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    t: usize,
-    d: usize,
-    heads: usize,
+pub(super) struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub d: usize,
+    pub heads: usize,
 }
 
 impl Dims {
@@ -118,22 +188,22 @@ impl Dims {
         }
     }
 
-    fn k(&self) -> usize {
+    pub fn k(&self) -> usize {
         self.d / self.heads
     }
 
-    fn scale(&self) -> f32 {
+    pub fn scale(&self) -> f32 {
         1.0 / (self.k() as f32).sqrt()
     }
 
     /// Offset in `[B, T, 3D]` of the first element of head `h`'s part `part` (0 = Q, 1 = K,
     /// 2 = V) of sequence `b`.
-    fn qkv_at(&self, b: usize, h: usize, part: usize) -> usize {
+    pub fn qkv_at(&self, b: usize, h: usize, part: usize) -> usize {
         b * self.t * 3 * self.d + part * self.d + h * self.k()
     }
 
     /// Offset in `[B, T, D]` of head `h`'s first context element of sequence `b`.
-    fn out_at(&self, b: usize, h: usize) -> usize {
+    pub fn out_at(&self, b: usize, h: usize) -> usize {
         b * self.t * self.d + h * self.k()
     }
 }
@@ -284,11 +354,11 @@ fn backward(
 }
 
 /// Each task's products run on its own thread (the tasks already fill rayon's threads).
-const ONE: gemm::Parallelism = gemm::Parallelism::None;
+pub(super) const ONE: gemm::Parallelism = gemm::Parallelism::None;
 
 /// A pointer the tasks share; each writes its own disjoint elements.
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
+pub(super) struct SendPtr(pub *mut f32);
 // SAFETY: tasks write disjoint elements through it and the owner waits for all of them.
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
@@ -298,14 +368,14 @@ impl SendPtr {
     ///
     /// # Safety
     /// As `pointer::add`: the result must lie inside the same allocation.
-    unsafe fn add(self, offset: usize) -> *mut f32 {
+    pub unsafe fn add(self, offset: usize) -> *mut f32 {
         // SAFETY: the caller's contract.
         unsafe { self.0.add(offset) }
     }
 }
 
 /// Pointer to `xs[offset]` (bounds-checked).
-fn at(xs: &[f32], offset: usize) -> *const f32 {
+pub(super) fn at(xs: &[f32], offset: usize) -> *const f32 {
     xs[offset..].as_ptr()
 }
 
@@ -316,12 +386,13 @@ mod tests {
     use burn::tensor::{Device, Distribution};
 
     /// Output and the projection's gradient against the op's reference (what every other
-    /// backend runs), on flex, flex + autodiff and flex + autodiff + checkpointing; head sizes 4
-    /// and 7, one position and several. (Against the model's general attention path and its
+    /// backend runs), on flex (the blocks), flex + autodiff and flex + autodiff + checkpointing
+    /// (the weights kept, and recomputed in blocks at 260 positions); head sizes 4 and 7, one
+    /// position and several. (Against the model's general attention path and its
     /// other causal path: ember-model's tests/ops_and_concepts.rs.)
     #[test]
     fn equals_the_reference() {
-        for (b, t, heads, k) in [(2, 9, 3, 4), (1, 1, 2, 7), (3, 16, 1, 7)] {
+        for (b, t, heads, k) in [(2, 9, 3, 4), (1, 1, 2, 7), (3, 16, 1, 7), (1, 260, 2, 4)] {
             let d = heads * k;
             let draw = |dims: [usize; 3]| {
                 Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.5), &Device::flex())
@@ -347,7 +418,7 @@ mod tests {
     #[test]
     fn equals_the_reference_with_dropout() {
         let mask = Mask::new(crate::kernels::dropout::seed_of(0.618), 0.25);
-        for (b, t, heads, k) in [(2, 9, 3, 4), (3, 40, 2, 8)] {
+        for (b, t, heads, k) in [(2, 9, 3, 4), (3, 40, 2, 8), (2, 300, 1, 4)] {
             let d = heads * k;
             let draw = |dims: [usize; 3]| {
                 Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.5), &Device::flex())

@@ -3,6 +3,7 @@
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
+mod attention_blocks;
 pub(crate) mod cross_entropy;
 pub(crate) mod decode_attention;
 pub(crate) mod dropout;

@@ -318,13 +318,45 @@ unsafe fn few_rows(
 /// Every element of the three views must lie inside live allocations, and `C` must not
 /// overlap `A` or `B` or be written by anyone else during the call.
 pub(crate) unsafe fn mm(
+    sizes: (usize, usize, usize),
+    c: (*mut f32, isize),
+    a: (*const f32, isize, isize),
+    b: (*const f32, isize, isize),
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_call(sizes, c, false, a, b, parallelism) }
+}
+
+/// `C += A B`, otherwise as [`mm`] (`C` is read, so it must hold values).
+///
+/// # Safety
+/// As [`mm`], and every element of `C` initialized.
+pub(crate) unsafe fn mm_add(
+    sizes: (usize, usize, usize),
+    c: (*mut f32, isize),
+    a: (*const f32, isize, isize),
+    b: (*const f32, isize, isize),
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_call(sizes, c, true, a, b, parallelism) }
+}
+
+/// gemm's `C = [C +] A B` (`read_dst`: add to `C`'s values, else overwrite them).
+///
+/// # Safety
+/// As [`mm_add`] where `read_dst`, else as [`mm`].
+unsafe fn gemm_call(
     (m, n, k): (usize, usize, usize),
     (c, c_rs): (*mut f32, isize),
+    read_dst: bool,
     (a, a_rs, a_cs): (*const f32, isize, isize),
     (b, b_rs, b_cs): (*const f32, isize, isize),
     parallelism: gemm::Parallelism,
 ) {
-    // SAFETY: the caller's contract; `read_dst = false` writes C without reading it.
+    // SAFETY: the caller's contract; gemm computes `alpha C + beta A B` where `read_dst`,
+    // `beta A B` otherwise.
     unsafe {
         gemm::gemm(
             m,
@@ -333,14 +365,14 @@ pub(crate) unsafe fn mm(
             c,
             1,
             c_rs,
-            false,
+            read_dst,
             a,
             a_cs,
             a_rs,
             b,
             b_cs,
             b_rs,
-            0.0,
+            if read_dst { 1.0 } else { 0.0 },
             1.0,
             false,
             false,
