@@ -138,6 +138,9 @@ impl Launch {
         }
         let devices = training.devices(None)?;
         training.precision.check(&devices, &training.device)?;
+        if let Some(warning) = training.precision.warning(&devices, &training.device) {
+            eprintln!("{warning}");
+        }
         if let Some(steps) = self.profile_steps {
             // Before the run folder is touched; a resumed run is checked again once its step
             // is known.
