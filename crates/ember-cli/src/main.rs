@@ -85,7 +85,9 @@ fn main() -> ExitCode {
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
             .unwrap_or_default();
-        eprintln!("error: internal error{place}: {message} (please report this)");
+        ember_train::error::print_error_line(&format!(
+            "internal error{place}: {message} (please report this)"
+        ));
     }));
     let cli = Cli::parse();
     // The GPU ops' policy (kernels and strategies, split-K, cuDNN's attention) from the
@@ -93,7 +95,7 @@ fn main() -> ExitCode {
     match ember_kernels::GpuPolicy::from_env() {
         Ok(policy) => ember_kernels::gpu_kernels::set_policy(policy),
         Err(e) => {
-            eprintln!("error: {e}");
+            ember_train::error::print_error_line(&e.to_string());
             return ExitCode::FAILURE;
         }
     }
@@ -114,7 +116,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", one_line(&e));
+            ember_train::error::print_error_line(&one_line(&e));
             ExitCode::FAILURE
         }
     }

@@ -178,3 +178,12 @@ mod tests {
         );
     }
 }
+
+/// Writes `error: <message>` and a newline to stderr in one write: `eprintln!` writes each
+/// piece of its format separately (stderr is unbuffered), and another process writing to the
+/// same stderr (`mpirun`, the other ranks) can land between `error: ` and the message.
+pub fn print_error_line(message: &str) {
+    use std::io::Write;
+    let line = format!("error: {message}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}

@@ -162,7 +162,7 @@ impl Link {
 /// Prints `error: <message>` and ends the process at once: the training thread may be inside a
 /// collective that cannot complete, and exit handlers (CUDA's, MPI's) could wait on it.
 pub(crate) fn end_process(message: &str) -> ! {
-    eprintln!("error: {message}");
+    crate::error::print_error_line(message);
     // SAFETY: ends the process; nothing after it runs.
     unsafe { libc::_exit(1) }
 }
