@@ -130,6 +130,15 @@ pub(crate) fn value_err(key: &str, message: impl Into<String>) -> TrainError {
     }
 }
 
+/// Writes `error: <message>` and a newline to stderr in one write: `eprintln!` writes each
+/// piece of its format separately (stderr is unbuffered), and another process writing to the
+/// same stderr (`mpirun`, the other ranks) can land between `error: ` and the message.
+pub fn print_error_line(message: &str) {
+    use std::io::Write;
+    let line = format!("error: {message}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,13 +186,4 @@ mod tests {
             "the device failed while computing the weights: lost device"
         );
     }
-}
-
-/// Writes `error: <message>` and a newline to stderr in one write: `eprintln!` writes each
-/// piece of its format separately (stderr is unbuffered), and another process writing to the
-/// same stderr (`mpirun`, the other ranks) can land between `error: ` and the message.
-pub fn print_error_line(message: &str) {
-    use std::io::Write;
-    let line = format!("error: {message}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
