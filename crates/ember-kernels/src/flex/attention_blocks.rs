@@ -34,7 +34,8 @@ pub(super) fn forward(x: &[f32], dims: Dims, mask: Option<Mask>, block: usize) -
     assert_eq!(x.len(), b * t * 3 * d);
     let mut out: Vec<f32> = Vec::with_capacity(b * t * d);
     let dst = SendPtr(out.as_mut_ptr());
-    let rows = block.min(t);
+    // At least one row: `step_by` takes no 0 (a call with no positions has no blocks).
+    let rows = block.min(t).max(1);
     (0..b * heads).into_par_iter().for_each_init(
         || Scratch::new(rows, t, mask.is_some()),
         |scratch, pair| {
@@ -86,7 +87,8 @@ pub(super) fn backward(
     );
     let mut dx: Vec<f32> = Vec::with_capacity(b * t * 3 * d);
     let dst = SendPtr(dx.as_mut_ptr());
-    let rows = block.min(t);
+    // At least one row: `step_by` takes no 0 (a call with no positions has no blocks).
+    let rows = block.min(t).max(1);
     let (k, row, di) = (dims.k(), 3 * d as isize, d as isize);
     (0..b * heads).into_par_iter().for_each_init(
         || Scratch::new(rows, t, mask.is_some()),
