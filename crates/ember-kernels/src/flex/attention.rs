@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 use super::attention_blocks;
 use super::op;
-use super::tensor::{Tracked, contiguous, from_values};
+use super::tensor::{Tracked, contiguous, from_values, values};
 use crate::kernels::dropout::Mask;
 use crate::kernels::softmax::{causal_softmax_backward_in_place, causal_softmax_in_place};
 use crate::products::flex::mm;
@@ -162,12 +162,6 @@ fn route(dims: Dims, tracked: bool) -> Route {
 /// The sequence length from which a training step recomputes the weights.
 const RECOMPUTED_FROM: usize = 256;
 
-/// A contiguous flex tensor's `f32` values.
-fn values(x: &FlexTensor) -> &[f32] {
-    let (start, end) = x.layout().contiguous_offsets().expect("contiguous");
-    &x.storage::<f32>()[start..end]
-}
-
 /// The sizes of one call.
 #[derive(Clone, Copy)]
 pub(super) struct Dims {
@@ -213,8 +207,7 @@ fn forward(qkv: FlexTensor, heads: usize, mask: Option<Mask>) -> (FlexTensor, Ve
     let qkv = contiguous(qkv);
     let dims = Dims::of(&qkv, heads);
     let Dims { b, t, d, .. } = dims;
-    let (start, end) = qkv.layout().contiguous_offsets().expect("contiguous");
-    let x = &qkv.storage::<f32>()[start..end];
+    let x = values(&qkv);
     assert_eq!(x.len(), b * t * 3 * d);
     let mut weights = vec![0.0; b * heads * t * t];
     let mut out: Vec<f32> = Vec::with_capacity(b * t * d);
@@ -274,10 +267,7 @@ fn backward(
 ) -> FlexTensor {
     let dims = Dims::of(qkv, heads);
     let Dims { b, t, d, .. } = dims;
-    let (start, end) = qkv.layout().contiguous_offsets().expect("contiguous");
-    let x = &qkv.storage::<f32>()[start..end];
-    let (g_start, g_end) = g.layout().contiguous_offsets().expect("contiguous");
-    let gs = &g.storage::<f32>()[g_start..g_end];
+    let (x, gs) = (values(qkv), values(&g));
     assert_eq!(
         gs.len(),
         b * t * d,

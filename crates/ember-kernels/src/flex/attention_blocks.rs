@@ -99,8 +99,7 @@ pub(super) fn backward(
                 dims.qkv_at(bi, h, 1),
                 dims.qkv_at(bi, h, 2),
             );
-            let blocks: Vec<usize> = (0..t).step_by(rows).collect();
-            for (nth, &r0) in blocks.iter().rev().enumerate() {
+            for (nth, r0) in (0..t).step_by(rows).rev().enumerate() {
                 let r1 = (r0 + rows).min(t);
                 let (n, s) = (r1 - r0, r1 as isize);
                 let span = Rows::new(dims, bi, h, r0, r1);
