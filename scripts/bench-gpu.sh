@@ -172,6 +172,22 @@ check() {
         echo "the cuda run again with cubek's products and the fused attention (EMBER_GPU_KERNELS=-cublas):"
         grep -E "^(step .*val|done)" "$RUNS/tiny-cubek.log"
         grep -i "cublas" "$RUNS/tiny-cuda.log" || true
+        # That run's attention took ember's tensor-core kernels (TF32 fragments; heads of 16);
+        # again on the GPU's ordinary cores (-attention-mma, plain f32): the same weights and
+        # batches, so the losses differ by TF32's rounding alone. Then bf16 with dropout on the
+        # tensor-core kernels (bf16 fragments; cuDNN's attention and the products off) beside
+        # the bf16 runs below.
+        rm -rf "$RUNS/tiny-cores"
+        EMBER_GPU_KERNELS=-cublas,-attention-mma logged "$RUNS/tiny-cores.log" \
+            "$EMBER" train --config configs/tiny.toml --device cuda --out "$RUNS/tiny-cores"
+        echo "the same on the ordinary cores (EMBER_GPU_KERNELS=-cublas,-attention-mma):"
+        grep -E "^(step .*val|done)" "$RUNS/tiny-cores.log"
+        rm -rf "$RUNS/tiny-mma-bf16"
+        EMBER_CUDNN_ATTENTION=0 EMBER_GPU_KERNELS=-attention-products logged "$RUNS/tiny-mma-bf16.log" \
+            "$EMBER" train --config configs/tiny.toml --device cuda --out "$RUNS/tiny-mma-bf16" \
+            --set 'training.precision="bf16"' --set model.dropout=0.1
+        echo "bf16 with dropout, attention on ember's tensor-core kernels (EMBER_CUDNN_ATTENTION=0 EMBER_GPU_KERNELS=-attention-products):"
+        grep -E "^(step .*val|done)" "$RUNS/tiny-mma-bf16.log"
         # Its evaluations (5 batches a split) replayed from a recording, cuBLAS's calls included
         # (the default), against every pass launched: the same weights and batches, so the same
         # validation losses but for the last digits.
@@ -632,8 +648,9 @@ cudnn() {
 # character vocabulary, dropout and optimizer) in ember and PyTorch eager, GPT2_STEPS steps each
 # (default 40): GPT2_RUNS are ember's runs, each PRECISION:EMBER_GPU_KERNELS[:cudnn] (default
 # `bf16:on:cudnn bf16:on f32:on`: cuDNN's flash attention (EMBER_CUDNN_ATTENTION=1), the
-# attention as products, f32 with TF32), GPT2_TORCH PyTorch's precisions (default `bf16 tf32`;
-# `bf16-compile` adds torch.compile).
+# attention as products, f32 with TF32; `f32:-attention-products` runs the attention on ember's
+# tensor-core kernels, `f32:-attention-products,-attention-mma` on the ordinary cores),
+# GPT2_TORCH PyTorch's precisions (default `bf16 tf32`; `bf16-compile` adds torch.compile).
 gpt2() {
     local size=(--set model.d_model=768 --set model.n_heads=12 --set model.n_layers=12
         --set model.context_len=1024 --set training.batch_size=16 --set training.log_interval=5)

@@ -144,11 +144,18 @@ pub enum GpuStrategy {
     /// AdamW's steps launched three parameters at a time where the optimizer opens a group
     /// ([`crate::AdamWGroups`]), instead of one launch per parameter.
     GroupedAdamW,
+    /// The training attention's fused kernels on tensor cores where the device has matrix
+    /// fragments of the projection's type (TF32 for `f32` on CUDA; bf16, f16): every product
+    /// of a pass in CubeCL's `cmma`, the softmax between them in shared memory
+    /// (`cube/attention/mma.rs`); off, or without such fragments, the kernels on the GPU's
+    /// ordinary cores. Where it runs: wherever the fused kernels would (the batched products
+    /// and cuDNN's attention, where they apply, come first).
+    AttentionMma,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 12] = [
+    pub const ALL: [GpuStrategy; 13] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
@@ -161,6 +168,7 @@ impl GpuStrategy {
         GpuStrategy::WeightCopies,
         GpuStrategy::EvalGraph,
         GpuStrategy::GroupedAdamW,
+        GpuStrategy::AttentionMma,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -178,6 +186,7 @@ impl GpuStrategy {
             GpuStrategy::WeightCopies => "weight-copies",
             GpuStrategy::EvalGraph => "eval-graph",
             GpuStrategy::GroupedAdamW => "grouped-adamw",
+            GpuStrategy::AttentionMma => "attention-mma",
         }
     }
 }
@@ -281,6 +290,10 @@ pub struct AttentionTuning {
     /// Query rows per block of the batched products ([`GpuStrategy::CausalBlocks`]; `None`:
     /// 256).
     pub block_rows: Option<usize>,
+    /// Units per row in the tensor-core kernels' row-wise steps ([`GpuStrategy::AttentionMma`];
+    /// `None`: a plane's units over a fragment's rows, 2 on CUDA); more than that adds planes
+    /// that take no part in the products.
+    pub mma_row_units: Option<usize>,
 }
 
 /// Everything that decides which of ember's GPU paths run.
@@ -311,6 +324,7 @@ impl Default for GpuPolicy {
                 sequences_per_call: None,
                 keys_per_rescale: None,
                 block_rows: None,
+                mma_row_units: None,
             },
         }
     }
@@ -350,6 +364,7 @@ static POLICY: RwLock<GpuPolicy> = RwLock::new(GpuPolicy {
         sequences_per_call: None,
         keys_per_rescale: None,
         block_rows: None,
+        mma_row_units: None,
     },
 });
 
@@ -515,6 +530,7 @@ mod tests {
                 "weight-copies",
                 "eval-graph",
                 "grouped-adamw",
+                "attention-mma",
             ]
         );
         assert_eq!(

@@ -3,8 +3,9 @@
 //! implementation, which picks the pass's path: cuDNN's flash attention (opt-in), the batched
 //! products, or the fused kernels.
 
-use super::dims::{float_cast_to, wide};
+use super::dims::{Dims, float_cast_to, wide};
 use super::launch::{CachedStart, cached_attention, fused_backward, fused_forward};
+use super::mma::{MmaPlan, mma_backward, mma_forward};
 use super::route::{by_products, on_device_thread};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, TensorMetadata, backend_extension};
@@ -117,6 +118,10 @@ impl AttentionKernels for CubeBackend {
         // Mixed precision's bf16 (or f16) projection: the fused kernels read it widened (a
         // copy that lives for the call), and the output is rounded once to its type.
         let dtype = qkv.dtype();
+        if let Some(plan) = MmaPlan::applies(&Dims::of(&qkv, heads), &qkv, dtype) {
+            let (out, lse) = mma_forward(wide::<Self>(qkv), seed, heads, dropout, plan);
+            return (float_cast_to::<Self>(out, dtype), lse);
+        }
         let (out, lse) = fused_forward(wide::<Self>(qkv), seed, heads, dropout);
         (float_cast_to::<Self>(out, dtype), lse)
     }
@@ -157,8 +162,12 @@ impl AttentionKernels for CubeBackend {
             });
         }
         // In the projection's type, computed in f32 (widened copies for the call).
+        let plan = MmaPlan::applies(&Dims::of(&qkv, heads), &qkv, dtype);
         let [qkv, out, grad] = [qkv, into_contiguous(out), grad].map(wide::<Self>);
-        let dqkv = fused_backward(qkv, seed, out, lse, grad, heads, dropout);
+        let dqkv = match plan {
+            Some(plan) => mma_backward(qkv, seed, out, lse, grad, heads, dropout, plan),
+            None => fused_backward(qkv, seed, out, lse, grad, heads, dropout),
+        };
         float_cast_to::<Self>(dqkv, dtype)
     }
 

@@ -55,9 +55,12 @@ mod backend;
 mod dims;
 mod kernels;
 mod launch;
+mod mma;
 mod route;
 #[cfg(all(test, feature = "wgpu"))]
 mod tests;
+#[cfg(all(test, feature = "vulkan"))]
+mod tests_mma;
 
 pub use backend::AttentionKernels;
 pub(super) use dims::{Dims, float_cast_to, wide};

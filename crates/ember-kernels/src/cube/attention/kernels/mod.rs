@@ -9,21 +9,27 @@
 //!
 //! Shared here: the block of rows a cube takes and the row and tile loads; one file per family:
 //! [`forward`] and [`backward`] (one row per unit), [`tiled`] (the register tiles' shared
-//! parts), [`forward_tiled`] and [`backward_tiled`], [`cached`] (decoding).
+//! parts), [`forward_tiled`] and [`backward_tiled`], [`mma`] (the tensor cores' shared parts),
+//! [`forward_mma`] and [`backward_mma`], [`cached`] (decoding).
 
 mod backward;
+mod backward_mma;
 mod backward_tiled;
 mod cached;
 mod forward;
+mod forward_mma;
 mod forward_tiled;
+mod mma;
 mod tiled;
 
 pub(super) use backward::{attention_backward_key_value, attention_backward_query};
+pub(super) use backward_mma::{attention_backward_key_value_mma, attention_backward_query_mma};
 pub(super) use backward_tiled::{
     attention_backward_key_value_tiled, attention_backward_query_tiled,
 };
 pub(super) use cached::{cached_attention, cached_attention_at};
 pub(super) use forward::attention_forward;
+pub(super) use forward_mma::attention_forward_mma;
 pub(super) use forward_tiled::attention_forward_tiled;
 
 use burn_cubecl::cubecl;

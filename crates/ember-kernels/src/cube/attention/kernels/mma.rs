@@ -1,0 +1,210 @@
+//! What the tensor-core kernels share: the block a cube takes, the tile loads (rounded to the
+//! products' operand type `E`), the products of one plane's strip of rows through CubeCL's
+//! `cmma` fragments, and the row-wise steps done by the whole cube in shared memory.
+//!
+//! A cube is `planes` planes (warps) of `plane` units; plane `p` owns rows `p * fm..(p + 1) *
+//! fm` of the cube's block (`fm` the fragments' rows), so a block is `planes * fm` rows. Every
+//! product `C += A B` of a pass is split along `C`'s rows by plane and along its columns in
+//! fragments of `fn` columns, summed over `A`'s columns in fragments of `fk`: `A` and `B` are
+//! read from shared memory in `E` (TF32 on CUDA for `f32`, f16 or bf16), `C` accumulates in
+//! `f32` and is stored back to shared memory, where the softmax and the scaling are done row
+//! by row by all units of the cube (`parts = plane / fm` units per row).
+
+use super::*;
+use burn_cubecl::cubecl::cmma;
+
+/// Bytes shared memory that fragments are loaded from and stored to is aligned to (CUDA's
+/// `wmma` loads and stores need 256 bits); every fragment's offset in it is a multiple of 8
+/// values of 4 bytes or 16 of 2.
+pub(super) const FRAGMENT_ALIGN: usize = 32;
+
+/// Where a cube of the tensor-core kernels reads and writes: the head's index among all
+/// sequences' heads `bh = b * H + h`, the block's first row, and the offsets of row 0 of the
+/// head's Q, K and V columns in `[B, T, 3D]` and of its output columns in `[B, T, D]`.
+#[derive(CubeType, Clone, Copy)]
+pub(super) struct MmaBlock {
+    pub(super) bh: usize,
+    pub(super) first: usize,
+    pub(super) q0: usize,
+    pub(super) k0: usize,
+    pub(super) v0: usize,
+    pub(super) o0: usize,
+}
+
+#[cube]
+pub(super) fn mma_block(
+    t: usize,
+    #[comptime] k: usize,
+    #[comptime] heads: usize,
+    #[comptime] rows: usize,
+) -> MmaBlock {
+    let d = heads * k;
+    let bh = CUBE_POS_Y as usize;
+    let h = bh % heads;
+    let b = bh / heads;
+    let q0 = b * t * 3 * d + h * k;
+    MmaBlock {
+        bh,
+        first: CUBE_POS_X as usize * rows,
+        q0,
+        k0: q0 + d,
+        v0: q0 + 2 * d,
+        o0: b * t * d + h * k,
+    }
+}
+
+/// Rows `r0..r0 + rows` of one head's `k` columns of `src` (row 0 at `base`, rows `stride`
+/// apart) into `tile` row after row, rounded to `E`, zeros past `t`; all units of the cube
+/// take part, and the caller synchronises before reading.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+pub(super) fn load_rounded<F: Float, E: Float>(
+    src: &Tensor<F>,
+    tile: &mut Shared<[E]>,
+    base: usize,
+    stride: usize,
+    r0: usize,
+    t: usize,
+    #[comptime] k: usize,
+    #[comptime] rows: usize,
+) {
+    let units = CUBE_DIM_X as usize;
+    let n = comptime!(rows * k);
+    let mut e = UNIT_POS_X as usize;
+    while e < n {
+        let r = r0 + e / k;
+        let mut x = E::new(0.0);
+        if r < t {
+            x = E::cast_from(src[base + r * stride + e % k]);
+        }
+        tile[e] = x;
+        e += units;
+    }
+}
+
+/// `c[strip rows, :] (+)= a[strip rows, :] b` for this unit's plane: `a` is `rows x inner`
+/// (row-major, `inner` apart), `b` is `inner x cols`, row-major (`cols` apart) or, with
+/// `b_transposed`, the transpose of a row-major `cols x inner` tile (`inner` apart); `c` is
+/// `rows x cols` in `f32`, row-major, read first when `accumulate` (else the product
+/// replaces it). Each plane computes its `fm` rows in fragments of `fn` columns (planes past
+/// the block's rows skip it).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+pub(super) fn strip_product<F: Float, E: Float>(
+    a: &Shared<[E]>,
+    b: &Shared<[E]>,
+    c: &mut Shared<[F]>,
+    #[comptime] inner: usize,
+    #[comptime] cols: usize,
+    #[comptime] b_transposed: bool,
+    #[comptime] accumulate: bool,
+    #[comptime] shape: (usize, usize, usize),
+    #[comptime] rows: usize,
+) {
+    let fm = comptime!(shape.0);
+    let fn_ = comptime!(shape.1);
+    let fk = comptime!(shape.2);
+    let plane = (UNIT_POS_X / PLANE_DIM) as usize;
+    let strip = plane * fm;
+    let a_len = comptime!(rows * inner);
+    let c_len = comptime!(rows * cols);
+    let b_len = comptime!(inner * cols);
+    // Planes past the block's rows (more units per row than a plane has per fragment row)
+    // take no part; the condition is the same for a whole plane.
+    if plane < comptime!(rows / fm) {
+        #[unroll]
+        for jn in 0..comptime!(cols / fn_) {
+            let c_at = strip * cols + jn * fn_;
+            let mut acc = cmma::Matrix::<F>::from_value(
+                cmma::MatrixIdent::Accumulator,
+                fm,
+                fn_,
+                fk,
+                cmma::MatrixLayout::Undefined,
+                F::new(0.0),
+            );
+            if accumulate {
+                cmma::load_with_layout(
+                    &mut acc,
+                    &c[c_at..c_len],
+                    comptime!(cols as u32),
+                    cmma::MatrixLayout::RowMajor,
+                );
+            }
+            #[unroll]
+            for kk in 0..comptime!(inner / fk) {
+                let a_frag = cmma::Matrix::<E>::from_slice(
+                    cmma::MatrixIdent::A,
+                    fm,
+                    fn_,
+                    fk,
+                    cmma::MatrixLayout::RowMajor,
+                    &a[strip * inner + kk * fk..a_len],
+                    comptime!(inner as u32),
+                );
+                if b_transposed {
+                    // Column `j` of the product's `B` is row `j` of the tile.
+                    let b_frag = cmma::Matrix::<E>::from_slice(
+                        cmma::MatrixIdent::B,
+                        fm,
+                        fn_,
+                        fk,
+                        cmma::MatrixLayout::ColMajor,
+                        &b[jn * fn_ * inner + kk * fk..b_len],
+                        comptime!(inner as u32),
+                    );
+                    cmma::execute(&a_frag, &b_frag, &acc, &acc);
+                } else {
+                    let b_frag = cmma::Matrix::<E>::from_slice(
+                        cmma::MatrixIdent::B,
+                        fm,
+                        fn_,
+                        fk,
+                        cmma::MatrixLayout::RowMajor,
+                        &b[kk * fk * cols + jn * fn_..b_len],
+                        comptime!(cols as u32),
+                    );
+                    cmma::execute(&a_frag, &b_frag, &acc, &acc);
+                }
+            }
+            cmma::store(
+                &mut c[c_at..c_len],
+                &acc,
+                comptime!(cols as u32),
+                cmma::MatrixLayout::RowMajor,
+            );
+        }
+    }
+}
+
+/// The maximum over the `parts` partial values of row `r` (`partial[p * rows + r]`).
+#[cube]
+pub(super) fn parts_max<F: Float>(
+    partial: &Shared<[F]>,
+    r: usize,
+    #[comptime] rows: usize,
+    #[comptime] parts: usize,
+) -> F {
+    let mut m = F::min_value();
+    #[unroll]
+    for p in 0..parts {
+        m = F::max(m, partial[p * rows + r]);
+    }
+    m
+}
+
+/// The sum over the `parts` partial values of row `r`.
+#[cube]
+pub(super) fn parts_sum<F: Float>(
+    partial: &Shared<[F]>,
+    r: usize,
+    #[comptime] rows: usize,
+    #[comptime] parts: usize,
+) -> F {
+    let mut s = F::new(0.0);
+    #[unroll]
+    for p in 0..parts {
+        s += partial[p * rows + r];
+    }
+    s
+}

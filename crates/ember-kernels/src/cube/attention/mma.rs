@@ -1,0 +1,289 @@
+//! The training attention on tensor cores ([`GpuStrategy::AttentionMma`]): which fragment
+//! shape and operand type a device offers for a projection's type, the blocks that fit its
+//! shared memory, and the three kernels' launches.
+//!
+//! The operand type follows the projection: TF32 for `f32` (the type cuBLAS's `f32` products
+//! already run in on CUDA), its own type for bf16 and f16. A device without fragments of that
+//! type (a Vulkan GPU has no TF32; lavapipe offers 8x8x8 f16) leaves the pass to the fused
+//! kernels, so an `f32` model never runs its attention in f16.
+
+use super::dims::Dims;
+use super::kernels;
+use crate::GpuStrategy;
+use burn::backend::TensorMetadata;
+use burn::tensor::{DType, bf16, f16};
+use burn_cubecl::cubecl::ir::{ElemType, FloatKind};
+use burn_cubecl::cubecl::tf32;
+use burn_cubecl::cubecl::{CubeCount, CubeDim};
+use burn_cubecl::tensor::CubeTensor;
+
+/// The type the products read their operands in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operand {
+    Tf32,
+    F16,
+    Bf16,
+}
+
+impl Operand {
+    /// The operand type for a projection of type `dtype`.
+    pub(crate) fn for_projection(dtype: DType) -> Option<Operand> {
+        match dtype {
+            DType::F32 => Some(Operand::Tf32),
+            DType::F16 => Some(Operand::F16),
+            DType::BF16 => Some(Operand::Bf16),
+            _ => None,
+        }
+    }
+
+    fn elem(self) -> ElemType {
+        ElemType::Float(match self {
+            Operand::Tf32 => FloatKind::TF32,
+            Operand::F16 => FloatKind::F16,
+            Operand::Bf16 => FloatKind::BF16,
+        })
+    }
+
+    /// Bytes of one operand in shared memory (TF32 is stored as `f32`).
+    fn bytes(self) -> usize {
+        match self {
+            Operand::Tf32 => 4,
+            Operand::F16 | Operand::Bf16 => 2,
+        }
+    }
+}
+
+/// How one call runs: the operand type, the fragments' shape `(m, n, k)`, the units of a
+/// plane, the planes that compute products (a block is `planes * m` rows), the rows of each
+/// tile the block streams (`cols`) and the units per row in the row-wise steps (`parts`; a
+/// cube has `rows * parts` units, the planes past `planes` only help there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MmaPlan {
+    pub(crate) operand: Operand,
+    pub(crate) shape: (usize, usize, usize),
+    pub(crate) plane: usize,
+    pub(crate) planes: usize,
+    pub(crate) cols: usize,
+    pub(crate) parts: usize,
+}
+
+impl MmaPlan {
+    /// The plan for `dims` in `operand` on `like`'s device: the largest square fragments of
+    /// that operand type accumulating in `f32` whose sides divide the head size, and the
+    /// largest blocks and tiles (64, 32, 16 or 8 rows) whose kernels fit the device's shared
+    /// memory; `None` where there are none (no such fragments, a head size they do not
+    /// divide, planes of more than one size).
+    pub(crate) fn of(dims: &Dims, like: &CubeTensor, operand: Operand) -> Option<MmaPlan> {
+        let props = like.client.properties();
+        let hardware = &props.hardware;
+        let plane = hardware.plane_size_max as usize;
+        if plane == 0 || hardware.plane_size_min != hardware.plane_size_max {
+            return None;
+        }
+        let f32_ = ElemType::Float(FloatKind::F32);
+        let head = dims.k();
+        let fragment = props
+            .features
+            .matmul
+            .cmma
+            .iter()
+            .filter(|c| c.a_type == operand.elem() && c.b_type == operand.elem())
+            .filter(|c| c.cd_type == f32_ && c.m == c.n)
+            .map(|c| (c.m as usize, c.n as usize, c.k as usize))
+            .filter(|&(m, n, k)| {
+                plane.is_multiple_of(m) && head.is_multiple_of(n) && head.is_multiple_of(k)
+            })
+            .max_by_key(|&(m, _, _)| m)?;
+        let (m, _, _) = fragment;
+        let parts = crate::gpu_kernels::policy()
+            .attention
+            .mma_row_units
+            .unwrap_or(plane / m)
+            .max(1);
+        let max_units = hardware.max_units_per_cube as usize;
+        [(4, 4), (4, 2), (2, 2), (2, 1), (1, 1)]
+            .into_iter()
+            .map(|(planes, tiles)| MmaPlan {
+                operand,
+                shape: fragment,
+                plane,
+                planes,
+                cols: tiles * m,
+                parts,
+            })
+            .find(|plan| {
+                let units = plan.rows() * parts;
+                units <= max_units
+                    && units.is_multiple_of(plane)
+                    && units >= plan.planes * plane
+                    && plan.cols <= units
+                    && plan.cols.is_multiple_of(parts)
+                    && head.is_multiple_of(parts)
+                    && plan.cols.is_multiple_of(fragment.2)
+                    && plan.shared_bytes(head) <= hardware.max_shared_memory_size
+            })
+    }
+
+    /// The plan where the tensor cores apply to this call: the strategy on and a plan for the
+    /// projection's type (`dtype`, before any widening).
+    pub(super) fn applies(dims: &Dims, like: &CubeTensor, dtype: DType) -> Option<MmaPlan> {
+        if !crate::gpu_kernels::applies(GpuStrategy::AttentionMma) {
+            return None;
+        }
+        MmaPlan::of(dims, like, Operand::for_projection(dtype)?)
+    }
+
+    /// Rows of a cube's block.
+    pub(crate) fn rows(&self) -> usize {
+        self.planes * self.shape.0
+    }
+
+    /// Units per row in the row-wise steps.
+    fn parts(&self) -> usize {
+        self.parts
+    }
+
+    /// The most shared memory any of the three kernels declares, for head size `k` (with up
+    /// to 32 bytes of alignment before each of its nine arrays of fragments).
+    fn shared_bytes(&self, k: usize) -> usize {
+        let (rows, cols, e) = (self.rows(), self.cols, self.operand.bytes());
+        let f = size_of::<f32>();
+        let forward = (rows * k + 2 * cols * k + rows * cols) * e
+            + (rows * cols + rows * k + rows * self.parts() + 3 * rows) * f;
+        let queries = (2 * rows * k + 2 * cols * k + rows * cols) * e
+            + (2 * rows * cols + rows * k + rows * self.parts() + 2 * rows) * f;
+        let keys = (2 * rows * k + 2 * cols * k + rows * cols) * e
+            + (2 * rows * cols + 2 * rows * k + 2 * cols) * f;
+        forward.max(queries).max(keys) + 9 * 32
+    }
+
+    fn launch_size(&self, dims: &Dims) -> (CubeCount, CubeDim) {
+        (
+            CubeCount::new_2d(
+                dims.t.div_ceil(self.rows()) as u32,
+                (dims.b * dims.heads) as u32,
+            ),
+            CubeDim::new_1d((self.rows() * self.parts) as u32),
+        )
+    }
+}
+
+/// Calls `$kernel::launch::<f32, E>` with `E` the plan's operand type.
+macro_rules! launch_in {
+    ($plan:expr, $kernel:path, $($arg:expr),* $(,)?) => {{
+        use $kernel as kernel;
+        match $plan.operand {
+            Operand::Tf32 => kernel::launch::<f32, tf32>($($arg),*),
+            Operand::F16 => kernel::launch::<f32, f16>($($arg),*),
+            Operand::Bf16 => kernel::launch::<f32, bf16>($($arg),*),
+        }
+    }};
+}
+
+/// The forward pass on tensor cores: the output `[B, T, D]` and the log-sum-exps
+/// `[B, H, T]` of a contiguous `f32` projection.
+pub(crate) fn mma_forward(
+    qkv: CubeTensor,
+    seed: CubeTensor,
+    heads: usize,
+    dropout: f32,
+    plan: MmaPlan,
+) -> (CubeTensor, CubeTensor) {
+    assert_eq!(qkv.dtype(), DType::F32, "tensor-core attention reads f32");
+    let dims = Dims::of(&qkv, heads);
+    let out = crate::cube::empty(&qkv, [dims.b, dims.t, dims.d]);
+    let lse = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);
+    let (count, dim) = plan.launch_size(&dims);
+    launch_in!(
+        plan,
+        kernels::attention_forward_mma,
+        &qkv.client.clone(),
+        count,
+        dim,
+        qkv.into_tensor_arg(),
+        seed.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        dims.scale(),
+        crate::cube::hashed_mask::threshold(dropout),
+        1.0 / (1.0 - dropout),
+        dims.k(),
+        heads,
+        dropout > 0.0,
+        plan.shape,
+        plan.rows(),
+        plan.cols,
+        plan.parts(),
+    );
+    (out, lse)
+}
+
+/// The backward pass on tensor cores: the projection's gradient `[B, T, 3D]` (contiguous
+/// `f32` tensors).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mma_backward(
+    qkv: CubeTensor,
+    seed: CubeTensor,
+    out: CubeTensor,
+    lse: CubeTensor,
+    grad: CubeTensor,
+    heads: usize,
+    dropout: f32,
+    plan: MmaPlan,
+) -> CubeTensor {
+    assert_eq!(qkv.dtype(), DType::F32, "tensor-core attention reads f32");
+    let dims = Dims::of(&qkv, heads);
+    let dqkv = crate::cube::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
+    let delta = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);
+    let client = qkv.client.clone();
+    let (count, dim) = plan.launch_size(&dims);
+    let threshold = crate::cube::hashed_mask::threshold(dropout);
+    launch_in!(
+        plan,
+        kernels::attention_backward_query_mma,
+        &client,
+        count.clone(),
+        dim,
+        qkv.clone().into_tensor_arg(),
+        seed.clone().into_tensor_arg(),
+        out.into_tensor_arg(),
+        grad.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        dqkv.clone().into_tensor_arg(),
+        dims.scale(),
+        threshold,
+        1.0 / (1.0 - dropout),
+        dims.k(),
+        heads,
+        dropout > 0.0,
+        plan.shape,
+        plan.rows(),
+        plan.cols,
+        plan.parts(),
+    );
+    launch_in!(
+        plan,
+        kernels::attention_backward_key_value_mma,
+        &client,
+        count,
+        dim,
+        qkv.into_tensor_arg(),
+        seed.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        lse.into_tensor_arg(),
+        delta.into_tensor_arg(),
+        dqkv.clone().into_tensor_arg(),
+        dims.scale(),
+        threshold,
+        1.0 / (1.0 - dropout),
+        dims.k(),
+        heads,
+        dropout > 0.0,
+        plan.shape,
+        plan.rows(),
+        plan.cols,
+        plan.parts(),
+    );
+    dqkv
+}
