@@ -12,7 +12,7 @@ use super::kernels;
 use crate::GpuStrategy;
 use burn::backend::TensorMetadata;
 use burn::tensor::{DType, bf16, f16};
-use burn_cubecl::cubecl::ir::{ElemType, FloatKind};
+use burn_cubecl::cubecl::ir::{DeviceProperties, ElemType, FloatKind};
 use burn_cubecl::cubecl::tf32;
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::tensor::CubeTensor;
@@ -70,18 +70,25 @@ pub(crate) struct MmaPlan {
 impl MmaPlan {
     /// The plan for `dims` in `operand` on `like`'s device: the largest square fragments of
     /// that operand type accumulating in `f32` whose sides divide the head size, and the
-    /// largest blocks and tiles (64, 32, 16 or 8 rows) whose kernels fit the device's shared
-    /// memory; `None` where there are none (no such fragments, a head size they do not
-    /// divide, planes of more than one size).
+    /// largest blocks and tiles (64, 32, 16 or 8 rows) whose kernels fit half the device's
+    /// shared memory (else all of it); `None` where there are none (no such fragments, a head
+    /// size they do not divide, planes of more than one size). Not yet timed on a GPU.
     pub(crate) fn of(dims: &Dims, like: &CubeTensor, operand: Operand) -> Option<MmaPlan> {
-        let props = like.client.properties();
+        MmaPlan::for_device(&like.client.properties(), dims.k(), operand)
+    }
+
+    /// [`MmaPlan::of`] for a device with properties `props` and heads of `head`.
+    pub(crate) fn for_device(
+        props: &DeviceProperties,
+        head: usize,
+        operand: Operand,
+    ) -> Option<MmaPlan> {
         let hardware = &props.hardware;
         let plane = hardware.plane_size_max as usize;
         if plane == 0 || hardware.plane_size_min != hardware.plane_size_max {
             return None;
         }
         let f32_ = ElemType::Float(FloatKind::F32);
-        let head = dims.k();
         let fragment = props
             .features
             .matmul
@@ -101,27 +108,32 @@ impl MmaPlan {
             .unwrap_or(plane / m)
             .max(1);
         let max_units = hardware.max_units_per_cube as usize;
-        [(4, 4), (4, 2), (2, 2), (2, 1), (1, 1)]
+        let plans = [(4, 4), (4, 2), (2, 2), (2, 1), (1, 1)].map(|(planes, tiles)| MmaPlan {
+            operand,
+            shape: fragment,
+            plane,
+            planes,
+            cols: tiles * m,
+            parts,
+        });
+        let fits = |plan: &MmaPlan, bytes: usize| {
+            let units = plan.rows() * parts;
+            units <= max_units
+                && units.is_multiple_of(plane)
+                && units >= plan.planes * plane
+                && plan.cols <= units
+                && plan.cols.is_multiple_of(parts)
+                && head.is_multiple_of(parts)
+                && plan.cols.is_multiple_of(fragment.2)
+                && plan.shared_bytes(head) <= bytes
+        };
+        // Two cubes to a multiprocessor where half the shared memory holds one (a cube waits
+        // at each of a tile's seven barriers; the other cube's work fills the wait), else one.
+        let max = hardware.max_shared_memory_size;
+        plans
             .into_iter()
-            .map(|(planes, tiles)| MmaPlan {
-                operand,
-                shape: fragment,
-                plane,
-                planes,
-                cols: tiles * m,
-                parts,
-            })
-            .find(|plan| {
-                let units = plan.rows() * parts;
-                units <= max_units
-                    && units.is_multiple_of(plane)
-                    && units >= plan.planes * plane
-                    && plan.cols <= units
-                    && plan.cols.is_multiple_of(parts)
-                    && head.is_multiple_of(parts)
-                    && plan.cols.is_multiple_of(fragment.2)
-                    && plan.shared_bytes(head) <= hardware.max_shared_memory_size
-            })
+            .find(|plan| fits(plan, max / 2))
+            .or_else(|| plans.into_iter().find(|plan| fits(plan, max)))
     }
 
     /// The plan where the tensor cores apply to this call: the strategy on and a plan for the
@@ -145,7 +157,7 @@ impl MmaPlan {
 
     /// The most shared memory any of the three kernels declares, for head size `k` (with up
     /// to 32 bytes of alignment before each of its nine arrays of fragments).
-    fn shared_bytes(&self, k: usize) -> usize {
+    pub(crate) fn shared_bytes(&self, k: usize) -> usize {
         let (rows, cols, e) = (self.rows(), self.cols, self.operand.bytes());
         let f = size_of::<f32>();
         let forward = (rows * k + 2 * cols * k + rows * cols) * e

@@ -61,6 +61,8 @@ mod route;
 mod tests;
 #[cfg(all(test, feature = "vulkan"))]
 mod tests_mma;
+#[cfg(all(test, feature = "cuda"))]
+mod tests_ptx;
 
 pub use backend::AttentionKernels;
 pub(super) use dims::{Dims, float_cast_to, wide};

@@ -1,0 +1,243 @@
+//! The tensor-core kernels compiled for an H100/H200 (sm_90) without a GPU: CubeCL's LLVM
+//! NVPTX backend lowers them to PTX as the CUDA runtime would, for the plans a GPT-2-sized head
+//! gets there (TF32 fragments for `f32`, bf16 for mixed precision), with dropout and without.
+//! Only the `cuda` feature builds them, in the environment `scripts/setup-cuda.sh` prints, and
+//! the lowering links NVIDIA's `libdevice.10.bc` for `exp` and `ln`: `CUDA_PATH` names a
+//! folder with `nvvm/libdevice/` (a CUDA toolkit, or PyPI's `nvidia-cuda-nvcc-cu12` wheel
+//! unpacked: its `nvidia/cuda_nvcc`):
+//!
+//! ```sh
+//! CUDA_PATH=... XDG_DATA_HOME=$PWD/target/cuda-llvm CUDARC_CUDA_VERSION=13000 \
+//!     CARGO_TARGET_DIR=target/cuda cargo test --release -p ember-kernels \
+//!     --features cudnn,nccl --lib tests_ptx
+//! ```
+
+use super::kernels;
+use super::mma::{MmaPlan, Operand};
+use burn::tensor::{bf16, f16};
+use burn_cubecl::cubecl::Compiler;
+use burn_cubecl::cubecl::ir::features::{Features, MmaConfig};
+use burn_cubecl::cubecl::ir::{
+    AddressType, DeviceIdentity, ElemType, FloatKind, HardwareProperties, MemoryDeviceProperties,
+};
+use burn_cubecl::cubecl::prelude::*;
+use burn_cubecl::cubecl::tf32;
+use cubecl_llvm::nvptx::ptx_version::PtxVersion;
+use cubecl_llvm::{LlvmTarget, PlironArtifact, PlironCompiler, PlironOptions};
+use std::sync::Arc;
+
+/// The PTX of `kernel` for `sm_90`, and the bytes of shared memory a launch of it asks for.
+fn ptx_of(kernel: impl CubeKernel) -> (String, usize) {
+    let mut compiler = PlironCompiler {
+        target: LlvmTarget::Nvptx,
+    };
+    let options = PlironOptions {
+        sm_arch: Some(burn_cubecl::cubecl::ir::nvidia::SmArch::new(90, false)),
+        ptx_version: PtxVersion::for_driver(13000),
+        ..Default::default()
+    };
+    let PlironArtifact::NvptxCode(module) = compiler
+        .compile(kernel.define(), &options)
+        .expect("the kernel lowers to PTX")
+    else {
+        unreachable!("the NVPTX target produces PTX");
+    };
+    // SAFETY: the module's PTX is NUL-terminated.
+    let ptx = unsafe { std::ffi::CStr::from_ptr(module.ptx.as_ptr()) };
+    (
+        ptx.to_string_lossy().into_owned(),
+        module.shared_memory_size,
+    )
+}
+
+/// An H200 as CUDA describes it to CubeCL, as far as the plans read it: planes of 32, 227 KiB
+/// of shared memory per cube (the opt-in limit), and the fragments NVPTX lowers.
+fn h200() -> DeviceProperties {
+    let hardware = HardwareProperties {
+        load_width: 128,
+        vector_register_count: None,
+        plane_size_min: 32,
+        plane_size_max: 32,
+        max_bindings: 32,
+        max_shared_memory_size: 232_448,
+        max_cube_count: (u32::MAX, u16::MAX as u32, u16::MAX as u32),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: Some(132),
+        num_tensor_cores: None,
+        min_tensor_cores_dim: None,
+        num_cpu_cores: None,
+        last_level_cache_size: None,
+        max_vector_size: VectorSize::MAX,
+        cube_mma_reserved_shared_memory: 0,
+    };
+    let mut props = DeviceProperties::new(
+        Features::default(),
+        MemoryDeviceProperties::new(u64::MAX, 256),
+        hardware,
+        burn_cubecl::cubecl::profile::TimingMethod::Device,
+        DeviceIdentity {
+            name: "H200 (offline)".to_string(),
+            ..Default::default()
+        },
+    );
+    let float = |kind| ElemType::Float(kind);
+    for (kind, k) in [
+        (FloatKind::TF32, 8),
+        (FloatKind::BF16, 16),
+        (FloatKind::F16, 16),
+    ] {
+        props.features.matmul.cmma.insert(MmaConfig {
+            a_type: float(kind),
+            b_type: float(kind),
+            cd_type: float(FloatKind::F32),
+            m: 16,
+            n: 16,
+            k,
+        });
+    }
+    props
+}
+
+fn tensor() -> TensorCompilationArg {
+    TensorCompilationArg {
+        meta: TensorMetaCompilationArg { len: (), rank: () },
+        buffer: BufferCompilationArg { inplace: None },
+    }
+}
+
+/// The PTX of the forward pass and of the backward pass's two kernels under `plan`, for heads
+/// of 64 (12 of them).
+fn kernels_ptx<E: Float + CubeElement>(plan: MmaPlan, dropout: bool) -> [(String, usize); 3] {
+    let props = Arc::new(h200());
+    let target = Arc::new(TargetProperties::default());
+    let units = (plan.rows() * plan.parts) as u32;
+    let settings = || {
+        KernelSettings::new(
+            *CubeDim::new_1d(units),
+            ExecutionMode::Checked,
+            AddressType::U32,
+        )
+    };
+    let (k, heads, rows) = (64, 12, plan.rows());
+    [
+        ptx_of(
+            kernels::attention_forward_mma::AttentionForwardMma::<f32, E>::new(
+                settings(),
+                props.clone(),
+                target.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                k,
+                heads,
+                dropout,
+                plan.shape,
+                rows,
+                plan.cols,
+                plan.parts,
+            ),
+        ),
+        ptx_of(
+            kernels::attention_backward_query_mma::AttentionBackwardQueryMma::<f32, E>::new(
+                settings(),
+                props.clone(),
+                target.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                k,
+                heads,
+                dropout,
+                plan.shape,
+                rows,
+                plan.cols,
+                plan.parts,
+            ),
+        ),
+        ptx_of(
+            kernels::attention_backward_key_value_mma::AttentionBackwardKeyValueMma::<f32, E>::new(
+                settings(),
+                props,
+                target,
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                k,
+                heads,
+                dropout,
+                plan.shape,
+                rows,
+                plan.cols,
+                plan.parts,
+            ),
+        ),
+    ]
+}
+
+/// On an H200 a head of 64 gets blocks of 64 rows (4 planes of 16) and 2 units per row, with
+/// tiles of 32 rows in TF32 for `f32` and of 64 in bf16 for mixed precision (what fits half the
+/// shared memory: two cubes to a multiprocessor); the three kernels lower to PTX with dropout
+/// and without, every product a tensor-core instruction of the operand type (`wmma.mma.sync`
+/// on TF32 or bf16 fragments accumulating in `f32`), within the shared memory the plan
+/// counted.
+#[test]
+fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
+    for (operand, kind) in [(Operand::Tf32, "tf32"), (Operand::Bf16, "bf16")] {
+        let plan = MmaPlan::for_device(&h200(), 64, operand).expect("an H200 plan for heads of 64");
+        assert_eq!(
+            (plan.shape, plan.planes, plan.cols, plan.parts),
+            match operand {
+                Operand::Tf32 => ((16, 16, 8), 4, 32, 2),
+                _ => ((16, 16, 16), 4, 64, 2),
+            },
+            "{plan:?}"
+        );
+        for dropout in [false, true] {
+            let ptx = match operand {
+                Operand::Tf32 => kernels_ptx::<tf32>(plan, dropout),
+                Operand::Bf16 => kernels_ptx::<bf16>(plan, dropout),
+                Operand::F16 => kernels_ptx::<f16>(plan, dropout),
+            };
+            for (name, (ptx, bytes)) in ["forward", "queries' backward", "keys' backward"]
+                .iter()
+                .zip(&ptx)
+            {
+                let what = format!("{kind} {name}, dropout {dropout}");
+                let products = ptx.lines().filter(|l| l.contains("wmma.mma.sync")).count();
+                assert!(products > 0, "{what}: no tensor-core products:\n{ptx}");
+                assert!(
+                    ptx.lines()
+                        .filter(|l| l.contains("wmma.mma.sync"))
+                        .all(|l| l.contains(kind) && l.contains("f32")),
+                    "{what}: a product of another type"
+                );
+                assert!(
+                    *bytes > 0 && *bytes <= plan.shared_bytes(64),
+                    "{what}: {bytes} bytes of shared memory, the plan counted {}",
+                    plan.shared_bytes(64)
+                );
+                eprintln!(
+                    "{what}: {products} tensor-core products, {bytes} bytes of shared memory"
+                );
+            }
+        }
+    }
+}
