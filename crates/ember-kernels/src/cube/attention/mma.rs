@@ -74,7 +74,7 @@ impl MmaPlan {
     /// shared memory (else all of it); `None` where there are none (no such fragments, a head
     /// size they do not divide, planes of more than one size). Not yet timed on a GPU.
     pub(crate) fn of(dims: &Dims, like: &CubeTensor, operand: Operand) -> Option<MmaPlan> {
-        MmaPlan::for_device(&like.client.properties(), dims.k(), operand)
+        MmaPlan::for_device(like.client.properties(), dims.k(), operand)
     }
 
     /// [`MmaPlan::of`] for a device with properties `props` and heads of `head`.
