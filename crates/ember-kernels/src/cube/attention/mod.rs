@@ -59,7 +59,7 @@ mod mma;
 mod route;
 #[cfg(all(test, feature = "wgpu"))]
 mod tests;
-#[cfg(all(test, feature = "vulkan"))]
+#[cfg(all(test, feature = "wgpu", feature = "vulkan"))]
 mod tests_mma;
 #[cfg(all(test, feature = "cuda"))]
 mod tests_ptx;

@@ -396,7 +396,7 @@ fn a_narrow_projection_is_taken_in_evaluation_on_wgpu() {
 
 /// Normal random values that f16 holds exactly, so that an f16 path and an f32 one start
 /// from the same numbers.
-fn f16_exact(dims: [usize; 3], device: &Device) -> burn::tensor::TensorData {
+pub(super) fn f16_exact(dims: [usize; 3], device: &Device) -> burn::tensor::TensorData {
     use burn::tensor::FloatDType;
     Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), device)
         .cast(FloatDType::F16)

@@ -1,4 +1,4 @@
-//! The tensor-core kernels' tests on Vulkan (`--features vulkan`: SPIR-V, where CubeCL's
+//! The tensor-core kernels' tests on Vulkan (`--features wgpu,vulkan`: SPIR-V, where CubeCL's
 //! `cmma` becomes cooperative matrices). Mesa's lavapipe has cooperative matrices from Mesa
 //! 25.x on (8x8x8 f16 fragments on 256-bit vectors); `scripts/lavapipe-coopmat.sh` runs these
 //! tests on one. A device without f16 fragments skips them with a line saying so, unless
@@ -6,9 +6,10 @@
 
 use super::dims::Dims;
 use super::mma::{MmaPlan, Operand};
+use super::tests::f16_exact;
 use super::*;
 use burn::backend::{BackendTensor, DispatchTensorKind};
-use burn::tensor::{Device, DeviceKind, Distribution, FloatDType};
+use burn::tensor::{Device, DeviceKind, FloatDType};
 use burn_cubecl::tensor::CubeTensor;
 
 /// `x` as the backend's tensor.
@@ -35,14 +36,6 @@ fn device_with_fragments(k: usize) -> (Device, bool) {
         eprintln!("no f16 matrix fragments on this Vulkan device: tensor-core tests skipped");
     }
     (device, plan.is_some())
-}
-
-/// Values exact in f16 (drawn, rounded to f16 and back).
-fn f16_exact(dims: [usize; 3], device: &Device) -> burn::tensor::TensorData {
-    Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), device)
-        .cast(FloatDType::F16)
-        .cast(FloatDType::F32)
-        .into_data()
 }
 
 /// Mixed precision's f16 projection through the op under autodiff, on the tensor cores:

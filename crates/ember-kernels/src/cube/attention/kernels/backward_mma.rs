@@ -4,6 +4,7 @@
 //! product in `cmma` fragments ([`super::mma`]).
 
 use super::mma::*;
+use super::tiled::{TiledBlock, tiled_block};
 use super::*;
 use crate::cube::hashed_mask::Mask;
 
@@ -34,14 +35,15 @@ pub(crate) fn attention_backward_query_mma<F: Float, E: Float>(
 ) {
     let t = qkv.shape(1);
     let d = heads * k;
-    let MmaBlock {
+    let TiledBlock {
         bh,
         first,
         q0,
         k0,
         v0,
         o0,
-    } = mma_block(t, k, heads, rows);
+        ..
+    } = tiled_block(t, k, heads, rows);
     let scale = F::cast_from(scale);
     let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
     // This unit's row of the block and its part of the row (`parts` units per row).
@@ -184,14 +186,15 @@ pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float>(
 ) {
     let t = qkv.shape(1);
     let d = heads * k;
-    let MmaBlock {
+    let TiledBlock {
         bh,
         first,
         q0,
         k0,
         v0,
         o0,
-    } = mma_block(t, k, heads, rows);
+        ..
+    } = tiled_block(t, k, heads, rows);
     let scale = F::cast_from(scale);
     let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
     // This unit's row of the block and its part of the row (`parts` units per row).

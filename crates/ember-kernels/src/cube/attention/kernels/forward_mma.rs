@@ -2,6 +2,7 @@
 //! products per tile in `cmma` fragments, the online softmax in shared memory.
 
 use super::mma::*;
+use super::tiled::{TiledBlock, tiled_block};
 use super::*;
 use crate::cube::hashed_mask::Mask;
 
@@ -32,14 +33,15 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float>(
 ) {
     let t = qkv.shape(1);
     let d = heads * k;
-    let MmaBlock {
+    let TiledBlock {
         bh,
         first,
         q0,
         k0,
         v0,
         o0,
-    } = mma_block(t, k, heads, rows);
+        ..
+    } = tiled_block(t, k, heads, rows);
     let scale = F::cast_from(scale);
     let mask = Mask::<F>::new(seed, threshold, keep_scale, dropout);
     // This unit's row of the block and its part of the row (`parts` units per row).

@@ -1,5 +1,5 @@
-//! What the tensor-core kernels share: the block a cube takes, the tile loads (rounded to the
-//! products' operand type `E`), the products of one plane's strip of rows through CubeCL's
+//! What the tensor-core kernels share (the block a cube takes is the register tiles'
+//! [`super::tiled::tiled_block`]): the tile loads (rounded to the products' operand type `E`), the products of one plane's strip of rows through CubeCL's
 //! `cmma` fragments, and the row-wise steps done by the whole cube in shared memory.
 //!
 //! A cube is `planes` planes (warps) of `plane` units; plane `p` owns rows `p * fm..(p + 1) *
@@ -17,41 +17,6 @@ use burn_cubecl::cubecl::cmma;
 /// `wmma` loads and stores need 256 bits); every fragment's offset in it is a multiple of 8
 /// values of 4 bytes or 16 of 2.
 pub(super) const FRAGMENT_ALIGN: usize = 32;
-
-/// Where a cube of the tensor-core kernels reads and writes: the head's index among all
-/// sequences' heads `bh = b * H + h`, the block's first row, and the offsets of row 0 of the
-/// head's Q, K and V columns in `[B, T, 3D]` and of its output columns in `[B, T, D]`.
-#[derive(CubeType, Clone, Copy)]
-pub(super) struct MmaBlock {
-    pub(super) bh: usize,
-    pub(super) first: usize,
-    pub(super) q0: usize,
-    pub(super) k0: usize,
-    pub(super) v0: usize,
-    pub(super) o0: usize,
-}
-
-#[cube]
-pub(super) fn mma_block(
-    t: usize,
-    #[comptime] k: usize,
-    #[comptime] heads: usize,
-    #[comptime] rows: usize,
-) -> MmaBlock {
-    let d = heads * k;
-    let bh = CUBE_POS_Y as usize;
-    let h = bh % heads;
-    let b = bh / heads;
-    let q0 = b * t * 3 * d + h * k;
-    MmaBlock {
-        bh,
-        first: CUBE_POS_X as usize * rows,
-        q0,
-        k0: q0 + d,
-        v0: q0 + 2 * d,
-        o0: b * t * d + h * k,
-    }
-}
 
 /// Rows `r0..r0 + rows` of one head's `k` columns of `src` (row 0 at `base`, rows `stride`
 /// apart) into `tile` row after row, rounded to `E`, zeros past `t`; all units of the cube
@@ -142,30 +107,26 @@ pub(super) fn strip_product<F: Float, E: Float>(
                     &a[strip * inner + kk * fk..a_len],
                     comptime!(inner as u32),
                 );
-                if b_transposed {
-                    // Column `j` of the product's `B` is row `j` of the tile.
-                    let b_frag = cmma::Matrix::<E>::from_slice(
-                        cmma::MatrixIdent::B,
-                        fm,
-                        fn_,
-                        fk,
-                        cmma::MatrixLayout::ColMajor,
-                        &b[jn * fn_ * inner + kk * fk..b_len],
-                        comptime!(inner as u32),
-                    );
-                    cmma::execute(&a_frag, &b_frag, &acc, &acc);
+                // With `b_transposed`, column `j` of the product's `B` is row `j` of the tile.
+                let b_at = if b_transposed {
+                    jn * fn_ * inner + kk * fk
                 } else {
-                    let b_frag = cmma::Matrix::<E>::from_slice(
-                        cmma::MatrixIdent::B,
-                        fm,
-                        fn_,
-                        fk,
-                        cmma::MatrixLayout::RowMajor,
-                        &b[kk * fk * cols + jn * fn_..b_len],
-                        comptime!(cols as u32),
-                    );
-                    cmma::execute(&a_frag, &b_frag, &acc, &acc);
-                }
+                    kk * fk * cols + jn * fn_
+                };
+                let b_frag = cmma::Matrix::<E>::from_slice(
+                    cmma::MatrixIdent::B,
+                    fm,
+                    fn_,
+                    fk,
+                    comptime!(if b_transposed {
+                        cmma::MatrixLayout::ColMajor
+                    } else {
+                        cmma::MatrixLayout::RowMajor
+                    }),
+                    &b[b_at..b_len],
+                    comptime!((if b_transposed { inner } else { cols }) as u32),
+                );
+                cmma::execute(&a_frag, &b_frag, &acc, &acc);
             }
             cmma::store(
                 &mut c[c_at..c_len],
