@@ -1,7 +1,8 @@
 //! The attention op as a backend extension: the trait every backend with the kernels
 //! implements (CubeCL's, Burn's fusion over it, autodiff over either), and its CubeCL
 //! implementation, which picks the pass's path: cuDNN's flash attention (opt-in), the batched
-//! products, or the fused kernels.
+//! products, or the fused kernels (on tensor cores where the device has matrix fragments of the
+//! projection's type, [`super::mma`]).
 
 use super::dims::{Dims, float_cast_to, wide};
 use super::launch::{CachedStart, cached_attention, fused_backward, fused_forward};

@@ -150,20 +150,15 @@ impl MmaPlan {
         self.planes * self.shape.0
     }
 
-    /// Units per row in the row-wise steps.
-    fn parts(&self) -> usize {
-        self.parts
-    }
-
     /// The most shared memory any of the three kernels declares, for head size `k` (with up
     /// to 32 bytes of alignment before each of its nine arrays of fragments).
     pub(crate) fn shared_bytes(&self, k: usize) -> usize {
         let (rows, cols, e) = (self.rows(), self.cols, self.operand.bytes());
         let f = size_of::<f32>();
         let forward = (rows * k + 2 * cols * k + rows * cols) * e
-            + (rows * cols + rows * k + rows * self.parts() + 3 * rows) * f;
+            + (rows * cols + rows * k + rows * self.parts + 3 * rows) * f;
         let queries = (2 * rows * k + 2 * cols * k + rows * cols) * e
-            + (2 * rows * cols + rows * k + rows * self.parts() + 2 * rows) * f;
+            + (2 * rows * cols + rows * k + rows * self.parts + 2 * rows) * f;
         let keys = (2 * rows * k + 2 * cols * k + rows * cols) * e
             + (2 * rows * cols + 2 * rows * k + 2 * cols) * f;
         forward.max(queries).max(keys) + 9 * 32
@@ -225,7 +220,7 @@ pub(crate) fn mma_forward(
         plan.shape,
         plan.rows(),
         plan.cols,
-        plan.parts(),
+        plan.parts,
     );
     (out, lse)
 }
@@ -272,7 +267,7 @@ pub(crate) fn mma_backward(
         plan.shape,
         plan.rows(),
         plan.cols,
-        plan.parts(),
+        plan.parts,
     );
     launch_in!(
         plan,
@@ -295,7 +290,7 @@ pub(crate) fn mma_backward(
         plan.shape,
         plan.rows(),
         plan.cols,
-        plan.parts(),
+        plan.parts,
     );
     dqkv
 }

@@ -41,14 +41,19 @@
 //! the shared memory's cycles as the arithmetic costs issue slots (docs/benchmarks.md).
 //! `EMBER_GPU_KERNELS=-attention-tiles` runs the one-row kernels everywhere.
 //!
+//! Where the device has matrix fragments of the projection's type (TF32 for `f32` on CUDA,
+//! bf16, f16), the same passes run on tensor cores instead ([`mma`]: every product in
+//! CubeCL's `cmma`, the softmax in shared memory between them; `-attention-mma` turns it off).
+//!
 //! Decoding has too few query rows for one unit each, so its kernel gives each query row a
 //! cube.
 //!
 //! Layout: this file holds the op's entry points; [`backend`] the backend extension trait and
 //! its CubeCL implementation (which path a pass takes), [`autodiff`] the autodiff op, [`route`]
 //! the choice of the batched products and their start-up check, [`launch`] the kernels'
-//! launches, [`dims`] the sizes and tiling rules, [`kernels`] the CubeCL kernels (one file per
-//! family), and `tests` their tests on wgpu.
+//! launches, [`mma`] the tensor-core kernels' plans and launches, [`dims`] the sizes and tiling
+//! rules, [`kernels`] the CubeCL kernels (one file per family), and `tests` their tests on wgpu
+//! (`tests_mma` on Vulkan with cooperative matrices, `tests_ptx` lowered for an H200).
 
 mod autodiff;
 mod backend;
