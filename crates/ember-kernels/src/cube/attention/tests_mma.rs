@@ -1,6 +1,6 @@
 //! The tensor-core kernels' tests on Vulkan (`--features wgpu,vulkan`: SPIR-V, where CubeCL's
-//! `cmma` becomes cooperative matrices). Mesa's lavapipe has cooperative matrices from Mesa
-//! 25.x on (8x8x8 f16 fragments on 256-bit vectors); `scripts/lavapipe-coopmat.sh` runs these
+//! `cmma` becomes cooperative matrices). Mesa 26's lavapipe has cooperative matrices (8x8x8 f16
+//! fragments on 256-bit vectors; Mesa 25.0's has none); `scripts/lavapipe-coopmat.sh` runs these
 //! tests on one. A device without f16 fragments skips them with a line saying so, unless
 //! `EMBER_REQUIRE_MMA` is set (as that script sets it): then it fails.
 
@@ -31,7 +31,7 @@ fn device_with_fragments(k: usize) -> (Device, bool) {
         assert!(
             !required,
             "EMBER_REQUIRE_MMA is set but this Vulkan device has no f16 matrix fragments \
-             for heads of {k} (Mesa's lavapipe has them from 25.x on)"
+             for heads of {k} (Mesa 26's lavapipe has them)"
         );
         eprintln!("no f16 matrix fragments on this Vulkan device: tensor-core tests skipped");
     }
