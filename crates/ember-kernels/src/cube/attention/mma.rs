@@ -136,13 +136,16 @@ impl MmaPlan {
             .or_else(|| plans.into_iter().find(|plan| fits(plan, max)))
     }
 
-    /// The plan where the tensor cores apply to this call: the strategy on and a plan for the
-    /// projection's type (`dtype`, before any widening).
+    /// The plan where the tensor cores apply to this call: the strategy on, a plan for the
+    /// projection's type (`dtype`, before any widening), and the kernels found to agree with
+    /// the fused kernels on the device ([`agrees_on`]).
     pub(super) fn applies(dims: &Dims, like: &CubeTensor, dtype: DType) -> Option<MmaPlan> {
         if !crate::gpu_kernels::applies(GpuStrategy::AttentionMma) {
             return None;
         }
-        MmaPlan::of(dims, like, Operand::for_projection(dtype)?)
+        let operand = Operand::for_projection(dtype)?;
+        let plan = MmaPlan::of(dims, like, operand)?;
+        agrees_on(like, operand).then_some(plan)
     }
 
     /// Rows of a cube's block.
@@ -173,6 +176,56 @@ impl MmaPlan {
             CubeDim::new_1d((self.rows() * self.parts) as u32),
         )
     }
+}
+
+/// Whether the tensor-core kernels agree with the fused kernels on `like`'s device
+/// ([`mma_agrees`]), checked on the first call for each operand type in the process (a few
+/// small launches), so that kernels never run on a GPU before cannot train a model wrongly:
+/// where they disagree, one warning line, and the fused kernels run. While a graph is being
+/// recorded (where the check could not allocate) an operand type not yet checked takes the
+/// fused kernels.
+fn agrees_on(like: &CubeTensor, operand: Operand) -> bool {
+    static AGREES: [std::sync::OnceLock<bool>; 3] = [const { std::sync::OnceLock::new() }; 3];
+    let slot = &AGREES[operand as usize];
+    if like.client.is_capturing() {
+        return slot.get().copied().unwrap_or(false);
+    }
+    *slot.get_or_init(|| match mma_agrees(like, operand) {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!(
+                "warning: ember's tensor-core attention disagrees with its fused kernels on this \
+                 device ({why}); the attention runs on the fused kernels"
+            );
+            false
+        }
+    })
+}
+
+/// The tensor-core kernels in `operand` against the fused kernels on `like`'s device, in
+/// `like`'s float type ([`super::route::agrees_with_fused`]: output, log-sum-exps and gradient
+/// of a small call with dropout, inputs in `-2..2`, within 1% of the largest value in `f32`, 2%
+/// in bf16 or f16);
+/// an error where the device has no plan for the check's heads of 32.
+pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), String> {
+    let plan = MmaPlan::for_device(like.client.properties(), 32, operand)
+        .ok_or_else(|| format!("no {operand:?} fragments for heads of 32"))?;
+    // Inputs in -2..2: scores spread enough that a row's running maximum moves between tiles.
+    super::route::agrees_with_fused(like, 4.0, |qkv, seed, grad, heads, dropout| {
+        let wide = |x: &CubeTensor| super::dims::wide::<burn_cubecl::CubeBackend>(x.clone());
+        let (out, lse) = mma_forward(wide(qkv), seed.clone(), heads, dropout, plan);
+        let dqkv = mma_backward(
+            wide(qkv),
+            seed.clone(),
+            out.clone(),
+            lse.clone(),
+            wide(grad),
+            heads,
+            dropout,
+            plan,
+        );
+        (out, lse, dqkv)
+    })
 }
 
 /// Calls `$kernel::launch::<f32, E>` with `E` the plan's operand type.

@@ -69,15 +69,43 @@ pub(super) fn products_agree_on(like: &CubeTensor) -> bool {
 }
 
 /// The attention as batched products against the fused kernels on `like`'s device, in
-/// `like`'s float type: output, log-sum-exps and the projection's gradient of 3 sequences of 45
-/// positions, 2 heads of 32, with dropout (in blocks of 16 query rows with `causal-blocks`
-/// on), within 1% of the largest value in f32 (TF32 products
-/// round to 11 bits), 2% in bf16 or f16 (weights and outputs rounded to 8 or 11 bits, about
-/// 0.05% of the largest value in f16 on lavapipe; the fused kernels compute from the same
-/// rounded values in f32); a wrong matrix or dropout mask is off by its whole size. The error
-/// names the first value that differs, or the failure to read one.
+/// `like`'s float type ([`agrees_with_fused`]), in blocks of 16 query rows with `causal-blocks`
+/// on (the last one of 13).
 #[cfg_attr(not(feature = "cublas"), allow(dead_code))] // run by CUDA builds and tests
 pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
+    agrees_with_fused(like, 1.0, |qkv, seed, grad, heads, dropout| {
+        let mut policy = crate::gpu_kernels::policy();
+        policy.attention.block_rows = Some(16);
+        crate::gpu_kernels::with_policy(policy, || {
+            use crate::cube::attention_products::{backward, forward};
+            let (out, lse) = forward(qkv, seed, heads, dropout);
+            let dqkv = backward(qkv, seed, &lse, grad, heads, dropout);
+            (out, lse, dqkv)
+        })
+    })
+}
+
+/// One path's passes against the fused kernels on `like`'s device, in `like`'s float type:
+/// `passes(qkv, seed, grad, heads, dropout)` gives the output, log-sum-exps and the
+/// projection's gradient of 3 sequences of 45 positions, 2 heads of 32, with dropout (inputs
+/// spread over `spread` times `-0.5..0.5`; wider spreads the scores, so that a row's maximum
+/// moves from tile to tile), within
+/// 1% of the largest value in f32 (TF32 products round to 11 bits), 2% in bf16 or f16 (weights
+/// and outputs rounded to 8 or 11 bits, about 0.05% of the largest value in f16 on lavapipe;
+/// the fused kernels compute from the same rounded values in f32); a wrong matrix or dropout
+/// mask is off by its whole size. The error names the first value that differs, or the
+/// failure to read one.
+pub(super) fn agrees_with_fused(
+    like: &CubeTensor,
+    spread: f32,
+    passes: impl FnOnce(
+        &CubeTensor,
+        &CubeTensor,
+        &CubeTensor,
+        usize,
+        f32,
+    ) -> (CubeTensor, CubeTensor, CubeTensor),
+) -> Result<(), String> {
     use burn::backend::ops::FloatTensorOps;
     use burn::tensor::TensorData;
     let (b, t, heads, k, dropout) = (3, 45, 2, 32, 0.25_f32);
@@ -90,7 +118,7 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
     // Values of the check's type, and the same values in f32 for the fused kernels.
     let load = |n: usize, seed: usize, shape: Vec<usize>| {
         let values: Vec<f32> = (0..n)
-            .map(|i| ((i * 7919 + seed) % 61) as f32 / 60.0 - 0.5)
+            .map(|i| (((i * 7919 + seed) % 61) as f32 / 60.0 - 0.5) * spread)
             .collect();
         let x = CubeBackend::float_from_data(TensorData::new(values, shape), &like.device);
         let narrow = float_cast_to::<CubeBackend>(x, dtype);
@@ -99,15 +127,7 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
     let (qkv, wide_qkv) = load(b * t * 3 * d, 1, vec![b, t, 3 * d]);
     let (grad, wide_grad) = load(b * t * d, 2, vec![b, t, d]);
     let seed = CubeBackend::float_from_data(TensorData::new(vec![0.375_f32], [1]), &like.device);
-    // In blocks of 16 query rows where the products run in blocks (the last one of 13).
-    let mut policy = crate::gpu_kernels::policy();
-    policy.attention.block_rows = Some(16);
-    let (out, lse, dqkv) = crate::gpu_kernels::with_policy(policy, || {
-        use crate::cube::attention_products::{backward, forward};
-        let (out, lse) = forward(&qkv, &seed, heads, dropout);
-        let dqkv = backward(&qkv, &seed, &lse, &grad, heads, dropout);
-        (out, lse, dqkv)
-    });
+    let (out, lse, dqkv) = passes(&qkv, &seed, &grad, heads, dropout);
     let (fused_out, fused_lse) = fused_forward(wide_qkv.clone(), seed.clone(), heads, dropout);
     let fused_dqkv = fused_backward(
         wide_qkv,

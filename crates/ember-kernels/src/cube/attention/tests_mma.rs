@@ -5,7 +5,7 @@
 //! `EMBER_REQUIRE_MMA` is set (as that script sets it): then it fails.
 
 use super::dims::Dims;
-use super::mma::{MmaPlan, Operand};
+use super::mma::{MmaPlan, Operand, mma_agrees};
 use super::tests::f16_exact;
 use super::*;
 use burn::backend::{BackendTensor, DispatchTensorKind};
@@ -141,4 +141,19 @@ fn an_f32_projection_never_takes_f16_fragments() {
     crate::gpu_kernels::with_policy(off, || {
         assert_eq!(MmaPlan::applies(&dims, &qkv, DType::F16), None);
     });
+}
+
+/// The start-up check that guards the tensor-core kernels on a device agrees on this one, in
+/// f16; with `f32` values there are no fragments to check (no TF32 on Vulkan) and it says so.
+#[test]
+fn the_start_up_check_agrees_in_f16() {
+    let (device, run) = device_with_fragments(32);
+    if !run {
+        return;
+    }
+    let narrow = cube_tensor(Tensor::<3>::zeros([1, 1, 96], &device).cast(FloatDType::F16));
+    mma_agrees(&narrow, Operand::F16).unwrap();
+    let wide = cube_tensor(Tensor::<3>::zeros([1, 1, 96], &device));
+    let refused = mma_agrees(&wide, Operand::Tf32).unwrap_err();
+    assert!(refused.contains("no Tf32 fragments"), "{refused}");
 }
