@@ -107,6 +107,9 @@ impl MmaPlan {
             .mma_row_units
             .unwrap_or(plane / m)
             .max(1);
+        if !head.is_multiple_of(parts) {
+            return None;
+        }
         let max_units = hardware.max_units_per_cube as usize;
         let plans = [(4, 4), (4, 2), (2, 2), (2, 1), (1, 1)].map(|(planes, tiles)| MmaPlan {
             operand,
@@ -123,7 +126,6 @@ impl MmaPlan {
                 && units >= plan.planes * plane
                 && plan.cols <= units
                 && plan.cols.is_multiple_of(parts)
-                && head.is_multiple_of(parts)
                 && plan.cols.is_multiple_of(fragment.2)
                 && plan.shared_bytes(head) <= bytes
         };
@@ -213,9 +215,10 @@ pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), Stri
     // Inputs in -2..2: scores spread enough that a row's running maximum moves between tiles.
     super::route::agrees_with_fused(like, 4.0, |qkv, seed, grad, heads, dropout| {
         let wide = |x: &CubeTensor| super::dims::wide::<burn_cubecl::CubeBackend>(x.clone());
-        let (out, lse) = mma_forward(wide(qkv), seed.clone(), heads, dropout, plan);
+        let qkv = wide(qkv);
+        let (out, lse) = mma_forward(qkv.clone(), seed.clone(), heads, dropout, plan);
         let dqkv = mma_backward(
-            wide(qkv),
+            qkv,
             seed.clone(),
             out.clone(),
             lse.clone(),
@@ -228,14 +231,38 @@ pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), Stri
     })
 }
 
-/// Calls `$kernel::launch::<f32, E>` with `E` the plan's operand type.
+/// Launches `$kernel::launch::<f32, E>` (`E` the plan's operand type) on `$client` with its
+/// tensors `$tensor`s and the arguments every tensor-core kernel takes after them: the scale,
+/// the dropout mask's threshold and keep scale, and the comptime sizes of `$dims` and `$plan`.
 macro_rules! launch_in {
-    ($plan:expr, $kernel:path, $($arg:expr),* $(,)?) => {{
+    ($plan:expr, $dims:expr, $dropout:expr, $kernel:path, $client:expr, $count:expr, $dim:expr,
+     $($tensor:expr),* $(,)?) => {{
         use $kernel as kernel;
-        match $plan.operand {
-            Operand::Tf32 => kernel::launch::<f32, tf32>($($arg),*),
-            Operand::F16 => kernel::launch::<f32, f16>($($arg),*),
-            Operand::Bf16 => kernel::launch::<f32, bf16>($($arg),*),
+        let (plan, dims, dropout): (MmaPlan, &Dims, f32) = ($plan, $dims, $dropout);
+        macro_rules! with {
+            ($e:ty) => {
+                kernel::launch::<f32, $e>(
+                    $client,
+                    $count,
+                    $dim,
+                    $($tensor,)*
+                    dims.scale(),
+                    crate::cube::hashed_mask::threshold(dropout),
+                    1.0 / (1.0 - dropout),
+                    dims.k(),
+                    dims.heads,
+                    dropout > 0.0,
+                    plan.shape,
+                    plan.rows(),
+                    plan.cols,
+                    plan.parts,
+                )
+            };
+        }
+        match plan.operand {
+            Operand::Tf32 => with!(tf32),
+            Operand::F16 => with!(f16),
+            Operand::Bf16 => with!(bf16),
         }
     }};
 }
@@ -256,6 +283,8 @@ pub(crate) fn mma_forward(
     let (count, dim) = plan.launch_size(&dims);
     launch_in!(
         plan,
+        &dims,
+        dropout,
         kernels::attention_forward_mma,
         &qkv.client.clone(),
         count,
@@ -264,16 +293,6 @@ pub(crate) fn mma_forward(
         seed.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
-        dims.scale(),
-        crate::cube::hashed_mask::threshold(dropout),
-        1.0 / (1.0 - dropout),
-        dims.k(),
-        heads,
-        dropout > 0.0,
-        plan.shape,
-        plan.rows(),
-        plan.cols,
-        plan.parts,
     );
     (out, lse)
 }
@@ -297,9 +316,10 @@ pub(crate) fn mma_backward(
     let delta = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);
     let client = qkv.client.clone();
     let (count, dim) = plan.launch_size(&dims);
-    let threshold = crate::cube::hashed_mask::threshold(dropout);
     launch_in!(
         plan,
+        &dims,
+        dropout,
         kernels::attention_backward_query_mma,
         &client,
         count.clone(),
@@ -311,19 +331,11 @@ pub(crate) fn mma_backward(
         lse.clone().into_tensor_arg(),
         delta.clone().into_tensor_arg(),
         dqkv.clone().into_tensor_arg(),
-        dims.scale(),
-        threshold,
-        1.0 / (1.0 - dropout),
-        dims.k(),
-        heads,
-        dropout > 0.0,
-        plan.shape,
-        plan.rows(),
-        plan.cols,
-        plan.parts,
     );
     launch_in!(
         plan,
+        &dims,
+        dropout,
         kernels::attention_backward_key_value_mma,
         &client,
         count,
@@ -334,16 +346,6 @@ pub(crate) fn mma_backward(
         lse.into_tensor_arg(),
         delta.into_tensor_arg(),
         dqkv.clone().into_tensor_arg(),
-        dims.scale(),
-        threshold,
-        1.0 / (1.0 - dropout),
-        dims.k(),
-        heads,
-        dropout > 0.0,
-        plan.shape,
-        plan.rows(),
-        plan.cols,
-        plan.parts,
     );
     dqkv
 }

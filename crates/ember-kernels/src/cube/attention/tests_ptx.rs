@@ -112,83 +112,42 @@ fn kernels_ptx<E: Float + CubeElement>(plan: MmaPlan, dropout: bool) -> [(String
     let props = Arc::new(h200());
     let target = Arc::new(TargetProperties::default());
     let units = (plan.rows() * plan.parts) as u32;
-    let settings = || {
-        KernelSettings::new(
-            *CubeDim::new_1d(units),
-            ExecutionMode::Checked,
-            AddressType::U32,
-        )
-    };
-    let (k, heads, rows) = (64, 12, plan.rows());
+    // `$kernel` with its tensors (named as in its signature), three scalars and the comptime
+    // sizes.
+    macro_rules! compiled {
+        ($kernel:ty; $($tensor:ident)*) => {
+            ptx_of(<$kernel>::new(
+                KernelSettings::new(
+                    *CubeDim::new_1d(units),
+                    ExecutionMode::Checked,
+                    AddressType::U32,
+                ),
+                props.clone(),
+                target.clone(),
+                $({
+                    let $tensor = tensor();
+                    $tensor
+                },)*
+                (),
+                (),
+                (),
+                64,
+                12,
+                dropout,
+                plan.shape,
+                plan.rows(),
+                plan.cols,
+                plan.parts,
+            ))
+        };
+    }
     [
-        ptx_of(
-            kernels::attention_forward_mma::AttentionForwardMma::<f32, E>::new(
-                settings(),
-                props.clone(),
-                target.clone(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                (),
-                (),
-                (),
-                k,
-                heads,
-                dropout,
-                plan.shape,
-                rows,
-                plan.cols,
-                plan.parts,
-            ),
-        ),
-        ptx_of(
-            kernels::attention_backward_query_mma::AttentionBackwardQueryMma::<f32, E>::new(
-                settings(),
-                props.clone(),
-                target.clone(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                (),
-                (),
-                (),
-                k,
-                heads,
-                dropout,
-                plan.shape,
-                rows,
-                plan.cols,
-                plan.parts,
-            ),
-        ),
-        ptx_of(
-            kernels::attention_backward_key_value_mma::AttentionBackwardKeyValueMma::<f32, E>::new(
-                settings(),
-                props,
-                target,
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                tensor(),
-                (),
-                (),
-                (),
-                k,
-                heads,
-                dropout,
-                plan.shape,
-                rows,
-                plan.cols,
-                plan.parts,
-            ),
-        ),
+        compiled!(kernels::attention_forward_mma::AttentionForwardMma<f32, E>;
+            qkv seed out lse),
+        compiled!(kernels::attention_backward_query_mma::AttentionBackwardQueryMma<f32, E>;
+            qkv seed out grad lse delta dqkv),
+        compiled!(kernels::attention_backward_key_value_mma::AttentionBackwardKeyValueMma<f32, E>;
+            qkv seed grad lse delta dqkv),
     ]
 }
 

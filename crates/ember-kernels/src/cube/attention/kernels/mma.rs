@@ -1,14 +1,15 @@
 //! What the tensor-core kernels share (the block a cube takes is the register tiles'
-//! [`super::tiled::tiled_block`]): the tile loads (rounded to the products' operand type `E`), the products of one plane's strip of rows through CubeCL's
-//! `cmma` fragments, and the row-wise steps done by the whole cube in shared memory.
+//! [`super::tiled::tiled_block`]): the tile loads, rounded to the products' operand type `E`;
+//! the products of one plane's strip of rows through CubeCL's `cmma` fragments; the row-wise
+//! reductions done by the whole cube in shared memory.
 //!
-//! A cube is `planes` planes (warps) of `plane` units; plane `p` owns rows `p * fm..(p + 1) *
-//! fm` of the cube's block (`fm` the fragments' rows), so a block is `planes * fm` rows. Every
-//! product `C += A B` of a pass is split along `C`'s rows by plane and along its columns in
-//! fragments of `fn` columns, summed over `A`'s columns in fragments of `fk`: `A` and `B` are
-//! read from shared memory in `E` (TF32 on CUDA for `f32`, f16 or bf16), `C` accumulates in
-//! `f32` and is stored back to shared memory, where the softmax and the scaling are done row
-//! by row by all units of the cube (`parts = plane / fm` units per row).
+//! Planes `0..planes` of a cube each own `fm` rows of the cube's block (`fm` the fragments'
+//! rows), so a block is `planes * fm` rows. Every product `C += A B` of a pass is split along
+//! `C`'s rows by plane and along its columns in fragments of `fn` columns, summed over `A`'s
+//! columns in fragments of `fk`: `A` and `B` are read from shared memory in `E` (TF32 on CUDA
+//! for `f32`, f16 or bf16), `C` accumulates in `f32` and is stored back to shared memory, where
+//! the softmax and the scaling are done row by row by all units of the cube (`parts` units per
+//! row: the cube has `rows * parts` units, and planes past `planes` take part only there).
 
 use super::*;
 use burn_cubecl::cubecl::cmma;
