@@ -294,7 +294,7 @@ speed() {
             EMBER_GPU_KERNELS=$kernels EMBER_SPLIT_K=$split logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
                 --device "$DEVICE" --out "$out" --stop-after "$STEPS" \
                 --set "training.precision=\"$precision\"" || continue
-            grep -E "^(peak|GPU memory|checkpoint:|warning)" "$RUNS/speed.log"
+            grep -E "^(peak|GPU memory|checkpoint:|warning|attention)" "$RUNS/speed.log"
             ms_per_step "$out"
         done
     done

@@ -151,11 +151,17 @@ pub enum GpuStrategy {
     /// ordinary cores. Where it runs: wherever the fused kernels would (the batched products
     /// and cuDNN's attention, where they apply, come first).
     AttentionMma,
+    /// The training attention's path for each pass and shape chosen by timing every path that
+    /// applies on the device (the batched products, the tensor-core kernels at each of their
+    /// tile sizes, the fused kernels) once per process, on the call's own tensors
+    /// (`cube/attention/tune.rs`); off, or for small calls, the first that applies in that
+    /// order. cuDNN's attention, where it applies, is not timed: it comes first.
+    AttentionTune,
 }
 
 impl GpuStrategy {
     /// Every strategy, in the order of [`GpuStrategy::name`]'s list.
-    pub const ALL: [GpuStrategy; 13] = [
+    pub const ALL: [GpuStrategy; 14] = [
         GpuStrategy::StepGraph,
         GpuStrategy::SplitK,
         GpuStrategy::Cublas,
@@ -169,6 +175,7 @@ impl GpuStrategy {
         GpuStrategy::EvalGraph,
         GpuStrategy::GroupedAdamW,
         GpuStrategy::AttentionMma,
+        GpuStrategy::AttentionTune,
     ];
 
     /// The strategy's name in `EMBER_GPU_KERNELS`.
@@ -187,6 +194,7 @@ impl GpuStrategy {
             GpuStrategy::EvalGraph => "eval-graph",
             GpuStrategy::GroupedAdamW => "grouped-adamw",
             GpuStrategy::AttentionMma => "attention-mma",
+            GpuStrategy::AttentionTune => "attention-tune",
         }
     }
 }
@@ -294,6 +302,11 @@ pub struct AttentionTuning {
     /// `None`: a plane's units over a fragment's rows, 2 on CUDA); more than that adds planes
     /// that take no part in the products.
     pub mma_row_units: Option<usize>,
+    /// The fewest scores (`B * H * T * T`) of a call whose path is timed
+    /// ([`GpuStrategy::AttentionTune`]; `None`: 2^22, about a quarter of nanoGPT's GPU
+    /// config's): smaller calls take the first path that applies, where the timing would cost
+    /// more than any path could save.
+    pub tune_min_scores: Option<usize>,
 }
 
 /// Everything that decides which of ember's GPU paths run.
@@ -325,6 +338,7 @@ impl Default for GpuPolicy {
                 keys_per_rescale: None,
                 block_rows: None,
                 mma_row_units: None,
+                tune_min_scores: None,
             },
         }
     }
@@ -365,6 +379,7 @@ static POLICY: RwLock<GpuPolicy> = RwLock::new(GpuPolicy {
         keys_per_rescale: None,
         block_rows: None,
         mma_row_units: None,
+        tune_min_scores: None,
     },
 });
 

@@ -6,8 +6,9 @@
 
 use super::dims::{Dims, float_cast_to, wide};
 use super::launch::{CachedStart, cached_attention, fused_backward, fused_forward};
-use super::mma::{MmaPlan, mma_backward, mma_forward};
-use super::route::{by_products, on_device_thread};
+use super::mma::{mma_backward, mma_forward};
+use super::route::on_device_thread;
+use super::tune::{Pass, Path, choose, paths};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, TensorMetadata, backend_extension};
 use burn_cubecl::CubeBackend;
@@ -111,20 +112,13 @@ impl AttentionKernels for CubeBackend {
                 return done;
             }
         }
-        if by_products(&qkv) {
-            return on_device_thread(&qkv.client, || {
-                crate::cube::attention_products::forward(&qkv, &seed, heads, dropout)
-            });
-        }
-        // Mixed precision's bf16 (or f16) projection: the fused kernels read it widened (a
-        // copy that lives for the call), and the output is rounded once to its type.
+        let dims = Dims::of(&qkv, heads);
         let dtype = qkv.dtype();
-        if let Some(plan) = MmaPlan::applies(&Dims::of(&qkv, heads), &qkv, dtype) {
-            let (out, lse) = mma_forward(wide::<Self>(qkv), seed, heads, dropout, plan);
-            return (float_cast_to::<Self>(out, dtype), lse);
-        }
-        let (out, lse) = fused_forward(wide::<Self>(qkv), seed, heads, dropout);
-        (float_cast_to::<Self>(out, dtype), lse)
+        let paths = paths(&qkv, &dims, dtype);
+        let path = choose(&qkv, &dims, dtype, dropout, Pass::Forward, paths, |path| {
+            forward_on(path, &qkv, &seed, heads, dropout);
+        });
+        forward_on(path, &qkv, &seed, heads, dropout)
     }
 
     fn causal_self_attention_backward(
@@ -156,20 +150,13 @@ impl AttentionKernels for CubeBackend {
                 return dqkv;
             }
         }
-        if by_products(&qkv) {
-            let grad = float_cast_to::<Self>(grad, dtype);
-            return on_device_thread(&qkv.client, || {
-                crate::cube::attention_products::backward(&qkv, &seed, &lse, &grad, heads, dropout)
-            });
-        }
-        // In the projection's type, computed in f32 (widened copies for the call).
-        let plan = MmaPlan::applies(&Dims::of(&qkv, heads), &qkv, dtype);
-        let [qkv, out, grad] = [qkv, into_contiguous(out), grad].map(wide::<Self>);
-        let dqkv = match plan {
-            Some(plan) => mma_backward(qkv, seed, out, lse, grad, heads, dropout, plan),
-            None => fused_backward(qkv, seed, out, lse, grad, heads, dropout),
-        };
-        float_cast_to::<Self>(dqkv, dtype)
+        let dims = Dims::of(&qkv, heads);
+        let out = into_contiguous(out);
+        let paths = paths(&qkv, &dims, dtype);
+        let path = choose(&qkv, &dims, dtype, dropout, Pass::Backward, paths, |path| {
+            backward_on(path, &qkv, &seed, &out, &lse, &grad, heads, dropout);
+        });
+        backward_on(path, &qkv, &seed, &out, &lse, &grad, heads, dropout)
     }
 
     fn cached_causal_attention(
@@ -189,4 +176,71 @@ impl AttentionKernels for CubeBackend {
     ) -> CubeTensor {
         cached_attention(q, k, v, CachedStart::Device(crate::cube::ids_i32(position)))
     }
+}
+
+/// The forward pass of [`AttentionKernels::causal_self_attention_forward`] on `path`, for a
+/// contiguous projection: the output in the projection's type, the log-sum-exps in `f32`.
+/// Mixed precision's bf16 (or f16) projection: the batched products read it as it is; the
+/// kernels read it widened (a copy that lives for the call), and the output is rounded once to
+/// its type.
+pub(super) fn forward_on(
+    path: Path,
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    heads: usize,
+    dropout: f32,
+) -> (CubeTensor, CubeTensor) {
+    let dtype = qkv.dtype();
+    let (out, lse) = match path {
+        Path::Products => {
+            return on_device_thread(&qkv.client, || {
+                crate::cube::attention_products::forward(qkv, seed, heads, dropout)
+            });
+        }
+        Path::Mma(plan) => mma_forward(
+            wide::<CubeBackend>(qkv.clone()),
+            seed.clone(),
+            heads,
+            dropout,
+            plan,
+        ),
+        Path::Fused => fused_forward(
+            wide::<CubeBackend>(qkv.clone()),
+            seed.clone(),
+            heads,
+            dropout,
+        ),
+    };
+    (float_cast_to::<CubeBackend>(out, dtype), lse)
+}
+
+/// The backward pass of [`AttentionKernels::causal_self_attention_backward`] on `path`, for
+/// contiguous tensors (the log-sum-exps of any path's forward pass): the projection's gradient
+/// in its type, computed in `f32` by the kernels (widened copies for the call) and by the
+/// products from the projection's type.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward_on(
+    path: Path,
+    qkv: &CubeTensor,
+    seed: &CubeTensor,
+    out: &CubeTensor,
+    lse: &CubeTensor,
+    grad: &CubeTensor,
+    heads: usize,
+    dropout: f32,
+) -> CubeTensor {
+    let dtype = qkv.dtype();
+    if path == Path::Products {
+        let grad = float_cast_to::<CubeBackend>(grad.clone(), dtype);
+        return on_device_thread(&qkv.client, || {
+            crate::cube::attention_products::backward(qkv, seed, lse, &grad, heads, dropout)
+        });
+    }
+    let [qkv, out, grad] = [qkv, out, grad].map(|x| wide::<CubeBackend>(x.clone()));
+    let (seed, lse) = (seed.clone(), lse.clone());
+    let dqkv = match path {
+        Path::Mma(plan) => mma_backward(qkv, seed, out, lse, grad, heads, dropout, plan),
+        _ => fused_backward(qkv, seed, out, lse, grad, heads, dropout),
+    };
+    float_cast_to::<CubeBackend>(dqkv, dtype)
 }

@@ -18,7 +18,7 @@ use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::tensor::CubeTensor;
 
 /// The type the products read their operands in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Operand {
     Tf32,
     F16,
@@ -57,7 +57,7 @@ impl Operand {
 /// plane, the planes that compute products (a block is `planes * m` rows), the rows of each
 /// tile the block streams (`cols`) and the units per row in the row-wise steps (`parts`; a
 /// cube has `rows * parts` units, the planes past `planes` only help there).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct MmaPlan {
     pub(crate) operand: Operand,
     pub(crate) shape: (usize, usize, usize),
@@ -68,25 +68,21 @@ pub(crate) struct MmaPlan {
 }
 
 impl MmaPlan {
-    /// The plan for `dims` in `operand` on `like`'s device: the largest square fragments of
-    /// that operand type accumulating in `f32` whose sides divide the head size, and the
-    /// largest blocks and tiles (64, 32, 16 or 8 rows) whose kernels fit half the device's
-    /// shared memory (else all of it); `None` where there are none (no such fragments, a head
-    /// size they do not divide, planes of more than one size). Not yet timed on a GPU.
-    pub(crate) fn of(dims: &Dims, like: &CubeTensor, operand: Operand) -> Option<MmaPlan> {
-        MmaPlan::for_device(like.client.properties(), dims.k(), operand)
-    }
-
-    /// [`MmaPlan::of`] for a device with properties `props` and heads of `head`.
-    pub(crate) fn for_device(
+    /// The plans for heads of `head` in `operand` on a device with properties `props`: the
+    /// largest square fragments of that operand type accumulating in `f32` whose sides divide
+    /// the head size, and the largest blocks and tiles (64, 32, 16 or 8 rows) whose kernels fit
+    /// half the device's shared memory (else all of it: ember's rule, first), then the largest
+    /// that fit all of it where they differ (for `attention-tune` to time); none where there
+    /// are no such fragments, a head size they do not divide, or planes of more than one size.
+    pub(crate) fn all_for_device(
         props: &DeviceProperties,
         head: usize,
         operand: Operand,
-    ) -> Option<MmaPlan> {
+    ) -> Vec<MmaPlan> {
         let hardware = &props.hardware;
         let plane = hardware.plane_size_max as usize;
         if plane == 0 || hardware.plane_size_min != hardware.plane_size_max {
-            return None;
+            return Vec::new();
         }
         let f32_ = ElemType::Float(FloatKind::F32);
         let fragment = props
@@ -100,15 +96,17 @@ impl MmaPlan {
             .filter(|&(m, n, k)| {
                 plane.is_multiple_of(m) && head.is_multiple_of(n) && head.is_multiple_of(k)
             })
-            .max_by_key(|&(m, _, _)| m)?;
-        let (m, _, _) = fragment;
+            .max_by_key(|&(m, _, _)| m);
+        let Some(fragment @ (m, _, _)) = fragment else {
+            return Vec::new();
+        };
         let parts = crate::gpu_kernels::policy()
             .attention
             .mma_row_units
             .unwrap_or(plane / m)
             .max(1);
         if !head.is_multiple_of(parts) {
-            return None;
+            return Vec::new();
         }
         let max_units = hardware.max_units_per_cube as usize;
         let plans = [(4, 4), (4, 2), (2, 2), (2, 1), (1, 1)].map(|(planes, tiles)| MmaPlan {
@@ -130,24 +128,35 @@ impl MmaPlan {
                 && plan.shared_bytes(head) <= bytes
         };
         // Two cubes to a multiprocessor where half the shared memory holds one (a cube waits
-        // at each of a tile's seven barriers; the other cube's work fills the wait), else one.
+        // at each of a tile's seven barriers; the other cube's work fills the wait), else one;
+        // and the largest plan that fits all of it (one cube, larger tiles), where it differs,
+        // for timing against the first (`attention-tune`).
         let max = hardware.max_shared_memory_size;
-        plans
-            .into_iter()
-            .find(|plan| fits(plan, max / 2))
-            .or_else(|| plans.into_iter().find(|plan| fits(plan, max)))
+        let half = plans.into_iter().find(|plan| fits(plan, max / 2));
+        let whole = plans.into_iter().find(|plan| fits(plan, max));
+        match (half, whole) {
+            (Some(half), Some(whole)) if half != whole => vec![half, whole],
+            (Some(one), _) | (None, Some(one)) => vec![one],
+            (None, None) => Vec::new(),
+        }
     }
 
-    /// The plan where the tensor cores apply to this call: the strategy on, a plan for the
-    /// projection's type (`dtype`, before any widening), and the kernels found to agree with
-    /// the fused kernels on the device ([`agrees_on`]).
-    pub(super) fn applies(dims: &Dims, like: &CubeTensor, dtype: DType) -> Option<MmaPlan> {
+    /// The plans where the tensor cores apply to this call, ember's rule's first
+    /// ([`MmaPlan::all_for_device`]): the strategy on, plans for the projection's type (`dtype`,
+    /// before any widening), and the kernels found to agree with the fused kernels on the device
+    /// ([`agrees_on`]).
+    pub(super) fn all_that_apply(dims: &Dims, like: &CubeTensor, dtype: DType) -> Vec<MmaPlan> {
         if !crate::gpu_kernels::applies(GpuStrategy::AttentionMma) {
-            return None;
+            return Vec::new();
         }
-        let operand = Operand::for_projection(dtype)?;
-        let plan = MmaPlan::of(dims, like, operand)?;
-        agrees_on(like, operand).then_some(plan)
+        let Some(operand) = Operand::for_projection(dtype) else {
+            return Vec::new();
+        };
+        let plans = MmaPlan::all_for_device(like.client.properties(), dims.k(), operand);
+        if plans.is_empty() || !agrees_on(like, operand) {
+            return Vec::new();
+        }
+        plans
     }
 
     /// Rows of a cube's block.
@@ -207,28 +216,41 @@ fn agrees_on(like: &CubeTensor, operand: Operand) -> bool {
 /// The tensor-core kernels in `operand` against the fused kernels on `like`'s device, in
 /// `like`'s float type ([`super::route::agrees_with_fused`]: output, log-sum-exps and gradient
 /// of a small call with dropout, inputs in `-2..2`, within 1% of the largest value in `f32`, 2%
-/// in bf16 or f16);
-/// an error where the device has no plan for the check's heads of 32.
+/// in bf16 or f16), with each plan the device has for heads of 32 ([`MmaPlan::all_for_device`]:
+/// ember's rule's blocks and tiles and the largest); an error where it has none.
 pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), String> {
-    let plan = MmaPlan::for_device(like.client.properties(), 32, operand)
-        .ok_or_else(|| format!("no {operand:?} fragments for heads of 32"))?;
-    // Inputs in -2..2: scores spread enough that a row's running maximum moves between tiles.
-    super::route::agrees_with_fused(like, 4.0, |qkv, seed, grad, heads, dropout| {
-        let wide = |x: &CubeTensor| super::dims::wide::<burn_cubecl::CubeBackend>(x.clone());
-        let qkv = wide(qkv);
-        let (out, lse) = mma_forward(qkv.clone(), seed.clone(), heads, dropout, plan);
-        let dqkv = mma_backward(
-            qkv,
-            seed.clone(),
-            out.clone(),
-            lse.clone(),
-            wide(grad),
-            heads,
-            dropout,
-            plan,
-        );
-        (out, lse, dqkv)
-    })
+    let plans = MmaPlan::all_for_device(like.client.properties(), 32, operand);
+    if plans.is_empty() {
+        return Err(format!("no {operand:?} fragments for heads of 32"));
+    }
+    for plan in plans {
+        // Inputs in -2..2: scores spread enough that a row's running maximum moves between
+        // tiles.
+        super::route::agrees_with_fused(like, 4.0, |qkv, seed, grad, heads, dropout| {
+            let wide = |x: &CubeTensor| super::dims::wide::<burn_cubecl::CubeBackend>(x.clone());
+            let qkv = wide(qkv);
+            let (out, lse) = mma_forward(qkv.clone(), seed.clone(), heads, dropout, plan);
+            let dqkv = mma_backward(
+                qkv,
+                seed.clone(),
+                out.clone(),
+                lse.clone(),
+                wide(grad),
+                heads,
+                dropout,
+                plan,
+            );
+            (out, lse, dqkv)
+        })
+        .map_err(|why| {
+            format!(
+                "blocks of {} rows, tiles of {}: {why}",
+                plan.rows(),
+                plan.cols
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Launches `$kernel::launch::<f32, E>` (`E` the plan's operand type) on `$client` with its

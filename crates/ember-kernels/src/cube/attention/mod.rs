@@ -49,10 +49,10 @@
 //! cube.
 //!
 //! Layout: this file holds the op's entry points; [`backend`] the backend extension trait and
-//! its CubeCL implementation (which path a pass takes), [`autodiff`] the autodiff op, [`route`]
-//! the choice of the batched products and their start-up check, [`launch`] the kernels'
-//! launches, [`mma`] the tensor-core kernels' plans and launches, [`dims`] the sizes and tiling
-//! rules, [`kernels`] the CubeCL kernels (one file per family), and `tests` their tests on wgpu
+//! its CubeCL implementation (each pass's paths), [`autodiff`] the autodiff op, [`route`] where
+//! the batched products apply and their start-up check, [`tune`] the timed choice of each
+//! pass's path, [`launch`] the kernels' launches, [`mma`] the tensor-core kernels' plans and
+//! launches, [`dims`] the sizes and tiling rules, [`kernels`] the CubeCL kernels (one file per family), and `tests` their tests on wgpu
 //! (`tests_mma` on Vulkan with cooperative matrices, `tests_ptx` lowered for an H200).
 
 mod autodiff;
@@ -68,6 +68,7 @@ mod tests;
 mod tests_mma;
 #[cfg(all(test, feature = "cuda"))]
 mod tests_ptx;
+mod tune;
 
 pub use backend::AttentionKernels;
 pub(super) use dims::{Dims, float_cast_to, wide};

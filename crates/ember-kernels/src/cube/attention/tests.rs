@@ -463,3 +463,192 @@ fn dropout_in_training_only_and_repeatable() {
     assert_ne!(a, other, "another seed, the same mask");
     run(&device, &dropout, 1).assert_approx_eq::<f32>(&plain, Default::default());
 }
+
+/// `x` as the backend's tensor (a wgpu or Vulkan tensor is CubeCL's).
+pub(super) fn cube_tensor(x: Tensor<3>) -> burn_cubecl::tensor::CubeTensor {
+    use burn::backend::{BackendTensor, DispatchTensorKind};
+    match x.into_dispatch().kind {
+        DispatchTensorKind::Cube(BackendTensor::Float(x)) => x,
+        _ => panic!("a wgpu or Vulkan tensor is CubeCL's"),
+    }
+}
+
+/// Under `policy`, every path that applies to calls of `cases` (`b, t, heads, k, dropout`) in
+/// `dtype`, forward pass on one and backward pass on another (as `attention-tune` may choose
+/// them), against the fused kernels on both: output, log-sum-exps and gradient within
+/// `tolerance` of the largest value. Returns the paths seen, for the caller to check.
+pub(super) fn every_pair_of_paths_agrees(
+    device: &Device,
+    dtype: DType,
+    cases: &[(usize, usize, usize, usize, f32)],
+    tolerance: f32,
+    policy: crate::GpuPolicy,
+) -> Vec<super::tune::Path> {
+    use super::backend::{backward_on, forward_on};
+    use super::tune::{Path, paths};
+    use burn::backend::TensorMetadata;
+    use burn::backend::ops::FloatTensorOps;
+    use burn::tensor::{FloatDType, TensorData};
+    let _scope = PolicyScope::enter(policy);
+    let mut seen = Vec::new();
+    for &(b, t, heads, k, p) in cases {
+        let what = format!("{dtype:?}, dropout {p}, {b}x{t}, {heads} heads of {k}");
+        let d = heads * k;
+        let load = |dims: [usize; 3]| {
+            let x = Tensor::<3>::from_data(f16_exact(dims, device), device);
+            cube_tensor(x.cast(FloatDType::from(dtype)))
+        };
+        let (qkv, grad) = (load([b, t, 3 * d]), load([b, t, d]));
+        let seed = CubeBackend::float_from_data(TensorData::new(vec![0.375_f32], [1]), &qkv.device);
+        let read = |x: burn_cubecl::tensor::CubeTensor| {
+            burn_cubecl::ops::into_data_sync(wide::<CubeBackend>(x))
+                .try_to_vec::<f32>()
+                .unwrap()
+        };
+        let near = |ours: Vec<f32>, fused: &[f32], part: &str| {
+            let scale = fused.iter().fold(1e-6_f32, |m, v| m.max(v.abs()));
+            let diff = ours
+                .iter()
+                .zip(fused)
+                .fold(0_f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                diff <= tolerance * scale,
+                "{what}: {part} off by {diff} (scale {scale})"
+            );
+        };
+        let (fused_out, fused_lse) = forward_on(Path::Fused, &qkv, &seed, heads, p);
+        let fused_grad = read(backward_on(
+            Path::Fused,
+            &qkv,
+            &seed,
+            &fused_out,
+            &fused_lse,
+            &grad,
+            heads,
+            p,
+        ));
+        let (fused_out, fused_lse) = (read(fused_out), read(fused_lse));
+        let paths = paths(&qkv, &Dims::of(&qkv, heads), dtype);
+        for &forward in &paths {
+            let (out, lse) = forward_on(forward, &qkv, &seed, heads, p);
+            assert_eq!(out.dtype(), dtype, "{what}: {forward:?}'s output");
+            near(
+                read(out.clone()),
+                &fused_out,
+                &format!("{forward:?}'s output"),
+            );
+            near(
+                read(lse.clone()),
+                &fused_lse,
+                &format!("{forward:?}'s log-sum-exps"),
+            );
+            for &backward in &paths {
+                let dqkv = backward_on(backward, &qkv, &seed, &out, &lse, &grad, heads, p);
+                assert_eq!(dqkv.dtype(), dtype, "{what}: {backward:?}'s gradient");
+                near(
+                    read(dqkv),
+                    &fused_grad,
+                    &format!("gradient, forward {forward:?}, backward {backward:?}"),
+                );
+            }
+        }
+        for path in paths {
+            if !seen.contains(&path) {
+                seen.push(path);
+            }
+        }
+    }
+    seen
+}
+
+/// The batched products (Burn's on wgpu) and the fused kernels in f32, forward pass on one
+/// and backward pass on the other: the same output, log-sum-exps and gradient, with dropout
+/// and without (what lets `attention-tune` choose each pass on its own).
+#[test]
+fn a_pass_on_one_path_pairs_with_a_pass_on_another_on_wgpu() {
+    use super::tune::Path;
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let policy = tuned(crate::AttentionTuning {
+        products_anywhere: true,
+        ..Default::default()
+    });
+    let cases = [
+        (2, 37, 2, 16, 0.25),
+        (1, 70, 3, 32, 0.0),
+        (2, 9, 1, 4, 0.25),
+    ];
+    let seen = every_pair_of_paths_agrees(&device, DType::F32, &cases, 1e-4, policy);
+    assert_eq!(seen, [Path::Products, Path::Fused]);
+}
+
+/// With `attention-tune` on and every call timed, the op under autodiff equals the reference
+/// (output and gradient) whichever path each pass chose; both passes of each shape are timed
+/// on both paths once and a choice kept; a second call of a shape times nothing; with the
+/// strategy off nothing is timed.
+#[test]
+fn tuned_attention_equals_the_reference_on_wgpu() {
+    use super::tune::{CHOICES, Pass, Path};
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let timed = || {
+        let choices = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+        choices.as_ref().map_or(0, |c| c.timed())
+    };
+    let kept = |pass, sizes| {
+        let choices = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+        choices.as_ref().and_then(|c| c.kept(pass, sizes))
+    };
+    // Shapes of their own: no other test times a call.
+    for (b, t, heads, k, tune) in [
+        (2, 41, 3, 16, true),
+        (1, 66, 2, 32, true),
+        (3, 23, 2, 8, false),
+    ] {
+        let mut policy = tuned(crate::AttentionTuning {
+            products_anywhere: true,
+            tune_min_scores: Some(0),
+            ..Default::default()
+        });
+        policy.kernels = policy
+            .kernels
+            .with_strategy(crate::GpuStrategy::AttentionTune, tune);
+        let d = heads * k;
+        let (x, g) = (
+            f16_exact([b, t, 3 * d], &device),
+            f16_exact([b, t, d], &device),
+        );
+        let what = format!("tuned {tune}, {b}x{t}, {heads} heads of {k}");
+        let before = timed();
+        for _ in 0..2 {
+            crate::gpu_kernels::with_policy(policy, || {
+                agrees_on(
+                    &device,
+                    &x,
+                    &g,
+                    |qkv| causal_self_attention(qkv, heads, 0.0).expect("a wgpu f32 tensor"),
+                    |qkv| crate::causal_self_attention_reference(qkv, heads),
+                    1e-4,
+                    &what,
+                )
+            });
+        }
+        let sizes = [b, t, heads, k];
+        let both = vec![Path::Products, Path::Fused];
+        for pass in [Pass::Forward, Pass::Backward] {
+            match kept(pass, sizes) {
+                Some((path, paths)) => {
+                    assert!(tune, "{what}: {pass:?} timed with the strategy off");
+                    assert_eq!(paths, both, "{what}: {pass:?}'s paths");
+                    assert!(paths.contains(&path), "{what}: {pass:?} chose {path:?}");
+                }
+                None => assert!(!tune, "{what}: no choice kept for the {pass:?} pass"),
+            }
+        }
+        // Two paths timed for each pass (no other test times a call: their shapes have fewer
+        // scores than the default's least).
+        let timings = timed() - before;
+        match tune {
+            true => assert_eq!(timings, 4, "{what}"),
+            false => assert_eq!(timings, 0, "{what}"),
+        }
+    }
+}

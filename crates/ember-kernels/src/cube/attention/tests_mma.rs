@@ -6,18 +6,14 @@
 
 use super::dims::Dims;
 use super::mma::{MmaPlan, Operand, mma_agrees};
-use super::tests::f16_exact;
+use super::tests::{cube_tensor, f16_exact};
 use super::*;
-use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::tensor::{Device, DeviceKind, FloatDType};
 use burn_cubecl::tensor::CubeTensor;
 
-/// `x` as the backend's tensor.
-fn cube_tensor(x: Tensor<3>) -> CubeTensor {
-    match x.into_dispatch().kind {
-        DispatchTensorKind::Cube(BackendTensor::Float(x)) => x,
-        _ => panic!("a Vulkan tensor is CubeCL's"),
-    }
+/// The first plan that applies to a call.
+fn first_plan(dims: &Dims, like: &CubeTensor, dtype: DType) -> Option<MmaPlan> {
+    MmaPlan::all_that_apply(dims, like, dtype).first().copied()
 }
 
 /// The Vulkan device, and whether it has a plan in f16 for heads of `k` (`false`: skip).
@@ -25,8 +21,8 @@ fn device_with_fragments(k: usize) -> (Device, bool) {
     let device = Device::vulkan(DeviceKind::DefaultDevice);
     let qkv = Tensor::<3>::zeros([1, 1, 3 * k], &device);
     let qkv = cube_tensor(qkv.cast(FloatDType::F16));
-    let plan = MmaPlan::of(&Dims::of(&qkv, 1), &qkv, Operand::F16);
-    if plan.is_none() {
+    let plan = MmaPlan::all_for_device(qkv.client.properties(), k, Operand::F16);
+    if plan.is_empty() {
         let required = std::env::var_os("EMBER_REQUIRE_MMA").is_some();
         assert!(
             !required,
@@ -35,7 +31,7 @@ fn device_with_fragments(k: usize) -> (Device, bool) {
         );
         eprintln!("no f16 matrix fragments on this Vulkan device: tensor-core tests skipped");
     }
-    (device, plan.is_some())
+    (device, !plan.is_empty())
 }
 
 /// Mixed precision's f16 projection through the op under autodiff, on the tensor cores:
@@ -99,7 +95,7 @@ fn tensor_core_kernels_stay_near_the_reference() {
             let (out, grad) = crate::gpu_kernels::with_policy(policy, || {
                 let like = Tensor::<3>::zeros([b, t, 3 * d], &plain).cast(FloatDType::F16);
                 let like = cube_tensor(like);
-                let plan = MmaPlan::applies(&Dims::of(&like, heads), &like, DType::F16);
+                let plan = first_plan(&Dims::of(&like, heads), &like, DType::F16);
                 assert_eq!(plan.is_some(), mma, "{what} ({path}): {plan:?}");
                 let narrow_in = leaf(x.clone());
                 let narrow = seeded(
@@ -131,15 +127,15 @@ fn an_f32_projection_never_takes_f16_fragments() {
     }
     let qkv = cube_tensor(Tensor::<3>::zeros([2, 70, 3 * 64], &device));
     let dims = Dims::of(&qkv, 1);
-    assert_eq!(MmaPlan::applies(&dims, &qkv, DType::F32), None);
-    assert!(MmaPlan::applies(&dims, &qkv, DType::F16).is_some());
+    assert_eq!(first_plan(&dims, &qkv, DType::F32), None);
+    assert!(first_plan(&dims, &qkv, DType::F16).is_some());
     let off = crate::GpuPolicy {
         kernels: crate::GpuKernels::default()
             .with_strategy(crate::GpuStrategy::AttentionMma, false),
         ..Default::default()
     };
     crate::gpu_kernels::with_policy(off, || {
-        assert_eq!(MmaPlan::applies(&dims, &qkv, DType::F16), None);
+        assert_eq!(first_plan(&dims, &qkv, DType::F16), None);
     });
 }
 
@@ -156,4 +152,24 @@ fn the_start_up_check_agrees_in_f16() {
     let wide = cube_tensor(Tensor::<3>::zeros([1, 1, 96], &device));
     let refused = mma_agrees(&wide, Operand::Tf32).unwrap_err();
     assert!(refused.contains("no Tf32 fragments"), "{refused}");
+}
+
+/// On an f16 projection, the tensor-core kernels, the batched products (Burn's on Vulkan) and
+/// the fused kernels, forward pass on one and backward pass on another (as `attention-tune`
+/// may choose them): output, log-sum-exps and gradient within 1% of the largest value of the
+/// fused kernels' (each path rounds the weights to f16 at another point).
+#[test]
+fn tensor_core_passes_pair_with_the_other_paths() {
+    let (device, run) = device_with_fragments(32);
+    if !run {
+        return;
+    }
+    let mut policy = crate::GpuPolicy::default();
+    policy.attention.products_anywhere = true;
+    let cases = [(2, 45, 2, 32, 0.25), (1, 70, 1, 64, 0.0)];
+    let seen = super::tests::every_pair_of_paths_agrees(&device, DType::F16, &cases, 1e-2, policy);
+    assert!(
+        seen.iter().any(|p| matches!(p, super::tune::Path::Mma(_))),
+        "no tensor-core path: {seen:?}"
+    );
 }

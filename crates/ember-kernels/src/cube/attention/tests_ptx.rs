@@ -153,23 +153,29 @@ fn kernels_ptx<E: Float + CubeElement>(plan: MmaPlan, dropout: bool) -> [(String
 
 /// On an H200 a head of 64 gets blocks of 64 rows (4 planes of 16) and 2 units per row, with
 /// tiles of 32 rows in TF32 for `f32` and of 64 in bf16 for mixed precision (what fits half the
-/// shared memory: two cubes to a multiprocessor); the three kernels lower to PTX with dropout
-/// and without, every product a tensor-core instruction of the operand type (`wmma.mma.sync`
-/// on TF32 or bf16 fragments accumulating in `f32`), within the shared memory the plan
-/// counted.
+/// shared memory: two cubes to a multiprocessor), and for timing in TF32 tiles of 64 (what
+/// fits all of it); the three kernels of each plan lower to PTX with dropout and without, every
+/// product a tensor-core instruction of the operand type (`wmma.mma.sync` on TF32 or bf16
+/// fragments accumulating in `f32`), within the shared memory the plan counted and the
+/// device's.
 #[test]
 fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
+    let max = h200().hardware.max_shared_memory_size;
     for (operand, kind) in [(Operand::Tf32, "tf32"), (Operand::Bf16, "bf16")] {
-        let plan = MmaPlan::for_device(&h200(), 64, operand).expect("an H200 plan for heads of 64");
+        let plans = MmaPlan::all_for_device(&h200(), 64, operand);
+        let summary: Vec<_> = plans
+            .iter()
+            .map(|plan| (plan.shape, plan.planes, plan.cols, plan.parts))
+            .collect();
         assert_eq!(
-            (plan.shape, plan.planes, plan.cols, plan.parts),
+            summary,
             match operand {
-                Operand::Tf32 => ((16, 16, 8), 4, 32, 2),
-                _ => ((16, 16, 16), 4, 64, 2),
+                Operand::Tf32 => vec![((16, 16, 8), 4, 32, 2), ((16, 16, 8), 4, 64, 2)],
+                _ => vec![((16, 16, 16), 4, 64, 2)],
             },
-            "{plan:?}"
+            "{plans:?}"
         );
-        for dropout in [false, true] {
+        for (plan, dropout) in plans.into_iter().flat_map(|p| [(p, false), (p, true)]) {
             let ptx = match operand {
                 Operand::Tf32 => kernels_ptx::<tf32>(plan, dropout),
                 Operand::Bf16 => kernels_ptx::<bf16>(plan, dropout),
@@ -179,7 +185,7 @@ fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
                 .iter()
                 .zip(&ptx)
             {
-                let what = format!("{kind} {name}, dropout {dropout}");
+                let what = format!("{kind} tiles of {} {name}, dropout {dropout}", plan.cols);
                 let products = ptx.lines().filter(|l| l.contains("wmma.mma.sync")).count();
                 assert!(products > 0, "{what}: no tensor-core products:\n{ptx}");
                 assert!(
@@ -189,8 +195,9 @@ fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
                     "{what}: a product of another type"
                 );
                 assert!(
-                    *bytes > 0 && *bytes <= plan.shared_bytes(64),
-                    "{what}: {bytes} bytes of shared memory, the plan counted {}",
+                    *bytes > 0 && *bytes <= plan.shared_bytes(64) && *bytes <= max,
+                    "{what}: {bytes} bytes of shared memory, the plan counted {} (the device \
+                     has {max})",
                     plan.shared_bytes(64)
                 );
                 eprintln!(
