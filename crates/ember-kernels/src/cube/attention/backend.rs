@@ -180,9 +180,9 @@ impl AttentionKernels for CubeBackend {
 
 /// The forward pass of [`AttentionKernels::causal_self_attention_forward`] on `path`, for a
 /// contiguous projection: the output in the projection's type, the log-sum-exps in `f32`.
-/// Mixed precision's bf16 (or f16) projection: the batched products read it as it is; the
-/// kernels read it widened (a copy that lives for the call), and the output is rounded once to
-/// its type.
+/// Mixed precision's bf16 (or f16) projection: the batched products and the tensor-core kernels
+/// read it as it is; the fused kernels read it widened (a copy that lives for the call), and
+/// their output is rounded once to its type.
 pub(super) fn forward_on(
     path: Path,
     qkv: &CubeTensor,
@@ -190,34 +190,24 @@ pub(super) fn forward_on(
     heads: usize,
     dropout: f32,
 ) -> (CubeTensor, CubeTensor) {
-    let dtype = qkv.dtype();
-    let (out, lse) = match path {
-        Path::Products => {
-            return on_device_thread(&qkv.client, || {
-                crate::cube::attention_products::forward(qkv, seed, heads, dropout)
-            });
+    match path {
+        Path::Products => on_device_thread(&qkv.client, || {
+            crate::cube::attention_products::forward(qkv, seed, heads, dropout)
+        }),
+        Path::Mma(plan) => mma_forward(qkv.clone(), seed.clone(), heads, dropout, plan),
+        Path::Fused => {
+            let wide_qkv = wide::<CubeBackend>(qkv.clone());
+            let (out, lse) = fused_forward(wide_qkv, seed.clone(), heads, dropout);
+            (float_cast_to::<CubeBackend>(out, qkv.dtype()), lse)
         }
-        Path::Mma(plan) => mma_forward(
-            wide::<CubeBackend>(qkv.clone()),
-            seed.clone(),
-            heads,
-            dropout,
-            plan,
-        ),
-        Path::Fused => fused_forward(
-            wide::<CubeBackend>(qkv.clone()),
-            seed.clone(),
-            heads,
-            dropout,
-        ),
-    };
-    (float_cast_to::<CubeBackend>(out, dtype), lse)
+    }
 }
 
 /// The backward pass of [`AttentionKernels::causal_self_attention_backward`] on `path`, for
 /// contiguous tensors (the log-sum-exps of any path's forward pass): the projection's gradient
-/// in its type, computed in `f32` by the kernels (widened copies for the call) and by the
-/// products from the projection's type.
+/// in its type, computed from the projection's type by the products and the tensor-core
+/// kernels (the output and its gradient taken in that type too), from widened copies by the
+/// fused kernels.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward_on(
     path: Path,
@@ -230,17 +220,23 @@ pub(super) fn backward_on(
     dropout: f32,
 ) -> CubeTensor {
     let dtype = qkv.dtype();
-    if path == Path::Products {
-        let grad = float_cast_to::<CubeBackend>(grad.clone(), dtype);
-        return on_device_thread(&qkv.client, || {
-            crate::cube::attention_products::backward(qkv, seed, lse, &grad, heads, dropout)
-        });
-    }
-    let [qkv, out, grad] = [qkv, out, grad].map(|x| wide::<CubeBackend>(x.clone()));
     let (seed, lse) = (seed.clone(), lse.clone());
-    let dqkv = match path {
-        Path::Mma(plan) => mma_backward(qkv, seed, out, lse, grad, heads, dropout, plan),
-        _ => fused_backward(qkv, seed, out, lse, grad, heads, dropout),
-    };
-    float_cast_to::<CubeBackend>(dqkv, dtype)
+    let narrow = |x: &CubeTensor| float_cast_to::<CubeBackend>(x.clone(), dtype);
+    match path {
+        Path::Products => {
+            let grad = narrow(grad);
+            on_device_thread(&qkv.client, || {
+                crate::cube::attention_products::backward(qkv, &seed, &lse, &grad, heads, dropout)
+            })
+        }
+        Path::Mma(plan) => {
+            let [qkv, out, grad] = [qkv, out, grad].map(narrow);
+            mma_backward(qkv, seed, out, lse, grad, heads, dropout, plan)
+        }
+        Path::Fused => {
+            let [qkv, out, grad] = [qkv, out, grad].map(|x| wide::<CubeBackend>(x.clone()));
+            let dqkv = fused_backward(qkv, seed, out, lse, grad, heads, dropout);
+            float_cast_to::<CubeBackend>(dqkv, dtype)
+        }
+    }
 }

@@ -36,12 +36,33 @@ impl Operand {
         }
     }
 
+    /// The projection type this operand type follows (the inverse of
+    /// [`Operand::for_projection`]).
+    fn projection(self) -> DType {
+        match self {
+            Operand::Tf32 => DType::F32,
+            Operand::F16 => DType::F16,
+            Operand::Bf16 => DType::BF16,
+        }
+    }
+
     fn elem(self) -> ElemType {
         ElemType::Float(match self {
             Operand::Tf32 => FloatKind::TF32,
             Operand::F16 => FloatKind::F16,
             Operand::Bf16 => FloatKind::BF16,
         })
+    }
+
+    /// Panics unless `x` is of the projection type this operand type follows (what the kernels
+    /// read and write their tensors in).
+    fn check_projection(self, x: &CubeTensor) {
+        assert_eq!(
+            x.dtype(),
+            self.projection(),
+            "tensor-core attention in {self:?} reads and writes {:?}",
+            x.dtype()
+        );
     }
 
     /// Bytes of one operand in shared memory (TF32 is stored as `f32`).
@@ -213,8 +234,8 @@ fn agrees_on(like: &CubeTensor, operand: Operand) -> bool {
     })
 }
 
-/// The tensor-core kernels in `operand` against the fused kernels on `like`'s device, in
-/// `like`'s float type ([`super::route::agrees_with_fused`]: output, log-sum-exps and gradient
+/// The tensor-core kernels in `operand` against the fused kernels on `like`'s device, in the
+/// projection type `operand` follows ([`super::route::agrees_with_fused`]: output, log-sum-exps and gradient
 /// of a small call with dropout, inputs in `-2..2`, within 1% of the largest value in `f32`, 2%
 /// in bf16 or f16), with each plan the device has for heads of 32 ([`MmaPlan::all_for_device`]:
 /// ember's rule's blocks and tiles and the largest); an error where it has none.
@@ -226,22 +247,25 @@ pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), Stri
     for plan in plans {
         // Inputs in -2..2: scores spread enough that a row's running maximum moves between
         // tiles.
-        super::route::agrees_with_fused(like, 4.0, |qkv, seed, grad, heads, dropout| {
-            let wide = |x: &CubeTensor| super::dims::wide::<burn_cubecl::CubeBackend>(x.clone());
-            let qkv = wide(qkv);
-            let (out, lse) = mma_forward(qkv.clone(), seed.clone(), heads, dropout, plan);
-            let dqkv = mma_backward(
-                qkv,
-                seed.clone(),
-                out.clone(),
-                lse.clone(),
-                wide(grad),
-                heads,
-                dropout,
-                plan,
-            );
-            (out, lse, dqkv)
-        })
+        super::route::agrees_with_fused(
+            like,
+            operand.projection(),
+            4.0,
+            |qkv, seed, grad, heads, dropout| {
+                let (out, lse) = mma_forward(qkv.clone(), seed.clone(), heads, dropout, plan);
+                let dqkv = mma_backward(
+                    qkv.clone(),
+                    seed.clone(),
+                    out.clone(),
+                    lse.clone(),
+                    grad.clone(),
+                    heads,
+                    dropout,
+                    plan,
+                );
+                (out, lse, dqkv)
+            },
+        )
         .map_err(|why| {
             format!(
                 "blocks of {} rows, tiles of {}: {why}",
@@ -253,7 +277,8 @@ pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), Stri
     Ok(())
 }
 
-/// Launches `$kernel::launch::<f32, E>` (`E` the plan's operand type) on `$client` with its
+/// Launches `$kernel::launch::<f32, E, I>` (`E` the plan's operand type, `I` the projection's
+/// type it follows) on `$client` with its
 /// tensors `$tensor`s and the arguments every tensor-core kernel takes after them: the scale,
 /// the dropout mask's threshold and keep scale, and the comptime sizes of `$dims` and `$plan`.
 macro_rules! launch_in {
@@ -262,8 +287,8 @@ macro_rules! launch_in {
         use $kernel as kernel;
         let (plan, dims, dropout): (MmaPlan, &Dims, f32) = ($plan, $dims, $dropout);
         macro_rules! with {
-            ($e:ty) => {
-                kernel::launch::<f32, $e>(
+            ($e:ty, $i:ty) => {
+                kernel::launch::<f32, $e, $i>(
                     $client,
                     $count,
                     $dim,
@@ -282,15 +307,16 @@ macro_rules! launch_in {
             };
         }
         match plan.operand {
-            Operand::Tf32 => with!(tf32),
-            Operand::F16 => with!(f16),
-            Operand::Bf16 => with!(bf16),
+            Operand::Tf32 => with!(tf32, f32),
+            Operand::F16 => with!(f16, f16),
+            Operand::Bf16 => with!(bf16, bf16),
         }
     }};
 }
 
-/// The forward pass on tensor cores: the output `[B, T, D]` and the log-sum-exps
-/// `[B, H, T]` of a contiguous `f32` projection.
+/// The forward pass on tensor cores: the output `[B, T, D]` (in the projection's type) and the
+/// log-sum-exps `[B, H, T]` (`f32`) of a contiguous projection of the type `plan`'s operand
+/// follows (`f32` for TF32, bf16, f16), read as it is.
 pub(crate) fn mma_forward(
     qkv: CubeTensor,
     seed: CubeTensor,
@@ -298,9 +324,9 @@ pub(crate) fn mma_forward(
     dropout: f32,
     plan: MmaPlan,
 ) -> (CubeTensor, CubeTensor) {
-    assert_eq!(qkv.dtype(), DType::F32, "tensor-core attention reads f32");
+    plan.operand.check_projection(&qkv);
     let dims = Dims::of(&qkv, heads);
-    let out = crate::cube::empty(&qkv, [dims.b, dims.t, dims.d]);
+    let out = crate::cube::empty_of(&qkv, [dims.b, dims.t, dims.d], qkv.dtype());
     let lse = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);
     let (count, dim) = plan.launch_size(&dims);
     launch_in!(
@@ -319,8 +345,8 @@ pub(crate) fn mma_forward(
     (out, lse)
 }
 
-/// The backward pass on tensor cores: the projection's gradient `[B, T, 3D]` (contiguous
-/// `f32` tensors).
+/// The backward pass on tensor cores: the projection's gradient `[B, T, 3D]` from contiguous
+/// tensors of the projection's type (the log-sum-exps `f32`), in that type.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mma_backward(
     qkv: CubeTensor,
@@ -332,9 +358,11 @@ pub(crate) fn mma_backward(
     dropout: f32,
     plan: MmaPlan,
 ) -> CubeTensor {
-    assert_eq!(qkv.dtype(), DType::F32, "tensor-core attention reads f32");
+    for x in [&qkv, &out, &grad] {
+        plan.operand.check_projection(x);
+    }
     let dims = Dims::of(&qkv, heads);
-    let dqkv = crate::cube::empty(&qkv, [dims.b, dims.t, 3 * dims.d]);
+    let dqkv = crate::cube::empty_of(&qkv, [dims.b, dims.t, 3 * dims.d], qkv.dtype());
     let delta = crate::cube::empty(&qkv, [dims.b, heads, dims.t]);
     let client = qkv.client.clone();
     let (count, dim) = plan.launch_size(&dims);

@@ -73,19 +73,24 @@ pub(super) fn products_agree_on(like: &CubeTensor) -> bool {
 /// on (the last one of 13).
 #[cfg_attr(not(feature = "cublas"), allow(dead_code))] // run by CUDA builds and tests
 pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
-    agrees_with_fused(like, 1.0, |qkv, seed, grad, heads, dropout| {
-        let mut policy = crate::gpu_kernels::policy();
-        policy.attention.block_rows = Some(16);
-        crate::gpu_kernels::with_policy(policy, || {
-            use crate::cube::attention_products::{backward, forward};
-            let (out, lse) = forward(qkv, seed, heads, dropout);
-            let dqkv = backward(qkv, seed, &lse, grad, heads, dropout);
-            (out, lse, dqkv)
-        })
-    })
+    agrees_with_fused(
+        like,
+        like.dtype(),
+        1.0,
+        |qkv, seed, grad, heads, dropout| {
+            let mut policy = crate::gpu_kernels::policy();
+            policy.attention.block_rows = Some(16);
+            crate::gpu_kernels::with_policy(policy, || {
+                use crate::cube::attention_products::{backward, forward};
+                let (out, lse) = forward(qkv, seed, heads, dropout);
+                let dqkv = backward(qkv, seed, &lse, grad, heads, dropout);
+                (out, lse, dqkv)
+            })
+        },
+    )
 }
 
-/// One path's passes against the fused kernels on `like`'s device, in `like`'s float type:
+/// One path's passes against the fused kernels on `like`'s device, in float type `dtype`:
 /// `passes(qkv, seed, grad, heads, dropout)` gives the output, log-sum-exps and the
 /// projection's gradient of 3 sequences of 45 positions, 2 heads of 32, with dropout (inputs
 /// spread over `spread` times `-0.5..0.5`; wider spreads the scores, so that a row's maximum
@@ -97,6 +102,7 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
 /// failure to read one.
 pub(super) fn agrees_with_fused(
     like: &CubeTensor,
+    dtype: DType,
     spread: f32,
     passes: impl FnOnce(
         &CubeTensor,
@@ -110,7 +116,6 @@ pub(super) fn agrees_with_fused(
     use burn::tensor::TensorData;
     let (b, t, heads, k, dropout) = (3, 45, 2, 32, 0.25_f32);
     let d = heads * k;
-    let dtype = like.dtype();
     let tolerance = match dtype {
         DType::F32 => 0.01,
         _ => 0.02,

@@ -108,7 +108,10 @@ fn tensor() -> TensorCompilationArg {
 
 /// The PTX of the forward pass and of the backward pass's two kernels under `plan`, for heads
 /// of 64 (12 of them).
-fn kernels_ptx<E: Float + CubeElement>(plan: MmaPlan, dropout: bool) -> [(String, usize); 3] {
+fn kernels_ptx<E: Float + CubeElement, I: Float + CubeElement>(
+    plan: MmaPlan,
+    dropout: bool,
+) -> [(String, usize); 3] {
     let props = Arc::new(h200());
     let target = Arc::new(TargetProperties::default());
     let units = (plan.rows() * plan.parts) as u32;
@@ -142,11 +145,11 @@ fn kernels_ptx<E: Float + CubeElement>(plan: MmaPlan, dropout: bool) -> [(String
         };
     }
     [
-        compiled!(kernels::attention_forward_mma::AttentionForwardMma<f32, E>;
+        compiled!(kernels::attention_forward_mma::AttentionForwardMma<f32, E, I>;
             qkv seed out lse),
-        compiled!(kernels::attention_backward_query_mma::AttentionBackwardQueryMma<f32, E>;
+        compiled!(kernels::attention_backward_query_mma::AttentionBackwardQueryMma<f32, E, I>;
             qkv seed out grad lse delta dqkv),
-        compiled!(kernels::attention_backward_key_value_mma::AttentionBackwardKeyValueMma<f32, E>;
+        compiled!(kernels::attention_backward_key_value_mma::AttentionBackwardKeyValueMma<f32, E, I>;
             qkv seed grad lse delta dqkv),
     ]
 }
@@ -156,8 +159,8 @@ fn kernels_ptx<E: Float + CubeElement>(plan: MmaPlan, dropout: bool) -> [(String
 /// shared memory: two cubes to a multiprocessor), and for timing in TF32 tiles of 64 (what
 /// fits all of it); the three kernels of each plan lower to PTX with dropout and without, every
 /// product a tensor-core instruction of the operand type (`wmma.mma.sync` on TF32 or bf16
-/// fragments accumulating in `f32`), within the shared memory the plan counted and the
-/// device's.
+/// fragments accumulating in `f32`), bf16 tensors loaded and stored in 16 bits (as they are,
+/// not widened), within the shared memory the plan counted and the device's.
 #[test]
 fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
     let max = h200().hardware.max_shared_memory_size;
@@ -177,9 +180,9 @@ fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
         );
         for (plan, dropout) in plans.into_iter().flat_map(|p| [(p, false), (p, true)]) {
             let ptx = match operand {
-                Operand::Tf32 => kernels_ptx::<tf32>(plan, dropout),
-                Operand::Bf16 => kernels_ptx::<bf16>(plan, dropout),
-                Operand::F16 => kernels_ptx::<f16>(plan, dropout),
+                Operand::Tf32 => kernels_ptx::<tf32, f32>(plan, dropout),
+                Operand::Bf16 => kernels_ptx::<bf16, bf16>(plan, dropout),
+                Operand::F16 => kernels_ptx::<f16, f16>(plan, dropout),
             };
             for (name, (ptx, bytes)) in ["forward", "queries' backward", "keys' backward"]
                 .iter()
@@ -193,6 +196,17 @@ fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
                         .filter(|l| l.contains("wmma.mma.sync"))
                         .all(|l| l.contains(kind) && l.contains("f32")),
                     "{what}: a product of another type"
+                );
+                // bf16 tensors read and written as they are (16-bit loads and stores), no
+                // widened copies.
+                let moves = |op: &str| {
+                    ptx.lines()
+                        .any(|l| l.contains(&format!("{op}.global")) && l.contains("b16"))
+                };
+                assert_eq!(
+                    (moves("ld"), moves("st")),
+                    (kind == "bf16", kind == "bf16"),
+                    "{what}: 16-bit loads and stores"
                 );
                 assert!(
                     *bytes > 0 && *bytes <= plan.shared_bytes(64) && *bytes <= max,

@@ -1,7 +1,9 @@
 //! The backward pass on tensor cores, FlashAttention-2's: the weights recomputed from the
 //! forward pass's log-sum-exps, `dS = P (dP - delta)`, and two kernels: one per block of
 //! queries for `dQ` (and each row's `delta`), one per block of keys for `dK` and `dV`; every
-//! product in `cmma` fragments ([`super::mma`]).
+//! product in `cmma` fragments ([`super::mma`]). The projection, the output, its gradient and
+//! the projection's gradient are of type `I` (the projection's own), everything else `F`
+//! (`f32`).
 
 use super::mma::*;
 use super::tiled::{TiledBlock, tiled_block};
@@ -14,14 +16,14 @@ use crate::cube::hashed_mask::Mask;
 /// (rounded to `E`), and `dQ += dS K`; `dQ` scaled into the projection's gradient.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-pub(crate) fn attention_backward_query_mma<F: Float, E: Float>(
-    qkv: &Tensor<F>,
+pub(crate) fn attention_backward_query_mma<F: Float, E: Float, I: Float>(
+    qkv: &Tensor<I>,
     seed: &Tensor<F>,
-    out: &Tensor<F>,
-    grad: &Tensor<F>,
+    out: &Tensor<I>,
+    grad: &Tensor<I>,
     lse: &Tensor<F>,
     delta: &mut Tensor<F>,
-    dqkv: &mut Tensor<F>,
+    dqkv: &mut Tensor<I>,
     scale: f32,
     threshold: u32,
     keep_scale: f32,
@@ -65,8 +67,8 @@ pub(crate) fn attention_backward_query_mma<F: Float, E: Float>(
     let mut row_lse = Shared::<[F]>::new_slice(rows);
     let mut row_delta = Shared::<[F]>::new_slice(rows);
 
-    load_rounded::<F, E>(qkv, &mut queries, q0, 3 * d, first, t, k, rows);
-    load_rounded::<F, E>(grad, &mut grads, o0, d, first, t, k, rows);
+    load_rounded::<I, E>(qkv, &mut queries, q0, 3 * d, first, t, k, rows);
+    load_rounded::<I, E>(grad, &mut grads, o0, d, first, t, k, rows);
     // delta_i = dO_i . O_i in f32, from the tensors themselves.
     let mut dot = F::new(0.0);
     #[unroll]
@@ -74,7 +76,7 @@ pub(crate) fn attention_backward_query_mma<F: Float, E: Float>(
         let cc = p * out_width + c;
         acc[r * k + cc] = F::new(0.0);
         if row < t {
-            dot += grad[o0 + row * d + cc] * out[o0 + row * d + cc];
+            dot += F::cast_from(grad[o0 + row * d + cc]) * F::cast_from(out[o0 + row * d + cc]);
         }
     }
     partial[p * rows + r] = dot;
@@ -95,8 +97,8 @@ pub(crate) fn attention_backward_query_mma<F: Float, E: Float>(
     }
     let mut j0 = 0usize;
     while j0 < end {
-        load_rounded::<F, E>(qkv, &mut keys, k0, 3 * d, j0, t, k, cols);
-        load_rounded::<F, E>(qkv, &mut values, v0, 3 * d, j0, t, k, cols);
+        load_rounded::<I, E>(qkv, &mut keys, k0, 3 * d, j0, t, k, cols);
+        load_rounded::<I, E>(qkv, &mut values, v0, 3 * d, j0, t, k, cols);
         sync_cube();
         strip_product::<F, E>(
             &queries,
@@ -153,7 +155,7 @@ pub(crate) fn attention_backward_query_mma<F: Float, E: Float>(
         #[unroll]
         for c in 0..out_width {
             let cc = p * out_width + c;
-            dqkv[q0 + row * 3 * d + cc] = acc[r * k + cc] * scale;
+            dqkv[q0 + row * 3 * d + cc] = I::cast_from(acc[r * k + cc] * scale);
         }
     }
 }
@@ -166,13 +168,13 @@ pub(crate) fn attention_backward_query_mma<F: Float, E: Float>(
 /// gradient.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float>(
-    qkv: &Tensor<F>,
+pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float, I: Float>(
+    qkv: &Tensor<I>,
     seed: &Tensor<F>,
-    grad: &Tensor<F>,
+    grad: &Tensor<I>,
     lse: &Tensor<F>,
     delta: &Tensor<F>,
-    dqkv: &mut Tensor<F>,
+    dqkv: &mut Tensor<I>,
     scale: f32,
     threshold: u32,
     keep_scale: f32,
@@ -217,8 +219,8 @@ pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float>(
     let mut tile_lse = Shared::<[F]>::new_slice(cols);
     let mut tile_delta = Shared::<[F]>::new_slice(cols);
 
-    load_rounded::<F, E>(qkv, &mut keys, k0, 3 * d, first, t, k, rows);
-    load_rounded::<F, E>(qkv, &mut values, v0, 3 * d, first, t, k, rows);
+    load_rounded::<I, E>(qkv, &mut keys, k0, 3 * d, first, t, k, rows);
+    load_rounded::<I, E>(qkv, &mut values, v0, 3 * d, first, t, k, rows);
     #[unroll]
     for c in 0..out_width {
         let cc = p * out_width + c;
@@ -227,8 +229,8 @@ pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float>(
     }
     let mut i0 = first / cols * cols;
     while i0 < t {
-        load_rounded::<F, E>(qkv, &mut queries, q0, 3 * d, i0, t, k, cols);
-        load_rounded::<F, E>(grad, &mut grads, o0, d, i0, t, k, cols);
+        load_rounded::<I, E>(qkv, &mut queries, q0, 3 * d, i0, t, k, cols);
+        load_rounded::<I, E>(grad, &mut grads, o0, d, i0, t, k, cols);
         load_scalars::<F>(lse, &mut tile_lse, bh * t, i0, t, cols);
         load_scalars::<F>(delta, &mut tile_delta, bh * t, i0, t, cols);
         sync_cube();
@@ -313,8 +315,8 @@ pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float>(
         #[unroll]
         for c in 0..out_width {
             let cc = p * out_width + c;
-            dqkv[k0 + key * 3 * d + cc] = key_acc[r * k + cc] * scale;
-            dqkv[v0 + key * 3 * d + cc] = value_acc[r * k + cc];
+            dqkv[k0 + key * 3 * d + cc] = I::cast_from(key_acc[r * k + cc] * scale);
+            dqkv[v0 + key * 3 * d + cc] = I::cast_from(value_acc[r * k + cc]);
         }
     }
 }

@@ -12,13 +12,14 @@ use crate::cube::hashed_mask::Mask;
 /// to `E`, dropped where the mask says) and the rescale of the running output, then
 /// `O += P V` (fragments over the output accumulated in shared memory). The queries are
 /// loaded once, rounded to `E`; the output is divided by the rows' sums at the end and each
-/// row's log-sum-exp written beside it.
+/// row's log-sum-exp written beside it. The projection and the output are of type `I` (the
+/// projection's own: `f32`, bf16 or f16), everything else `F` (`f32`).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-pub(crate) fn attention_forward_mma<F: Float, E: Float>(
-    qkv: &Tensor<F>,
+pub(crate) fn attention_forward_mma<F: Float, E: Float, I: Float>(
+    qkv: &Tensor<I>,
     seed: &Tensor<F>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<I>,
     lse: &mut Tensor<F>,
     scale: f32,
     threshold: u32,
@@ -62,7 +63,7 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float>(
     let mut row_sum = Shared::<[F]>::new_slice(rows);
     let mut correction = Shared::<[F]>::new_slice(rows);
 
-    load_rounded::<F, E>(qkv, &mut queries, q0, 3 * d, first, t, k, rows);
+    load_rounded::<I, E>(qkv, &mut queries, q0, 3 * d, first, t, k, rows);
     #[unroll]
     for c in 0..out_width {
         acc[r * k + p * out_width + c] = F::new(0.0);
@@ -77,8 +78,8 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float>(
     }
     let mut j0 = 0usize;
     while j0 < end {
-        load_rounded::<F, E>(qkv, &mut keys, k0, 3 * d, j0, t, k, cols);
-        load_rounded::<F, E>(qkv, &mut values, v0, 3 * d, j0, t, k, cols);
+        load_rounded::<I, E>(qkv, &mut keys, k0, 3 * d, j0, t, k, cols);
+        load_rounded::<I, E>(qkv, &mut values, v0, 3 * d, j0, t, k, cols);
         sync_cube();
         strip_product::<F, E>(
             &queries,
@@ -149,7 +150,7 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float>(
         #[unroll]
         for c in 0..out_width {
             let cc = p * out_width + c;
-            out[o0 + row * d + cc] = acc[r * k + cc] * inverse;
+            out[o0 + row * d + cc] = I::cast_from(acc[r * k + cc] * inverse);
         }
         if p == 0 {
             lse[bh * t + row] = row_max[r] + F::ln(l);
