@@ -14,6 +14,7 @@
 #   DEVICE=cuda bash scripts/bench-gpu.sh kernels   # what limits each attention kernel (ncu)
 #   DEVICE=cuda bash scripts/bench-gpu.sh cudnn     # cuDNN's flash attention: found, checked, run
 #   DEVICE=cuda bash scripts/bench-gpu.sh gpt2      # GPT-2 124M's body: ember and PyTorch, ms/step
+#   DEVICE=cuda bash scripts/bench-gpu.sh paths     # the attention's paths timed, shape by shape
 #   DEVICE=cuda bash scripts/bench-gpu.sh mt        # translation: ember and PyTorch, tokens/s
 #   DEVICE=cuda bash scripts/bench-gpu.sh nccl      # NCCL at world size 1 (torchrun's variables) vs none
 #   DEVICE=cuda bash scripts/bench-gpu.sh firstrun  # a first generation with and without the caches
@@ -677,6 +678,30 @@ gpt2() {
     done
 }
 
+# The training attention's paths timed against each other on DEVICE (`attention-tune`'s lines:
+# the batched products, the tensor-core kernels at each plan, the fused kernels, each pass's
+# time and the one kept): one step of GPT-2's body (12 x 768, 12 heads) at each context of
+# PATHS_CONTEXTS (default `1024 256 512 2048`; 16384 positions a batch) and of nanoGPT's GPU
+# config, at each of PATHS_PRECISIONS (default `f32 bf16`: TF32 on CUDA, and bf16 without
+# cuDNN's attention, EMBER_CUDNN_ATTENTION=0), with the config's dropout.
+paths() {
+    local precision context size
+    for precision in ${PATHS_PRECISIONS:-f32 bf16}; do
+        for context in ${PATHS_CONTEXTS:-1024 256 512 2048} nanogpt; do
+            size=()
+            [ "$context" = nanogpt ] || size=(--set model.d_model=768 --set model.n_heads=12
+                --set model.n_layers=12 --set "model.context_len=$context"
+                --set "training.batch_size=$((16384 / context))")
+            echo "attention paths, $precision, context $context"
+            rm -rf "$RUNS/paths"
+            EMBER_CUDNN_ATTENTION=0 logged "$RUNS/paths.log" "$EMBER" train --config "$CONFIG" \
+                --device "$DEVICE" --out "$RUNS/paths" --stop-after 1 "${size[@]}" \
+                --set "training.precision=\"$precision\"" || continue
+            grep -E "^(attention|warning)" "$RUNS/paths.log" || echo "  (no pass timed)"
+        done
+    done
+}
+
 # Every stage within BUDGET seconds (default 550): speed, check, profile and memory, each
 # stopped at its own cap (300, 90, 110, 70 s) if it runs long, then `full` until the budget is
 # spent (its validation losses so far are printed when it is stopped). Each stage's output also
@@ -789,4 +814,4 @@ all() {
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|mt|nccl|firstrun|all}"
+"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|paths|mt|nccl|firstrun|all}"
