@@ -14,10 +14,10 @@
 //! forward pass did.
 //!
 //! Not timed, and the first path that applies taken (the products, then the tensor-core
-//! kernels, then the fused kernels): a single path, the strategy off, a graph being recorded
-//! (nothing may wait or allocate there), and calls of fewer scores than the policy's
-//! `tune_min_scores` (decoding's prompts, the tests' small shapes), where the timing costs
-//! more than it could save.
+//! kernels, then the fused kernels): a single path, the strategy off, and calls of fewer scores
+//! than the policy's `tune_min_scores` (decoding's prompts, the tests' small shapes), where the
+//! timing costs more than it could save. While a graph is being recorded (nothing may wait or
+//! allocate there) a shape takes the path kept for it, else the first.
 
 use super::dims::Dims;
 use super::mma::MmaPlan;
@@ -189,7 +189,6 @@ pub(super) fn choose(
         .unwrap_or(MIN_SCORES);
     if paths.len() == 1
         || !crate::gpu_kernels::applies(GpuStrategy::AttentionTune)
-        || qkv.client.is_capturing()
         || dims.b * dims.heads * dims.t * dims.t < min_scores
     {
         return first;
@@ -205,9 +204,13 @@ pub(super) fn choose(
     // The lock is held while timing: another thread's call of the same shape waits for the
     // choice instead of timing it again (and the timings do not overlap).
     let mut choices = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
-    choices
-        .get_or_insert_with(Choices::default)
-        .choose(key, |path| time(qkv, || run(path)))
+    let choices = choices.get_or_insert_with(Choices::default);
+    // A recording takes the path kept for its shape (an evaluation records the pass it has just
+    // run for real, and checks the replays against it), or the first.
+    if qkv.client.is_capturing() {
+        return choices.chosen.get(&key).copied().unwrap_or(first);
+    }
+    choices.choose(key, |path| time(qkv, || run(path)))
 }
 
 /// The device time of `run`: one run first (it compiles and tunes what it launches), then two
