@@ -670,6 +670,8 @@ gpt2() {
     for p in ${GPT2_TORCH:-bf16 tf32}; do
         extra=()
         case $p in *-compile) extra=(--compile) p=${p%-compile} ;; esac
+        # ember's f32 is TF32 on CUDA (as in `speed`).
+        [ "$p" = f32 ] && p=$(torch_f32)
         torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 768
             --heads 12 --layers 12 --context 1024 --batch 16 --dropout 0.2
             --steps "${GPT2_STEPS:-40}" --precision "$p" "${extra[@]}")

@@ -174,7 +174,7 @@ impl MmaPlan {
             return Vec::new();
         };
         let plans = MmaPlan::all_for_device(like.client.properties(), dims.k(), operand);
-        if plans.is_empty() || !agrees_on(like, operand) {
+        if plans.is_empty() || !agrees_on(like, operand, dims.k()) {
             return Vec::new();
         }
         plans
@@ -211,18 +211,24 @@ impl MmaPlan {
 }
 
 /// Whether the tensor-core kernels agree with the fused kernels on `like`'s device
-/// ([`mma_agrees`]), checked on the first call for each operand type in the process (a few
-/// small launches), so that kernels never run on a GPU before cannot train a model wrongly:
-/// where they disagree, one warning line, and the fused kernels run. While a graph is being
-/// recorded (where the check could not allocate) an operand type not yet checked takes the
-/// fused kernels.
-fn agrees_on(like: &CubeTensor, operand: Operand) -> bool {
-    static AGREES: [std::sync::OnceLock<bool>; 3] = [const { std::sync::OnceLock::new() }; 3];
-    let slot = &AGREES[operand as usize];
-    if like.client.is_capturing() {
-        return slot.get().copied().unwrap_or(false);
+/// ([`mma_agrees`]) for heads of `head`, checked on the first call for each operand type and
+/// head size in the process (a few small launches under the plans such calls take), so that
+/// kernels never run on a GPU before cannot train a model wrongly: where they disagree, one
+/// warning line, and the fused kernels run. While a graph is being recorded (where the check
+/// could not allocate) a case not yet checked takes the fused kernels.
+fn agrees_on(like: &CubeTensor, operand: Operand, head: usize) -> bool {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static AGREES: Mutex<Option<HashMap<(Operand, usize), bool>>> = Mutex::new(None);
+    let mut agrees = AGREES.lock().unwrap_or_else(|e| e.into_inner());
+    let agrees = agrees.get_or_insert_with(HashMap::new);
+    if let Some(&known) = agrees.get(&(operand, head)) {
+        return known;
     }
-    *slot.get_or_init(|| match mma_agrees(like, operand) {
+    if like.client.is_capturing() {
+        return false;
+    }
+    let known = match mma_agrees(like, operand, head) {
         Ok(()) => true,
         Err(why) => {
             eprintln!(
@@ -231,18 +237,22 @@ fn agrees_on(like: &CubeTensor, operand: Operand) -> bool {
             );
             false
         }
-    })
+    };
+    agrees.insert((operand, head), known);
+    known
 }
 
 /// The tensor-core kernels in `operand` against the fused kernels on `like`'s device, in the
-/// projection type `operand` follows ([`super::route::agrees_with_fused`]: output, log-sum-exps and gradient
-/// of a small call with dropout, inputs in `-2..2`, within 1% of the largest value in `f32`, 2%
-/// in bf16 or f16), with each plan the device has for heads of 32 ([`MmaPlan::all_for_device`]:
-/// ember's rule's blocks and tiles and the largest); an error where it has none.
-pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), String> {
-    let plans = MmaPlan::all_for_device(like.client.properties(), 32, operand);
+/// projection type `operand` follows, for heads of `head`
+/// ([`super::route::agrees_with_fused`]: output, log-sum-exps and gradient of 3 sequences of
+/// 100 positions (two blocks of 64 rows, the second cut short) with dropout, inputs in
+/// `-2..2`, within 1% of the largest value in `f32`, 2% in bf16 or f16), under each plan the
+/// device has for such heads ([`MmaPlan::all_for_device`]: ember's rule's blocks and tiles and
+/// the largest, the shared memory of the calls they serve); an error where it has none.
+pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand, head: usize) -> Result<(), String> {
+    let plans = MmaPlan::all_for_device(like.client.properties(), head, operand);
     if plans.is_empty() {
-        return Err(format!("no {operand:?} fragments for heads of 32"));
+        return Err(format!("no {operand:?} fragments for heads of {head}"));
     }
     for plan in plans {
         // Inputs in -2..2: scores spread enough that a row's running maximum moves between
@@ -250,6 +260,7 @@ pub(crate) fn mma_agrees(like: &CubeTensor, operand: Operand) -> Result<(), Stri
         super::route::agrees_with_fused(
             like,
             operand.projection(),
+            [100, head],
             4.0,
             |qkv, seed, grad, heads, dropout| {
                 let (out, lse) = mma_forward(qkv.clone(), seed.clone(), heads, dropout, plan);

@@ -76,6 +76,7 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
     agrees_with_fused(
         like,
         like.dtype(),
+        [45, 32],
         1.0,
         |qkv, seed, grad, heads, dropout| {
             let mut policy = crate::gpu_kernels::policy();
@@ -92,17 +93,17 @@ pub(crate) fn products_agree(like: &CubeTensor) -> Result<(), String> {
 
 /// One path's passes against the fused kernels on `like`'s device, in float type `dtype`:
 /// `passes(qkv, seed, grad, heads, dropout)` gives the output, log-sum-exps and the
-/// projection's gradient of 3 sequences of 45 positions, 2 heads of 32, with dropout (inputs
-/// spread over `spread` times `-0.5..0.5`; wider spreads the scores, so that a row's maximum
-/// moves from tile to tile), within
-/// 1% of the largest value in f32 (TF32 products round to 11 bits), 2% in bf16 or f16 (weights
-/// and outputs rounded to 8 or 11 bits, about 0.05% of the largest value in f16 on lavapipe;
-/// the fused kernels compute from the same rounded values in f32); a wrong matrix or dropout
-/// mask is off by its whole size. The error names the first value that differs, or the
-/// failure to read one.
+/// projection's gradient of 3 sequences of `t` positions, 2 heads of `head`, with dropout
+/// (inputs spread over `spread` times `-0.5..0.5`; wider spreads the scores, so that a row's
+/// maximum moves from tile to tile), within 1% of the largest value in f32 (TF32 products
+/// round to 11 bits), 2% in bf16 or f16 (weights and outputs rounded to 8 or 11 bits, about
+/// 0.05% of the largest value in f16 on lavapipe; the fused kernels compute from the same
+/// rounded values in f32); a wrong matrix or dropout mask is off by its whole size. The error
+/// names the first value that differs, or the failure to read one.
 pub(super) fn agrees_with_fused(
     like: &CubeTensor,
     dtype: DType,
+    [t, head]: [usize; 2],
     spread: f32,
     passes: impl FnOnce(
         &CubeTensor,
@@ -114,7 +115,7 @@ pub(super) fn agrees_with_fused(
 ) -> Result<(), String> {
     use burn::backend::ops::FloatTensorOps;
     use burn::tensor::TensorData;
-    let (b, t, heads, k, dropout) = (3, 45, 2, 32, 0.25_f32);
+    let (b, heads, k, dropout) = (3, 2, head, 0.25_f32);
     let d = heads * k;
     let tolerance = match dtype {
         DType::F32 => 0.01,

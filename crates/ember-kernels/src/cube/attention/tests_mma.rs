@@ -148,9 +148,9 @@ fn the_start_up_check_agrees_in_f16() {
         return;
     }
     let narrow = cube_tensor(Tensor::<3>::zeros([1, 1, 96], &device).cast(FloatDType::F16));
-    mma_agrees(&narrow, Operand::F16).unwrap();
+    mma_agrees(&narrow, Operand::F16, 32).unwrap();
     let wide = cube_tensor(Tensor::<3>::zeros([1, 1, 96], &device));
-    let refused = mma_agrees(&wide, Operand::Tf32).unwrap_err();
+    let refused = mma_agrees(&wide, Operand::Tf32, 32).unwrap_err();
     assert!(refused.contains("no Tf32 fragments"), "{refused}");
 }
 

@@ -120,27 +120,34 @@ pub(super) struct Choices {
 
 impl Choices {
     /// The path kept for `key`, else the fastest of `key`'s paths by `time` (each timed once,
-    /// in order; the earlier of equal times), kept and said in one line on stderr.
-    fn choose(&mut self, key: Key, mut time: impl FnMut(Path) -> Duration) -> Path {
+    /// in order; the earlier of equal times; `None`, a path that failed, is never the
+    /// fastest, and where all fail the first is kept), kept and said in one line on stderr.
+    fn choose(&mut self, key: Key, mut time: impl FnMut(Path) -> Option<Duration>) -> Path {
         if let Some(&path) = self.chosen.get(&key) {
             return path;
         }
-        let times: Vec<(Path, Duration)> = key.paths.iter().map(|&p| (p, time(p))).collect();
+        let times: Vec<(Path, Option<Duration>)> =
+            key.paths.iter().map(|&p| (p, time(p))).collect();
         self.timed += times.len();
-        let &(best, best_time) = times
+        let (best, best_time) = times
             .iter()
-            .min_by_key(|(_, t)| *t)
-            .expect("a call has at least one path");
+            .filter_map(|&(p, t)| Some((p, t?)))
+            .min_by_key(|&(_, t)| t)
+            .map_or((key.paths[0], None), |(p, t)| (p, Some(t)));
+        let said = |t: Option<Duration>| match t {
+            Some(t) => format!("{:.2} ms", ms(t)),
+            None => "failed".into(),
+        };
         let others: Vec<String> = times
             .iter()
             .filter(|(p, _)| *p != best)
-            .map(|(p, t)| format!("{} {:.2} ms", p.describe(), ms(*t)))
+            .map(|&(p, t)| format!("{} {}", p.describe(), said(t)))
             .collect();
         eprintln!(
-            "attention: the {} on {}: {:.2} ms ({})",
+            "attention: the {} on {}: {} ({})",
             key.describe(),
             best.describe(),
-            ms(best_time),
+            said(best_time),
             others.join(", ")
         );
         self.chosen.insert(key, best);
@@ -215,17 +222,15 @@ pub(super) fn choose(
 
 /// The device time of `run`: one run first (it compiles and tunes what it launches), then two
 /// rounds of runs between synchronisations (as many as fill [`ROUND`], at most 8), the best
-/// round's time per run.
-fn time(like: &CubeTensor, mut run: impl FnMut()) -> Duration {
-    let sync = || {
-        // A device that fails to synchronise fails the pass itself next; its time is moot.
-        let _ = burn_cubecl::cubecl::future::block_on(like.client.sync());
-    };
+/// round's time per run; `None` where the device reports an error at a synchronisation (a
+/// launch it refused takes no time, and must not win).
+fn time(like: &CubeTensor, mut run: impl FnMut()) -> Option<Duration> {
+    let sync = || burn_cubecl::cubecl::future::block_on(like.client.sync()).ok();
     run();
-    sync();
+    sync()?;
     let start = Instant::now();
     run();
-    sync();
+    sync()?;
     let once = start.elapsed().max(Duration::from_micros(1));
     let runs = (ROUND.as_nanos() / once.as_nanos()).clamp(1, 8) as u32;
     let mut best = once;
@@ -234,10 +239,10 @@ fn time(like: &CubeTensor, mut run: impl FnMut()) -> Duration {
         for _ in 0..runs {
             run();
         }
-        sync();
+        sync()?;
         best = best.min(start.elapsed() / runs);
     }
-    best
+    Some(best)
 }
 
 #[cfg(test)]
@@ -256,41 +261,41 @@ mod tests {
         }
     }
 
-    /// The fastest path is kept (the earlier of equal times), each path of a key timed once,
-    /// and a key seen before is answered without timing.
+    /// The fastest path is kept (the earlier of equal times; a failed one never, and the first
+    /// where all failed), each path of a key timed once, and a key seen before is answered
+    /// without timing.
     #[test]
     fn the_fastest_path_is_kept_for_each_key() {
+        use Path::{Fused, Products};
         let mut choices = Choices::default();
         let log = &RefCell::new(Vec::new());
-        // Timings of the products and of the fused kernels, in milliseconds.
+        // Timings of the products and of the fused kernels, in milliseconds (0: failed).
         let time = move |ms: [u64; 2]| {
             move |path: Path| {
                 log.borrow_mut().push(path);
-                Duration::from_millis(if path == Path::Products { ms[0] } else { ms[1] })
+                let ms = if path == Products { ms[0] } else { ms[1] };
+                (ms > 0).then(|| Duration::from_millis(ms))
             }
         };
-        let both = vec![Path::Products, Path::Fused];
+        let both = vec![Products, Fused];
+        assert_eq!(choices.choose(key(8, both.clone()), time([3, 2])), Fused);
+        assert_eq!(choices.choose(key(8, both.clone()), time([1, 9])), Fused);
+        assert_eq!(choices.choose(key(9, both.clone()), time([2, 2])), Products);
         assert_eq!(
-            choices.choose(key(8, both.clone()), time([3, 2])),
-            Path::Fused
+            choices.choose(key(9, vec![Fused, Products]), time([1, 5])),
+            Products
         );
+        assert_eq!(choices.choose(key(10, both.clone()), time([0, 5])), Fused);
         assert_eq!(
-            choices.choose(key(8, both.clone()), time([1, 9])),
-            Path::Fused
+            choices.choose(key(11, vec![Fused, Products]), time([0, 0])),
+            Fused
         );
-        assert_eq!(
-            choices.choose(key(9, both.clone()), time([2, 2])),
-            Path::Products
-        );
-        assert_eq!(
-            choices.choose(key(9, vec![Path::Fused, Path::Products]), time([1, 5])),
-            Path::Products
-        );
-        use Path::{Fused, Products};
         assert_eq!(
             *log.borrow(),
-            [Products, Fused, Products, Fused, Fused, Products]
+            [
+                Products, Fused, Products, Fused, Fused, Products, Products, Fused, Fused, Products
+            ]
         );
-        assert_eq!(choices.timed, 6);
+        assert_eq!(choices.timed, 10);
     }
 }
