@@ -546,6 +546,7 @@ mod tests {
                 "eval-graph",
                 "grouped-adamw",
                 "attention-mma",
+                "attention-tune",
             ]
         );
         assert_eq!(

@@ -583,15 +583,15 @@ fn a_pass_on_one_path_pairs_with_a_pass_on_another_on_wgpu() {
 
 /// With `attention-tune` on and every call timed, the op under autodiff equals the reference
 /// (output and gradient) whichever path each pass chose; both passes of each shape are timed
-/// on both paths once and a choice kept; a second call of a shape times nothing; with the
-/// strategy off nothing is timed.
+/// on both paths once and a choice kept (the shape called twice, on three devices: plain,
+/// autodiff, checkpointed); with the strategy off nothing is timed.
 #[test]
 fn tuned_attention_equals_the_reference_on_wgpu() {
     use super::tune::{CHOICES, Pass, Path};
     let device = Device::wgpu(DeviceKind::DefaultDevice);
-    let timed = || {
+    let timed = |sizes| {
         let choices = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
-        choices.as_ref().map_or(0, |c| c.timed())
+        choices.as_ref().map_or(0, |c| c.timed(sizes))
     };
     let kept = |pass, sizes| {
         let choices = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
@@ -617,7 +617,6 @@ fn tuned_attention_equals_the_reference_on_wgpu() {
             f16_exact([b, t, d], &device),
         );
         let what = format!("tuned {tune}, {b}x{t}, {heads} heads of {k}");
-        let before = timed();
         for _ in 0..2 {
             crate::gpu_kernels::with_policy(policy, || {
                 agrees_on(
@@ -643,12 +642,67 @@ fn tuned_attention_equals_the_reference_on_wgpu() {
                 None => assert!(!tune, "{what}: no choice kept for the {pass:?} pass"),
             }
         }
-        // Two paths timed for each pass (no other test times a call: their shapes have fewer
-        // scores than the default's least).
-        let timings = timed() - before;
+        // Two paths timed for each pass, once.
+        let timings = timed(sizes);
         match tune {
             true => assert_eq!(timings, 4, "{what}"),
             false => assert_eq!(timings, 0, "{what}"),
         }
     }
+}
+
+/// While a graph is being recorded on wgpu, a shape timed before takes the path kept for it
+/// (not the first: the fused kernels here, kept because the products were made slow) and
+/// nothing is timed; a shape not timed before takes the first path.
+#[test]
+fn a_recording_takes_the_path_kept_for_its_shape_on_wgpu() {
+    use super::tune::{Pass, Path, choose, paths};
+    use burn::backend::{Backend, Dispatch};
+    let device = Device::wgpu(DeviceKind::DefaultDevice);
+    let _scope = PolicyScope::enter(tuned(crate::AttentionTuning {
+        products_anywhere: true,
+        tune_min_scores: Some(0),
+        ..Default::default()
+    }));
+    // Shapes of their own (no other test times them).
+    let call = |t: usize| {
+        let qkv = cube_tensor(Tensor::<3>::zeros([3, t, 3 * 2 * 8], &device));
+        let dims = Dims::of(&qkv, 2);
+        let paths = paths(&qkv, &dims, DType::F32);
+        assert_eq!(paths, [Path::Products, Path::Fused]);
+        (qkv, dims, paths)
+    };
+    let (qkv, dims, both) = call(29);
+    let slow_products = |path: Path| {
+        if path == Path::Products {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let kept = choose(
+        &qkv,
+        &dims,
+        DType::F32,
+        0.0,
+        Pass::Forward,
+        both.clone(),
+        slow_products,
+    );
+    assert_eq!(kept, Path::Fused);
+    let (new_qkv, new_dims, new_paths) = call(31);
+    let dispatch = device.as_dispatch();
+    Dispatch::graph_prepare(dispatch).expect("wgpu records");
+    Dispatch::graph_start_capture(dispatch).expect("wgpu records");
+    let not_timed = |path: Path| panic!("{path:?} timed in a recording");
+    let recorded = choose(&qkv, &dims, DType::F32, 0.0, Pass::Forward, both, not_timed);
+    let new = choose(
+        &new_qkv,
+        &new_dims,
+        DType::F32,
+        0.0,
+        Pass::Forward,
+        new_paths,
+        not_timed,
+    );
+    let _ = Dispatch::graph_stop_capture(dispatch);
+    assert_eq!((recorded, new), (Path::Fused, Path::Products));
 }

@@ -116,11 +116,12 @@ impl Key {
     }
 }
 
-/// The choices made so far, and how many paths were timed (for the tests).
+/// The choices made so far, and how many paths were timed for each call's sizes (for the
+/// tests).
 #[derive(Default)]
 pub(super) struct Choices {
     chosen: HashMap<Key, Path>,
-    timed: usize,
+    timed: HashMap<[usize; 4], usize>,
 }
 
 impl Choices {
@@ -134,7 +135,7 @@ impl Choices {
         }
         let times: Vec<(Path, Option<Duration>)> =
             key.paths.iter().map(|&p| (p, time(p))).collect();
-        self.timed += times.len();
+        *self.timed.entry(key.sizes).or_default() += times.len();
         // A later path must be clearly faster: noise between two close paths then does not
         // decide, and runs on one machine choose alike.
         let mut best: Option<(Path, Duration)> = None;
@@ -179,9 +180,10 @@ impl Choices {
             .map(|(key, &path)| (path, key.paths.clone()))
     }
 
+    /// How many paths were timed for calls of these sizes.
     #[cfg(all(test, feature = "wgpu"))]
-    pub(super) fn timed(&self) -> usize {
-        self.timed
+    pub(super) fn timed(&self, sizes: [usize; 4]) -> usize {
+        self.timed.get(&sizes).copied().unwrap_or(0)
     }
 }
 
@@ -315,6 +317,6 @@ mod tests {
                 Products, Fused, Products, Fused, Fused, Products, Products, Fused, Fused, Products
             ]
         );
-        assert_eq!(choices.timed, 10);
+        assert_eq!(choices.timed.values().sum::<usize>(), 10);
     }
 }
