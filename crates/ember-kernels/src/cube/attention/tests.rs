@@ -651,13 +651,14 @@ fn tuned_attention_equals_the_reference_on_wgpu() {
     }
 }
 
-/// While a graph is being recorded on wgpu, a shape timed before takes the path kept for it
-/// (not the first: the fused kernels here, kept because the products were made slow) and
-/// nothing is timed; a shape not timed before takes the first path.
+/// While a graph is being recorded, a shape timed before takes the path kept for it (not the
+/// first: the fused kernels here, kept because the products were made slow) and nothing is
+/// timed; a shape not timed before takes the first path. (Said to be recording rather than
+/// recording on the device: a recording there would take the launches of the tests running
+/// beside this one.)
 #[test]
 fn a_recording_takes_the_path_kept_for_its_shape_on_wgpu() {
-    use super::tune::{Pass, Path, choose, paths};
-    use burn::backend::{Backend, Dispatch};
+    use super::tune::{Pass, Path, choose, choose_while, paths};
     let device = Device::wgpu(DeviceKind::DefaultDevice);
     let _scope = PolicyScope::enter(tuned(crate::AttentionTuning {
         products_anywhere: true,
@@ -689,20 +690,18 @@ fn a_recording_takes_the_path_kept_for_its_shape_on_wgpu() {
     );
     assert_eq!(kept, Path::Fused);
     let (new_qkv, new_dims, new_paths) = call(31);
-    let dispatch = device.as_dispatch();
-    Dispatch::graph_prepare(dispatch).expect("wgpu records");
-    Dispatch::graph_start_capture(dispatch).expect("wgpu records");
     let not_timed = |path: Path| panic!("{path:?} timed in a recording");
-    let recorded = choose(&qkv, &dims, DType::F32, 0.0, Pass::Forward, both, not_timed);
-    let new = choose(
+    let f32_ = DType::F32;
+    let recorded = choose_while(true, &qkv, &dims, f32_, 0.0, Pass::Forward, both, not_timed);
+    let new = choose_while(
+        true,
         &new_qkv,
         &new_dims,
-        DType::F32,
+        f32_,
         0.0,
         Pass::Forward,
         new_paths,
         not_timed,
     );
-    let _ = Dispatch::graph_stop_capture(dispatch);
     assert_eq!((recorded, new), (Path::Fused, Path::Products));
 }

@@ -205,6 +205,23 @@ pub(super) fn choose(
     dropout: f32,
     pass: Pass,
     paths: Vec<Path>,
+    run: impl FnMut(Path),
+) -> Path {
+    let recording = qkv.client.is_capturing();
+    choose_while(recording, qkv, dims, dtype, dropout, pass, paths, run)
+}
+
+/// [`choose`] where `recording` says whether the device records a graph (a test's recording
+/// would take every other test's launches on the device with it).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn choose_while(
+    recording: bool,
+    qkv: &CubeTensor,
+    dims: &Dims,
+    dtype: DType,
+    dropout: f32,
+    pass: Pass,
+    paths: Vec<Path>,
     mut run: impl FnMut(Path),
 ) -> Path {
     let first = paths[0];
@@ -232,7 +249,7 @@ pub(super) fn choose(
     let choices = choices.get_or_insert_with(Choices::default);
     // A recording takes the path kept for its shape (an evaluation records the pass it has just
     // run for real, and checks the replays against it), or the first.
-    if qkv.client.is_capturing() {
+    if recording {
         return choices.chosen.get(&key).copied().unwrap_or(first);
     }
     choices.choose(key, |path| time(qkv, || run(path)))

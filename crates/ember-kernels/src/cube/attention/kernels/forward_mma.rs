@@ -132,10 +132,14 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float, I: Float>(
             row_max[r] = m_new;
         }
         sync_cube();
+        // The running output rescaled where the row's maximum moved (once the maximum has
+        // settled, most tiles leave every row's alone).
         let f = correction[r];
-        #[unroll]
-        for c in 0..out_width {
-            acc[r * k + p * out_width + c] *= f;
+        if f != F::new(1.0) {
+            #[unroll]
+            for c in 0..out_width {
+                acc[r * k + p * out_width + c] *= f;
+            }
         }
         sync_cube();
         strip_product::<F, E>(
