@@ -8,7 +8,7 @@ use super::dims::{Dims, float_cast_to, wide};
 use super::launch::{CachedStart, cached_attention, fused_backward, fused_forward};
 use super::mma::{mma_backward, mma_forward};
 use super::route::on_device_thread;
-use super::tune::{Pass, Path, choose, paths};
+use super::tune::{Call, Pass, Path, choose, paths};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, TensorMetadata, backend_extension};
 use burn_cubecl::CubeBackend;
@@ -115,7 +115,8 @@ impl AttentionKernels for CubeBackend {
         let dims = Dims::of(&qkv, heads);
         let dtype = qkv.dtype();
         let paths = paths(&qkv, &dims, dtype);
-        let path = choose(&qkv, &dims, dtype, dropout, Pass::Forward, paths, |path| {
+        let call = Call::of(&qkv, &dims, dropout, Pass::Forward);
+        let path = choose(call, paths, |path| {
             forward_on(path, &qkv, &seed, heads, dropout);
         });
         forward_on(path, &qkv, &seed, heads, dropout)
@@ -153,7 +154,8 @@ impl AttentionKernels for CubeBackend {
         let dims = Dims::of(&qkv, heads);
         let out = into_contiguous(out);
         let paths = paths(&qkv, &dims, dtype);
-        let path = choose(&qkv, &dims, dtype, dropout, Pass::Backward, paths, |path| {
+        let call = Call::of(&qkv, &dims, dropout, Pass::Backward);
+        let path = choose(call, paths, |path| {
             backward_on(path, &qkv, &seed, &out, &lse, &grad, heads, dropout);
         });
         backward_on(path, &qkv, &seed, &out, &lse, &grad, heads, dropout)

@@ -34,16 +34,34 @@ fn equals_the_reference_on_wgpu() {
                 "kernels take wgpu f32"
             );
         }
-        agrees_on(
+        op_equals_the_reference(
             &device,
             &x,
             &g,
-            |qkv| causal_self_attention(qkv, heads, 0.0).expect("a wgpu f32 tensor"),
-            |qkv| crate::causal_self_attention_reference(qkv, heads),
-            1e-4,
+            heads,
             &format!("{b}x{t}, {heads} heads of {k}"),
         );
     }
+}
+
+/// The op on wgpu `f32` against the reference ([`agrees_on`]: plain, under autodiff and with
+/// checkpointing), output and projection gradient within 1e-4.
+fn op_equals_the_reference(
+    device: &Device,
+    x: &burn::tensor::TensorData,
+    g: &burn::tensor::TensorData,
+    heads: usize,
+    what: &str,
+) {
+    agrees_on(
+        device,
+        x,
+        g,
+        |qkv| causal_self_attention(qkv, heads, 0.0).expect("a wgpu f32 tensor"),
+        |qkv| crate::causal_self_attention_reference(qkv, heads),
+        1e-4,
+        what,
+    );
 }
 
 /// A policy in force on this thread until dropped (for a loop body).
@@ -597,7 +615,7 @@ fn tuned_attention_equals_the_reference_on_wgpu() {
         let choices = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
         choices.as_ref().and_then(|c| c.kept(pass, sizes))
     };
-    // Shapes of their own: no other test times a call.
+    // Shapes of their own (timings are counted shape by shape).
     for (b, t, heads, k, tune) in [
         (2, 41, 3, 16, true),
         (1, 66, 2, 32, true),
@@ -619,15 +637,7 @@ fn tuned_attention_equals_the_reference_on_wgpu() {
         let what = format!("tuned {tune}, {b}x{t}, {heads} heads of {k}");
         for _ in 0..2 {
             crate::gpu_kernels::with_policy(policy, || {
-                agrees_on(
-                    &device,
-                    &x,
-                    &g,
-                    |qkv| causal_self_attention(qkv, heads, 0.0).expect("a wgpu f32 tensor"),
-                    |qkv| crate::causal_self_attention_reference(qkv, heads),
-                    1e-4,
-                    &what,
-                )
+                op_equals_the_reference(&device, &x, &g, heads, &what)
             });
         }
         let sizes = [b, t, heads, k];
@@ -658,7 +668,7 @@ fn tuned_attention_equals_the_reference_on_wgpu() {
 /// beside this one.)
 #[test]
 fn a_recording_takes_the_path_kept_for_its_shape_on_wgpu() {
-    use super::tune::{Pass, Path, choose, choose_while, paths};
+    use super::tune::{Call, Pass, Path, choose, choose_while, paths};
     let device = Device::wgpu(DeviceKind::DefaultDevice);
     let _scope = PolicyScope::enter(tuned(crate::AttentionTuning {
         products_anywhere: true,
@@ -679,29 +689,12 @@ fn a_recording_takes_the_path_kept_for_its_shape_on_wgpu() {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     };
-    let kept = choose(
-        &qkv,
-        &dims,
-        DType::F32,
-        0.0,
-        Pass::Forward,
-        both.clone(),
-        slow_products,
-    );
+    let forward = |qkv, dims| Call::of(qkv, dims, 0.0, Pass::Forward);
+    let kept = choose(forward(&qkv, &dims), both.clone(), slow_products);
     assert_eq!(kept, Path::Fused);
     let (new_qkv, new_dims, new_paths) = call(31);
     let not_timed = |path: Path| panic!("{path:?} timed in a recording");
-    let f32_ = DType::F32;
-    let recorded = choose_while(true, &qkv, &dims, f32_, 0.0, Pass::Forward, both, not_timed);
-    let new = choose_while(
-        true,
-        &new_qkv,
-        &new_dims,
-        f32_,
-        0.0,
-        Pass::Forward,
-        new_paths,
-        not_timed,
-    );
+    let recorded = choose_while(true, forward(&qkv, &dims), both, not_timed);
+    let new = choose_while(true, forward(&new_qkv, &new_dims), new_paths, not_timed);
     assert_eq!((recorded, new), (Path::Fused, Path::Products));
 }

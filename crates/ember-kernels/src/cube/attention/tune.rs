@@ -194,33 +194,49 @@ fn ms(t: Duration) -> f64 {
 /// The process's choices.
 pub(super) static CHOICES: Mutex<Option<Choices>> = Mutex::new(None);
 
-/// The path `pass` takes for a call on `qkv` (`dims`, projection type `dtype`, dropout
-/// `dropout`) among `paths` (at least one, [`paths`]' order): the first where nothing is timed
-/// (the module's documentation), else the fastest, `run(path)` running the pass on that path
-/// (its outputs dropped) for the timing.
-pub(super) fn choose(
-    qkv: &CubeTensor,
-    dims: &Dims,
-    dtype: DType,
-    dropout: f32,
-    pass: Pass,
-    paths: Vec<Path>,
-    run: impl FnMut(Path),
-) -> Path {
-    let recording = qkv.client.is_capturing();
-    choose_while(recording, qkv, dims, dtype, dropout, pass, paths, run)
+/// One call of a pass, as its path is chosen: the projection `qkv` (contiguous), its sizes, its
+/// type before any widening, the dropout probability and the pass.
+pub(super) struct Call<'a> {
+    pub(super) qkv: &'a CubeTensor,
+    pub(super) dims: &'a Dims,
+    pub(super) dtype: DType,
+    pub(super) dropout: f32,
+    pub(super) pass: Pass,
+}
+
+impl<'a> Call<'a> {
+    /// A call of `pass` on `qkv` in its own type.
+    pub(super) fn of(qkv: &'a CubeTensor, dims: &'a Dims, dropout: f32, pass: Pass) -> Self {
+        use burn::backend::TensorMetadata;
+        Call {
+            qkv,
+            dims,
+            dtype: qkv.dtype(),
+            dropout,
+            pass,
+        }
+    }
+}
+
+/// The path `call` takes among `paths` (at least one, [`paths`]' order): the first where
+/// nothing is timed (the module's documentation), else the fastest, `run(path)` running the
+/// pass on that path (its outputs dropped) for the timing.
+pub(super) fn choose(call: Call, paths: Vec<Path>, run: impl FnMut(Path)) -> Path {
+    let recording = call.qkv.client.is_capturing();
+    choose_while(recording, call, paths, run)
 }
 
 /// [`choose`] where `recording` says whether the device records a graph (a test's recording
 /// would take every other test's launches on the device with it).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn choose_while(
     recording: bool,
-    qkv: &CubeTensor,
-    dims: &Dims,
-    dtype: DType,
-    dropout: f32,
-    pass: Pass,
+    Call {
+        qkv,
+        dims,
+        dtype,
+        dropout,
+        pass,
+    }: Call,
     paths: Vec<Path>,
     mut run: impl FnMut(Path),
 ) -> Path {
