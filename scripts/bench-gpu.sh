@@ -649,9 +649,11 @@ cudnn() {
 # character vocabulary, dropout and optimizer) in ember and PyTorch eager, GPT2_STEPS steps each
 # (default 40): GPT2_RUNS are ember's runs, each PRECISION:EMBER_GPU_KERNELS[:cudnn] (default
 # `bf16:on:cudnn bf16:on f32:on`: cuDNN's flash attention (EMBER_CUDNN_ATTENTION=1), the
-# attention as products, f32 with TF32; `f32:-attention-products` runs the attention on ember's
-# tensor-core kernels, `f32:-attention-products,-attention-mma` on the ordinary cores),
-# GPT2_TORCH PyTorch's precisions (default `bf16 tf32`; `bf16-compile` adds torch.compile).
+# attention's paths timed and the fastest kept (`attention-tune`), f32 with TF32;
+# `f32:-attention-tune` runs the attention as products, `f32:-attention-products,-attention-tune`
+# on ember's tensor-core kernels, `f32:-attention-products,-attention-mma` on the ordinary cores),
+# GPT2_TORCH PyTorch's precisions (default `bf16 tf32`; `f32` is TF32 on CUDA, `bf16-compile`
+# adds torch.compile).
 gpt2() {
     local size=(--set model.d_model=768 --set model.n_heads=12 --set model.n_layers=12
         --set model.context_len=1024 --set training.batch_size=16 --set training.log_interval=5)
