@@ -148,8 +148,9 @@ pub enum GpuStrategy {
     /// fragments of the projection's type (TF32 for `f32` on CUDA; bf16, f16): every product
     /// of a pass in CubeCL's `cmma`, the softmax between them in shared memory
     /// (`cube/attention/mma.rs`); off, or without such fragments, the kernels on the GPU's
-    /// ordinary cores. Where it runs: wherever the fused kernels would (the batched products
-    /// and cuDNN's attention, where they apply, come first).
+    /// ordinary cores. Where it runs: cuDNN's attention, where it applies, comes first; below
+    /// it the tensor-core kernels are timed against the batched products and the fused kernels
+    /// ([`GpuStrategy::AttentionTune`]), or come after the products where nothing is timed.
     AttentionMma,
     /// The training attention's path for each pass and shape chosen by timing every path that
     /// applies on the device (the batched products, the tensor-core kernels at each of their
