@@ -113,8 +113,7 @@ impl AttentionKernels for CubeBackend {
             }
         }
         let dims = Dims::of(&qkv, heads);
-        let dtype = qkv.dtype();
-        let paths = paths(&qkv, &dims, dtype);
+        let paths = paths(&qkv, &dims);
         let call = Call::of(&qkv, &dims, dropout, Pass::Forward);
         let path = choose(call, paths, |path| {
             forward_on(path, &qkv, &seed, heads, dropout);
@@ -132,14 +131,13 @@ impl AttentionKernels for CubeBackend {
         dropout: f32,
     ) -> CubeTensor {
         let [qkv, lse, grad] = [qkv, lse, grad].map(into_contiguous);
-        let dtype = qkv.dtype();
         // cuDNN's backward pass exactly where its forward pass ran (its dropout mask is not the
         // fused kernels'): the same shape, type and dropout take the same path.
         #[cfg(feature = "cudnn")]
         if let Some(shape) = crate::cube::cudnn_attention::takes(&qkv, heads, dropout) {
             let (out, grad) = (
                 into_contiguous(out.clone()),
-                float_cast_to::<Self>(grad.clone(), dtype),
+                float_cast_to::<Self>(grad.clone(), qkv.dtype()),
             );
             use crate::cube::cudnn_attention::{backward, without_waiting};
             if let Some(dqkv) = without_waiting::backward(&qkv, &seed, &out, &lse, &grad, &shape) {
@@ -153,7 +151,7 @@ impl AttentionKernels for CubeBackend {
         }
         let dims = Dims::of(&qkv, heads);
         let out = into_contiguous(out);
-        let paths = paths(&qkv, &dims, dtype);
+        let paths = paths(&qkv, &dims);
         let call = Call::of(&qkv, &dims, dropout, Pass::Backward);
         let path = choose(call, paths, |path| {
             backward_on(path, &qkv, &seed, &out, &lse, &grad, heads, dropout);

@@ -546,7 +546,7 @@ pub(super) fn every_pair_of_paths_agrees(
             p,
         ));
         let (fused_out, fused_lse) = (read(fused_out), read(fused_lse));
-        let paths = paths(&qkv, &Dims::of(&qkv, heads), dtype);
+        let paths = paths(&qkv, &Dims::of(&qkv, heads));
         for &forward in &paths {
             let (out, lse) = forward_on(forward, &qkv, &seed, heads, p);
             assert_eq!(out.dtype(), dtype, "{what}: {forward:?}'s output");
@@ -679,7 +679,7 @@ fn a_recording_takes_the_path_kept_for_its_shape_on_wgpu() {
     let call = |t: usize| {
         let qkv = cube_tensor(Tensor::<3>::zeros([3, t, 3 * 2 * 8], &device));
         let dims = Dims::of(&qkv, 2);
-        let paths = paths(&qkv, &dims, DType::F32);
+        let paths = paths(&qkv, &dims);
         assert_eq!(paths, [Path::Products, Path::Fused]);
         (qkv, dims, paths)
     };

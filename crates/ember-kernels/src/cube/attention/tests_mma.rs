@@ -21,8 +21,8 @@ fn device_with_fragments(k: usize) -> (Device, bool) {
     let device = Device::vulkan(DeviceKind::DefaultDevice);
     let qkv = Tensor::<3>::zeros([1, 1, 3 * k], &device);
     let qkv = cube_tensor(qkv.cast(FloatDType::F16));
-    let plan = MmaPlan::all_for_device(qkv.client.properties(), k, Operand::F16);
-    if plan.is_empty() {
+    let plans = MmaPlan::all_for_device(qkv.client.properties(), k, Operand::F16);
+    if plans.is_empty() {
         let required = std::env::var_os("EMBER_REQUIRE_MMA").is_some();
         assert!(
             !required,
@@ -31,7 +31,7 @@ fn device_with_fragments(k: usize) -> (Device, bool) {
         );
         eprintln!("no f16 matrix fragments on this Vulkan device: tensor-core tests skipped");
     }
-    (device, !plan.is_empty())
+    (device, !plans.is_empty())
 }
 
 /// Mixed precision's f16 projection through the op under autodiff, on the tensor cores:

@@ -24,7 +24,9 @@ use super::dims::Dims;
 use super::mma::MmaPlan;
 use super::route::by_products;
 use crate::GpuStrategy;
+use burn::backend::TensorMetadata;
 use burn::tensor::DType;
+use burn_cubecl::cubecl::device::DeviceId;
 use burn_cubecl::tensor::CubeTensor;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -74,16 +76,16 @@ pub(super) enum Pass {
     Backward,
 }
 
-/// The paths that apply to a call on `qkv` (of type `dtype`, the projection's, before any
+/// The paths that apply to a call on `qkv` (in its own type, before any
 /// widening), in the order taken when nothing is timed: the batched products, the tensor-core
 /// kernels at each plan ([`MmaPlan::all_that_apply`]), the fused kernels (always).
-pub(super) fn paths(qkv: &CubeTensor, dims: &Dims, dtype: DType) -> Vec<Path> {
+pub(super) fn paths(qkv: &CubeTensor, dims: &Dims) -> Vec<Path> {
     let mut paths = Vec::new();
     if by_products(qkv) {
         paths.push(Path::Products);
     }
     paths.extend(
-        MmaPlan::all_that_apply(dims, qkv, dtype)
+        MmaPlan::all_that_apply(dims, qkv, qkv.dtype())
             .into_iter()
             .map(Path::Mma),
     );
@@ -95,7 +97,7 @@ pub(super) fn paths(qkv: &CubeTensor, dims: &Dims, dtype: DType) -> Vec<Path> {
 /// weights, and the paths that applied (another policy is another choice).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) struct Key {
-    device: String,
+    device: DeviceId,
     pass: Pass,
     dtype: DType,
     sizes: [usize; 4],
@@ -194,24 +196,21 @@ fn ms(t: Duration) -> f64 {
 /// The process's choices.
 pub(super) static CHOICES: Mutex<Option<Choices>> = Mutex::new(None);
 
-/// One call of a pass, as its path is chosen: the projection `qkv` (contiguous), its sizes, its
-/// type before any widening, the dropout probability and the pass.
+/// One call of a pass, as its path is chosen: the projection `qkv` (contiguous, in its own
+/// type), its sizes, the dropout probability and the pass.
 pub(super) struct Call<'a> {
     pub(super) qkv: &'a CubeTensor,
     pub(super) dims: &'a Dims,
-    pub(super) dtype: DType,
     pub(super) dropout: f32,
     pub(super) pass: Pass,
 }
 
 impl<'a> Call<'a> {
-    /// A call of `pass` on `qkv` in its own type.
+    /// A call of `pass` on `qkv`.
     pub(super) fn of(qkv: &'a CubeTensor, dims: &'a Dims, dropout: f32, pass: Pass) -> Self {
-        use burn::backend::TensorMetadata;
         Call {
             qkv,
             dims,
-            dtype: qkv.dtype(),
             dropout,
             pass,
         }
@@ -233,7 +232,6 @@ pub(super) fn choose_while(
     Call {
         qkv,
         dims,
-        dtype,
         dropout,
         pass,
     }: Call,
@@ -252,9 +250,9 @@ pub(super) fn choose_while(
         return first;
     }
     let key = Key {
-        device: format!("{:?}", qkv.device),
+        device: qkv.device.to_id(),
         pass,
-        dtype,
+        dtype: qkv.dtype(),
         sizes: [dims.b, dims.t, dims.heads, dims.k()],
         dropout: dropout > 0.0,
         paths,
@@ -303,7 +301,7 @@ mod tests {
 
     fn key(t: usize, paths: Vec<Path>) -> Key {
         Key {
-            device: "test".into(),
+            device: DeviceId::new(0, 0),
             pass: Pass::Forward,
             dtype: DType::F32,
             sizes: [2, t, 3, 16],
