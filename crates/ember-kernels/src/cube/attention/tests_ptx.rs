@@ -11,6 +11,10 @@
 //!     CARGO_TARGET_DIR=target/cuda cargo test --release -p ember-kernels \
 //!     --features cudnn,nccl --lib tests_ptx
 //! ```
+//!
+//! With `PTXAS` naming NVIDIA's assembler (PyPI's `nvidia-cuda-nvcc` wheel has it in
+//! `nvidia/cu13/bin/`), each kernel is also assembled for `sm_90a` as the driver would, and its
+//! registers and spills printed.
 
 use super::kernels;
 use super::mma::{MmaPlan, Operand};
@@ -52,6 +56,37 @@ fn ptx_of(kernel: impl CubeKernel) -> (String, usize) {
 
 /// An H200 as CUDA describes it to CubeCL, as far as the plans read it: planes of 32, 227 KiB
 /// of shared memory per cube (the opt-in limit), and the fragments NVPTX lowers.
+/// Assembles `ptx` for `sm_90a` with NVIDIA's `ptxas` (as the driver does when it loads it),
+/// asserting that it assembles, and prints what the assembler reports: registers, spills,
+/// shared memory. The PTX and the machine code are left in `target/ptx/` for `nvdisasm`.
+fn assembles(ptxas: &std::ffi::OsStr, name: &str, ptx: &str, what: &str) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/ptx");
+    std::fs::create_dir_all(&dir).expect("target/ptx is writable");
+    let source = dir.join(format!("{name}.ptx"));
+    std::fs::write(&source, ptx).expect("the PTX is written");
+    let out = std::process::Command::new(ptxas)
+        .args(["-arch=sm_90a", "-v", "-o"])
+        .arg(dir.join(format!("{name}.cubin")))
+        .arg(&source)
+        .output()
+        .expect("PTXAS names NVIDIA's ptxas");
+    let report = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{what}: ptxas refuses {}:\n{report}",
+        source.display()
+    );
+    for line in report
+        .lines()
+        .filter(|l| l.contains("Used") || l.contains("spill"))
+    {
+        eprintln!(
+            "{what}: ptxas: {}",
+            line.trim_start_matches("ptxas info    : ")
+        );
+    }
+}
+
 fn h200() -> DeviceProperties {
     let hardware = HardwareProperties {
         load_width: 128,
@@ -217,6 +252,14 @@ fn the_kernels_lower_to_tensor_core_instructions_for_an_h200() {
                 eprintln!(
                     "{what}: {products} tensor-core products, {bytes} bytes of shared memory"
                 );
+                if let Some(ptxas) = std::env::var_os("PTXAS") {
+                    let name = format!(
+                        "{kind}-{}-{}-{dropout}",
+                        plan.cols,
+                        name.replace(['\'', ' '], "")
+                    );
+                    assembles(&ptxas, &name, ptx, &what);
+                }
             }
         }
     }
