@@ -9,7 +9,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
-use burn::optim::ModuleOptimizer;
+use burn::optim::{ModuleOptimizer, OptimizerRecord};
+use burn::store::ModuleRecord;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError, write_err};
@@ -88,20 +89,47 @@ pub fn save(
     keep: usize,
     write_files: impl FnOnce(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
-    let root = run_dir.join(CHECKPOINTS);
-    fs::create_dir_all(&root).map_err(|e| write_err(&root, e))?;
-    let name = step_dir_name(state.step);
-    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| write_err(&tmp, e))?;
-    }
-    fs::create_dir(&tmp).map_err(|e| write_err(&tmp, e))?;
-    if let Err(e) = fill(&tmp, state, write_files) {
+    let tmp = begin(run_dir, state.step)?;
+    if let Err(e) = write_files(&tmp) {
         // A full disk, say: free what the partial write took; the previous checkpoint stays.
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
     }
+    finish(run_dir, state, keep, tmp)
+}
 
+/// The first half of [`save`]: a new temporary folder for checkpoint `step` of `run_dir`, for
+/// its files to be written into before [`finish`].
+pub(crate) fn begin(run_dir: &Path, step: u64) -> Result<PathBuf> {
+    let root = run_dir.join(CHECKPOINTS);
+    fs::create_dir_all(&root).map_err(|e| write_err(&root, e))?;
+    let tmp = root.join(format!(
+        ".tmp-{}-{}",
+        step_dir_name(step),
+        std::process::id()
+    ));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| write_err(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| write_err(&tmp, e))?;
+    Ok(tmp)
+}
+
+/// The second half of [`save`], once the files are in `tmp` (from [`begin`]): `state.json`,
+/// every file synced, the folder renamed into place, `latest` pointed at it, the newest `keep`
+/// checkpoints kept. On an error `tmp` is removed and the previous checkpoints stay.
+pub(crate) fn finish(
+    run_dir: &Path,
+    state: &CheckpointState,
+    keep: usize,
+    tmp: PathBuf,
+) -> Result<PathBuf> {
+    if let Err(e) = fill(&tmp, state) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let root = run_dir.join(CHECKPOINTS);
+    let name = step_dir_name(state.step);
     let final_dir = root.join(&name);
     if final_dir.exists() {
         // The same step saved again (e.g. after a resume): move the old one aside first.
@@ -174,13 +202,9 @@ pub fn resolve_best(run_dir: &Path) -> Result<PathBuf> {
         .ok_or_else(|| err("its `best` file names a checkpoint that is missing or incomplete"))
 }
 
-/// Writes the files of a checkpoint into the temporary folder `tmp` and syncs them.
-fn fill(
-    tmp: &Path,
-    state: &CheckpointState,
-    write_files: impl FnOnce(&Path) -> Result<()>,
-) -> Result<()> {
-    write_files(tmp)?;
+/// Writes `state.json` into the temporary folder `tmp` beside the checkpoint's other files and
+/// syncs them all.
+fn fill(tmp: &Path, state: &CheckpointState) -> Result<()> {
     let state_path = tmp.join(STATE_FILE);
     let json = serde_json::to_string_pretty(state).expect("state always serializes");
     fs::write(&state_path, json).map_err(|e| write_err(&state_path, e))?;
@@ -352,21 +376,35 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     serde_json::from_value(value).map_err(|e| bad(format!("not a valid state file: {e}")))
 }
 
-/// Writes the model's weights and the optimizer state into checkpoint folder `dir`.
-pub(crate) fn save_weights<M: Module>(
-    model: &M,
-    optim: &ModuleOptimizer,
-    dir: &Path,
-) -> Result<()> {
-    let model_path = dir.join(MODEL_FILE);
-    model
-        .clone()
-        .save_file(&model_path)
-        .map_err(|e| write_err(&model_path, e))?;
-    let optim_path = dir.join(OPTIM_FILE);
-    optim
-        .save(&optim_path)
-        .map_err(|e| write_err(&optim_path, e))
+/// A model's weights and its optimizer's state read from the device into host memory: what a
+/// checkpoint holds of them, which any thread can then write ([`Snapshot::write`]) while the
+/// model trains on.
+pub(crate) struct Snapshot {
+    model: ModuleRecord,
+    optim: OptimizerRecord,
+}
+
+impl Snapshot {
+    /// Reads `model`'s weights and `optim`'s state (waiting for the device to have computed
+    /// them).
+    pub(crate) fn of<M: Module>(model: &M, optim: &ModuleOptimizer) -> Snapshot {
+        Snapshot {
+            model: model.clone().into_record(),
+            optim: optim.to_record(),
+        }
+    }
+
+    /// Writes the weights and the optimizer state into checkpoint folder `dir`.
+    pub(crate) fn write(self, dir: &Path) -> Result<()> {
+        let model_path = dir.join(MODEL_FILE);
+        self.model
+            .save(&model_path)
+            .map_err(|e| write_err(&model_path, e))?;
+        let optim_path = dir.join(OPTIM_FILE);
+        self.optim
+            .save(&optim_path)
+            .map_err(|e| write_err(&optim_path, e))
+    }
 }
 
 /// Loads the optimizer state of checkpoint `dir`.

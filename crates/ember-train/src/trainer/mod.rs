@@ -4,12 +4,13 @@
 //!
 //! Layout: [`options`] what a run is asked (`RunOptions`, `Launch`), [`summary`] what it reports
 //! (`RunSummary`, `DeviceMemory`), this file the loop itself, [`progress`] the progress bar,
-//! log lines and the plot, [`guards`] the checks that stop a run cleanly (a non-finite loss or
+//! log lines and the plot, [`saving`] the checkpoints written beside the steps, [`guards`] the checks that stop a run cleanly (a non-finite loss or
 //! weight, an unwritable folder) and the best checkpoint's bookkeeping.
 
 mod guards;
 mod options;
 mod progress;
+mod saving;
 mod summary;
 
 pub use options::{Launch, RunOptions};
@@ -17,6 +18,7 @@ pub use summary::{DeviceMemory, RunSummary, TimeSpent};
 
 use guards::{Best, check_writable, ensure_finite};
 use progress::{Clock, LogWindow, draw_plot, log_line, progress_bar, say};
+use saving::Saving;
 
 use std::path::PathBuf;
 
@@ -27,7 +29,7 @@ use indicatif::ProgressBar;
 
 use crate::adamw::GradScale;
 use crate::checkpoint::{
-    self, CheckpointState, FORMAT_VERSION, load_model, load_optimizer, save_weights,
+    self, CheckpointState, FORMAT_VERSION, Snapshot, load_model, load_optimizer,
 };
 use crate::distributed::World;
 use crate::error::{Result, TrainError};
@@ -54,8 +56,9 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     let schedule = config.schedule();
     // Clipping's factor, applied by the optimizer as it reads each gradient.
     let grad_scale = GradScale::default();
-    let (mut state, mut model, mut optim, mut last_checkpoint) =
-        start(task, model, options, &grad_scale)?;
+    let (mut state, mut model, mut optim, resumed) = start(task, model, options, &grad_scale)?;
+    // Checkpoints are written on a thread of their own while the next steps train.
+    let mut saving = Saving::new(resumed);
     let device = param_device(&model);
     if let Some(world) = world {
         // Burn initialises parameters lazily, from the process-wide generator, when they are
@@ -206,16 +209,13 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             if checkpoint_due {
                 ensure_finite(&model, state.step)?;
                 state.elapsed_secs = clock.elapsed();
-                let (m, o) = (&model, &optim);
-                last_checkpoint = clock.checkpoints.time(|| {
-                    checkpoint::save(out, &state, config.keep_checkpoints, |dir| {
-                        save_weights(m, o, dir)?;
+                clock.checkpoints.time(|| {
+                    let snapshot = Snapshot::of(&model, &optim);
+                    let keep = config.keep_checkpoints;
+                    saving.start(out, &state, keep, improved, snapshot, |dir| {
                         task.write_files(dir)
                     })
                 })?;
-                if improved {
-                    checkpoint::mark_best(out, &last_checkpoint)?;
-                }
             }
         }
         // The other ranks wait for rank 0's evaluation and save, and learn whether it stops
@@ -236,7 +236,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
             }
             return Err(TrainError::Interrupted {
                 step: state.step,
-                checkpoint: last_checkpoint,
+                checkpoint: saving.wait()?,
             });
         }
         if stopped_early {
@@ -250,6 +250,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
     if let Some(world) = world {
         world.finish();
     }
+    let last_checkpoint = clock.checkpoints.time_more(|| saving.wait())?;
     let mut summary = clock.summary(state.step, last_checkpoint);
     summary.train_loss = train_loss;
     summary.val_loss = val_loss;

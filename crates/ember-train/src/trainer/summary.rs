@@ -34,7 +34,9 @@ pub struct RunSummary {
     pub device_memory: Option<DeviceMemory>,
     /// The evaluations this process ran, and their wall time (inside `elapsed_secs`).
     pub evaluations: TimeSpent,
-    /// The checkpoints this process saved, and their wall time (inside `elapsed_secs`).
+    /// The checkpoints this process saved, and the wall time training waited for them (inside
+    /// `elapsed_secs`: reading the weights from the device, and waiting for a checkpoint that
+    /// its thread was still writing; the writing itself goes on beside the steps).
     pub checkpoints: TimeSpent,
 }
 
@@ -53,6 +55,14 @@ impl TimeSpent {
         let start = std::time::Instant::now();
         let done = work();
         self.count += 1;
+        self.secs += start.elapsed().as_secs_f64();
+        done
+    }
+
+    /// `work`, timed as part of what ran before (not counted again).
+    pub(crate) fn time_more<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        let start = std::time::Instant::now();
+        let done = work();
         self.secs += start.elapsed().as_secs_f64();
         done
     }
