@@ -653,7 +653,8 @@ cudnn() {
 # `f32:-attention-tune` runs the attention as products, `f32:-attention-products,-attention-tune`
 # on ember's tensor-core kernels, `f32:-attention-products,-attention-mma` on the ordinary cores),
 # GPT2_TORCH PyTorch's precisions (default `bf16 tf32`; `f32` is TF32 on CUDA, `bf16-compile`
-# adds torch.compile).
+# adds torch.compile). ember's runs write no checkpoint (`--no-checkpoints`: a GPT-2-sized one
+# is about 1 GB), here and in `paths`.
 gpt2() {
     local size=(--set model.d_model=768 --set model.n_heads=12 --set model.n_layers=12
         --set model.context_len=1024 --set training.batch_size=16 --set training.log_interval=5)
@@ -663,7 +664,7 @@ gpt2() {
         echo "GPT-2 body, ember, precision $precision, EMBER_GPU_KERNELS=$kernels${cudnn:+, with cuDNN flash attention}"
         rm -rf "$RUNS/gpt2"
         EMBER_CUDNN_ATTENTION=$([ -n "$cudnn" ] && echo 1 || echo 0) EMBER_GPU_KERNELS=$kernels logged "$RUNS/gpt2.log" "$EMBER" train --config "$CONFIG" \
-            --device "$DEVICE" --out "$RUNS/gpt2" --stop-after "${GPT2_STEPS:-40}" "${size[@]}" \
+            --device "$DEVICE" --out "$RUNS/gpt2" --stop-after "${GPT2_STEPS:-40}" --no-checkpoints "${size[@]}" \
             --set "training.precision=\"$precision\"" || continue
         grep -E "^(attention|warning|peak|GPU memory)" "$RUNS/gpt2.log" || true
         ms_per_step "$RUNS/gpt2"
@@ -699,7 +700,7 @@ paths() {
             echo "attention paths, $precision, context $context"
             rm -rf "$RUNS/paths"
             EMBER_CUDNN_ATTENTION=0 logged "$RUNS/paths.log" "$EMBER" train --config "$CONFIG" \
-                --device "$DEVICE" --out "$RUNS/paths" --stop-after 1 "${size[@]}" \
+                --device "$DEVICE" --out "$RUNS/paths" --stop-after 1 --no-checkpoints "${size[@]}" \
                 --set "training.precision=\"$precision\"" || continue
             grep -E "^(attention|warning)" "$RUNS/paths.log" || echo "  (no pass timed)"
         done

@@ -44,6 +44,10 @@ pub struct TrainArgs {
     /// Stop after this step (with a checkpoint), as if interrupted; `--resume` continues.
     #[arg(long, value_name = "STEP", hide = true)]
     stop_after: Option<u64>,
+    /// Write no checkpoint, not even at the end: for benchmarks that time the steps alone (the
+    /// run's weights are not kept).
+    #[arg(long, hide = true, conflicts_with = "resume")]
+    no_checkpoints: bool,
     /// Time every GPU kernel of the last N steps (device synchronised around each step) and
     /// print where the time went, kernel by kernel, when training ends. GPU devices only.
     #[arg(long, value_name = "N")]
@@ -78,6 +82,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         overwrite: args.overwrite,
         device: args.device,
         stop_after: args.stop_after,
+        no_checkpoints: args.no_checkpoints,
         progress: std::io::stderr().is_terminal(),
         init_from,
         interrupt: Some(crate::signals::stop_on_signals()),
@@ -94,6 +99,10 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     };
     let summary = match trained {
         Err(TrainError::Interrupted { .. }) if !main => {
+            return Ok(ExitCode::from(crate::signals::exit_code()));
+        }
+        Err(TrainError::Interrupted { step, .. }) if args.no_checkpoints => {
+            eprintln!("interrupted at step {step} (--no-checkpoints: nothing saved)");
             return Ok(ExitCode::from(crate::signals::exit_code()));
         }
         Err(TrainError::Interrupted { step, checkpoint }) => {
@@ -152,7 +161,10 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     if let Some(profile) = &summary.kernel_profile {
         eprint!("{profile}");
     }
-    eprintln!("checkpoint: {}", summary.checkpoint.display());
+    match args.no_checkpoints {
+        true => eprintln!("checkpoint: none (--no-checkpoints)"),
+        false => eprintln!("checkpoint: {}", summary.checkpoint.display()),
+    }
     if let Some((best, loss)) = &summary.best {
         eprintln!(
             "best: {} (val loss {loss:.4}; --best picks it)",

@@ -438,3 +438,49 @@ fn a_prepared_corpus_trains_and_resumes_from_the_command_line() {
     assert_eq!(params(&run), params(&text_run));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--no-checkpoints` (for benchmarks that time the steps alone) trains and evaluates but
+/// writes no checkpoint, not even at the end or where the validation loss improves, and says
+/// so; it cannot be combined with `--resume`.
+#[test]
+fn no_checkpoints_trains_and_evaluates_but_saves_nothing() {
+    let dir = temp("no-checkpoints");
+    let config = config(
+        &dir,
+        "max_steps = 6\ncheckpoint_interval = 2\neval_interval = 3\n",
+    );
+    let run = dir.join("run");
+    let run_s = run.to_str().unwrap();
+    let out = ember_ok(&[
+        "train",
+        "--config",
+        &config,
+        "--out",
+        run_s,
+        "--no-checkpoints",
+    ]);
+    let said = stderr(&out);
+    assert!(
+        said.contains("checkpoint: none (--no-checkpoints)"),
+        "{said}"
+    );
+    assert!(!said.contains("best:"), "{said}");
+    assert!(!run.join("checkpoints").exists() && !run.join("latest").exists());
+    let evals: Vec<u64> = metrics(&run)
+        .iter()
+        .filter(|r| r.kind == "eval")
+        .map(|r| r.step)
+        .collect();
+    assert_eq!(evals, [3, 6]);
+    let refused = ember(&[
+        "train",
+        "--config",
+        &config,
+        "--out",
+        run_s,
+        "--resume",
+        "--no-checkpoints",
+    ]);
+    assert_clear_error(&refused, &["--no-checkpoints", "--resume"]);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -181,7 +181,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         }
         state.tokens_seen += tokens as u64;
         clock.tokens += tokens as u64;
-        let mut checkpoint_due = saves || interrupted;
+        let mut checkpoint_due = (saves || interrupted) && !options.no_checkpoints;
         if let Some(metrics) = &metrics {
             window.push(loss, norm, tokens);
             if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
@@ -203,7 +203,7 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
                 // run overfits (nanoGPT's GPU config does after about 2000 of its 5000 steps).
                 improved = best.record(val, state.step);
                 stopped_early = best.patience_spent(config.early_stop_patience, &bar);
-                checkpoint_due |= improved || stopped_early;
+                checkpoint_due |= (improved || stopped_early) && !options.no_checkpoints;
                 draw_plot(metrics, &options.title, out);
             }
             if checkpoint_due {

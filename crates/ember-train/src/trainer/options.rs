@@ -25,6 +25,8 @@ pub struct RunOptions {
     pub resume: bool,
     /// Stop (with a checkpoint) after this step, as if interrupted; for tests and benchmarks.
     pub stop_after: Option<u64>,
+    /// Write no checkpoint at all, not even at the end (benchmarks that time steps alone).
+    pub no_checkpoints: bool,
     /// Draw a progress bar on stderr (only when it is a terminal); without one, a plain line
     /// is printed every `log_interval` steps instead.
     pub progress: bool,
@@ -54,6 +56,8 @@ pub struct Launch {
     pub device: Option<String>,
     /// Stop (with a checkpoint) after this step, as if interrupted.
     pub stop_after: Option<u64>,
+    /// Write no checkpoint at all (benchmarks).
+    pub no_checkpoints: bool,
     /// Draw a progress bar (when stderr is a terminal).
     pub progress: bool,
     /// Start from these weights instead of random ones (language models).
@@ -96,6 +100,7 @@ impl Claimed {
             world: self.world,
             resume: launch.resume,
             stop_after: launch.stop_after,
+            no_checkpoints: launch.no_checkpoints,
             profile_steps: launch.profile_steps,
             progress: launch.progress,
             interrupt: launch.interrupt.clone(),
