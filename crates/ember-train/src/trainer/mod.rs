@@ -4,8 +4,9 @@
 //!
 //! Layout: [`options`] what a run is asked (`RunOptions`, `Launch`), [`summary`] what it reports
 //! (`RunSummary`, `DeviceMemory`), this file the loop itself, [`progress`] the progress bar,
-//! log lines and the plot, [`saving`] the checkpoints written beside the steps, [`guards`] the checks that stop a run cleanly (a non-finite loss or
-//! weight, an unwritable folder) and the best checkpoint's bookkeeping.
+//! log lines and the plot, [`saving`] the checkpoints written beside the steps, [`guards`] the
+//! checks that stop a run cleanly (a non-finite loss or weight, an unwritable folder) and the
+//! best checkpoint's bookkeeping.
 
 mod guards;
 mod options;
