@@ -471,10 +471,11 @@ fn summarize_record_error(message: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn state(step: u64) -> CheckpointState {
+    /// The state of a checkpoint at `step` of a one-process run.
+    pub(crate) fn state(step: u64) -> CheckpointState {
         CheckpointState {
             format_version: FORMAT_VERSION,
             model_kind: "decoder_only".into(),

@@ -104,26 +104,13 @@ impl Drop for Saving {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::{FORMAT_VERSION, MODEL_FILE, OPTIM_FILE, resolve, resolve_best};
+    use crate::checkpoint::tests::state;
+    use crate::checkpoint::{MODEL_FILE, OPTIM_FILE, resolve, resolve_best};
     use crate::config::TrainingConfig;
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::{GradientsParams, ModuleOptimizer};
     use burn::tensor::{Device, Tensor};
     use std::fs;
-
-    fn state(step: u64) -> CheckpointState {
-        CheckpointState {
-            format_version: FORMAT_VERSION,
-            model_kind: "decoder_only".into(),
-            step,
-            seed: 1,
-            tokens_seen: step * 10,
-            elapsed_secs: 1.0,
-            val_loss: Some(2.5),
-            micro_batches: 1,
-            world_size: 1,
-        }
-    }
 
     /// One AdamW step of `layer` (the weights updated in place where nothing else holds them).
     fn step(layer: Linear, optim: &mut ModuleOptimizer) -> Linear {
