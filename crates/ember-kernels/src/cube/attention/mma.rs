@@ -191,7 +191,7 @@ impl MmaPlan {
         let (rows, cols, e) = (self.rows(), self.cols, self.operand.bytes());
         let f = size_of::<f32>();
         let forward = (rows * k + 2 * cols * k + rows * cols) * e
-            + (rows * cols + rows * k + rows * self.parts + 3 * rows) * f;
+            + (rows * cols + rows * k + rows * self.parts) * f;
         let queries = (2 * rows * k + 2 * cols * k + rows * cols) * e
             + (2 * rows * cols + rows * k + rows * self.parts + 2 * rows) * f;
         let keys = (2 * rows * k + 2 * cols * k + rows * cols) * e

@@ -1,5 +1,5 @@
 //! The forward pass on tensor cores: FlashAttention-2's loop over tiles of keys, its two
-//! products per tile in `cmma` fragments, the online softmax in shared memory.
+//! products per tile in `cmma` fragments, the online softmax row by row.
 
 use super::mma::*;
 use super::tiled::{TiledBlock, tiled_block};
@@ -10,8 +10,10 @@ use crate::cube::hashed_mask::Mask;
 /// over tiles of `cols` keys: per tile the block's scores `S = Q K^T` (a plane's strip in
 /// fragments), then row by row the scaled, masked scores' new maxima, the weights `P` (rounded
 /// to `E`, dropped where the mask says) and the rescale of the running output, then
-/// `O += P V` (fragments over the output accumulated in shared memory). The queries are
-/// loaded once, rounded to `E`; the output is divided by the rows' sums at the end and each
+/// `O += P V` (fragments over the output accumulated in shared memory): five barriers a tile.
+/// Each of a row's `parts` units keeps the row's maximum and its own part of the row's sum in
+/// registers and rescales its own columns of the output. The queries are loaded once, rounded
+/// to `E`; at the end the parts' sums meet, the output is divided by the rows' sums and each
 /// row's log-sum-exp written beside it. The projection and the output are of type `I` (the
 /// projection's own: `f32`, bf16 or f16), everything else `F` (`f32`).
 #[allow(clippy::too_many_arguments)]
@@ -59,19 +61,17 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float, I: Float>(
     let mut weights = Shared::<[E]>::new_aligned_slice(comptime!(rows * cols), FRAGMENT_ALIGN);
     let mut acc = Shared::<[F]>::new_aligned_slice(comptime!(rows * k), FRAGMENT_ALIGN);
     let mut partial = Shared::<[F]>::new_slice(comptime!(rows * parts));
-    let mut row_max = Shared::<[F]>::new_slice(rows);
-    let mut row_sum = Shared::<[F]>::new_slice(rows);
-    let mut correction = Shared::<[F]>::new_slice(rows);
 
     load_rounded::<I, E>(qkv, &mut queries, q0, 3 * d, first, t, k, rows);
     #[unroll]
     for c in 0..out_width {
         acc[r * k + p * out_width + c] = F::new(0.0);
     }
-    if p == 0 {
-        row_max[r] = F::min_value();
-        row_sum[r] = F::new(0.0);
-    }
+    // The row's running maximum, the same in every unit of the row (each finds it from the
+    // same partial maxima), and this unit's part of the row's running sum: registers, so a
+    // tile needs no barrier to publish them.
+    let mut row_max = F::min_value();
+    let mut part_sum = F::new(0.0);
     let mut end = first + rows;
     if end > t {
         end = t;
@@ -93,48 +93,36 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float, I: Float>(
             rows,
         );
         sync_cube();
-        // Scaled and masked (keys after the row or past the sequence), the part's maximum.
+        // The part's maximum of the scaled, masked scores (keys after the row or past the
+        // sequence masked).
         let mut m = F::min_value();
         #[unroll]
         for c in 0..width {
             let jj = p * width + c;
-            let j = j0 + jj;
-            let s = select(
-                j <= row && j < t,
-                scores[r * cols + jj] * scale,
-                F::min_value(),
+            m = F::max(
+                m,
+                masked::<F>(scores[r * cols + jj], scale, j0 + jj, row, t),
             );
-            scores[r * cols + jj] = s;
-            m = F::max(m, s);
         }
         partial[p * rows + r] = m;
         sync_cube();
-        let m_old = row_max[r];
-        let m_new = F::max(m_old, parts_max::<F>(&partial, r, rows, parts));
-        // The weights (a key's below the row's maximum by the float range's width gives
-        // 0), their part's sum before dropout, and the weights the values are summed with.
+        let m_new = F::max(row_max, parts_max::<F>(&partial, r, rows, parts));
+        // The weights (a key's below the row's maximum by the float range's width gives 0),
+        // the part's sum before dropout, and the weights the values are summed with.
         let mut sum = F::new(0.0);
         #[unroll]
         for c in 0..width {
             let jj = p * width + c;
-            let w = F::exp(scores[r * cols + jj] - m_new);
+            let w = F::exp(masked::<F>(scores[r * cols + jj], scale, j0 + jj, row, t) - m_new);
             sum += w;
             let factor = mask.factor((bh * t + row) * t + j0 + jj, dropout);
             weights[r * cols + jj] = E::cast_from(w * factor);
         }
-        sync_cube();
-        partial[p * rows + r] = sum;
-        sync_cube();
-        if p == 0 {
-            let f = F::exp(m_old - m_new);
-            correction[r] = f;
-            row_sum[r] = row_sum[r] * f + parts_sum::<F>(&partial, r, rows, parts);
-            row_max[r] = m_new;
-        }
-        sync_cube();
-        // The running output rescaled where the row's maximum moved (once the maximum has
-        // settled, most tiles leave every row's alone).
-        let f = correction[r];
+        // This unit's columns of the running output (and its part of the sum) rescaled where
+        // the row's maximum moved (once it has settled, most tiles leave every row's alone).
+        let f = F::exp(row_max - m_new);
+        part_sum = part_sum * f + sum;
+        row_max = m_new;
         if f != F::new(1.0) {
             #[unroll]
             for c in 0..out_width {
@@ -148,8 +136,11 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float, I: Float>(
         sync_cube();
         j0 += cols;
     }
+    // The row's sum from its parts.
+    partial[p * rows + r] = part_sum;
+    sync_cube();
     if row < t {
-        let l = row_sum[r];
+        let l = parts_sum::<F>(&partial, r, rows, parts);
         let inverse = F::new(1.0) / l;
         #[unroll]
         for c in 0..out_width {
@@ -157,7 +148,14 @@ pub(crate) fn attention_forward_mma<F: Float, E: Float, I: Float>(
             out[o0 + row * d + cc] = I::cast_from(acc[r * k + cc] * inverse);
         }
         if p == 0 {
-            lse[bh * t + row] = row_max[r] + F::ln(l);
+            lse[bh * t + row] = row_max + F::ln(l);
         }
     }
+}
+
+/// Score `s` of key `j` for query `row` scaled, or the float range's minimum where the key is
+/// masked (after the row, or past the sequence's `t` positions).
+#[cube]
+fn masked<F: Float>(s: F, scale: F, j: usize, row: usize, t: usize) -> F {
+    select(j <= row && j < t, s * scale, F::min_value())
 }
