@@ -186,7 +186,7 @@ impl MmaPlan {
     }
 
     /// The most shared memory any of the three kernels declares, for head size `k` (with up
-    /// to 32 bytes of alignment before each of its nine arrays of fragments).
+    /// to 32 bytes of alignment before each of its ten arrays of fragments).
     pub(crate) fn shared_bytes(&self, k: usize) -> usize {
         let (rows, cols, e) = (self.rows(), self.cols, self.operand.bytes());
         let f = size_of::<f32>();
@@ -194,9 +194,9 @@ impl MmaPlan {
             + (rows * cols + rows * k + rows * self.parts) * f;
         let queries = (2 * rows * k + 2 * cols * k + rows * cols) * e
             + (2 * rows * cols + rows * k + rows * self.parts + 2 * rows) * f;
-        let keys = (2 * rows * k + 2 * cols * k + rows * cols) * e
+        let keys = (2 * rows * k + 2 * cols * k + 2 * rows * cols) * e
             + (2 * rows * cols + 2 * rows * k + 2 * cols) * f;
-        forward.max(queries).max(keys) + 9 * 32
+        forward.max(queries).max(keys) + 10 * 32
     }
 
     fn launch_size(&self, dims: &Dims) -> (CubeCount, CubeDim) {

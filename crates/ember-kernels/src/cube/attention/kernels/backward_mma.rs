@@ -162,9 +162,10 @@ pub(crate) fn attention_backward_query_mma<F: Float, E: Float, I: Float>(
 
 /// The keys' and values' gradients of one block of `rows` key rows of one head, over tiles
 /// of `cols` queries from the block's first key on (earlier queries see none of its keys):
-/// per tile `S^T = K Q^T` and `dP^T = V dO^T` (fragments), the weights `P^T` from the
-/// queries' log-sum-exps, `dV += (P^T * mask) dO`, `dS^T = P^T (dP^T * mask - delta)`
-/// (rounded to `E`) and `dK += dS^T Q`; `dK` scaled and `dV` written into the projection's
+/// per tile `S^T = K Q^T` and `dP^T = V dO^T` (fragments), then row by row the weights `P^T`
+/// from the queries' log-sum-exps, `P^T * mask` and `dS^T = P^T (dP^T * mask - delta)`
+/// (both rounded to `E`, each into an array of its own), then `dV += (P^T * mask) dO` and
+/// `dK += dS^T Q`: four barriers a tile. `dK` scaled and `dV` written into the projection's
 /// gradient.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
@@ -213,7 +214,9 @@ pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float, I: Float>(
     let mut grads = Shared::<[E]>::new_aligned_slice(comptime!(cols * k), FRAGMENT_ALIGN);
     let mut scores = Shared::<[F]>::new_aligned_slice(comptime!(rows * cols), FRAGMENT_ALIGN);
     let mut weight_grads = Shared::<[F]>::new_aligned_slice(comptime!(rows * cols), FRAGMENT_ALIGN);
-    let mut operand = Shared::<[E]>::new_aligned_slice(comptime!(rows * cols), FRAGMENT_ALIGN);
+    let mut value_operand =
+        Shared::<[E]>::new_aligned_slice(comptime!(rows * cols), FRAGMENT_ALIGN);
+    let mut key_operand = Shared::<[E]>::new_aligned_slice(comptime!(rows * cols), FRAGMENT_ALIGN);
     let mut key_acc = Shared::<[F]>::new_aligned_slice(comptime!(rows * k), FRAGMENT_ALIGN);
     let mut value_acc = Shared::<[F]>::new_aligned_slice(comptime!(rows * k), FRAGMENT_ALIGN);
     let mut tile_lse = Shared::<[F]>::new_slice(cols);
@@ -257,23 +260,26 @@ pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float, I: Float>(
             rows,
         );
         sync_cube();
-        // The weights P^T (kept in `scores` for dS) and, dropped, the values' operand.
+        // Row by row, the two operands of the tile's last products: the weights P^T dropped
+        // (for dV) and dS^T = P^T (dP^T * mask - delta) (for dK), from one mask draw each.
         #[unroll]
         for c in 0..width {
             let ii = p * width + c;
             let i = i0 + ii;
-            let mut w = F::new(0.0);
             let mut dropped = F::new(0.0);
+            let mut ds = F::new(0.0);
             if key <= i && i < t {
-                w = F::exp(scores[r * cols + ii] * scale - tile_lse[ii]);
-                dropped = w * mask.factor((bh * t + i) * t + key, dropout);
+                let w = F::exp(scores[r * cols + ii] * scale - tile_lse[ii]);
+                let factor = mask.factor((bh * t + i) * t + key, dropout);
+                dropped = w * factor;
+                ds = w * (weight_grads[r * cols + ii] * factor - tile_delta[ii]);
             }
-            scores[r * cols + ii] = w;
-            operand[r * cols + ii] = E::cast_from(dropped);
+            value_operand[r * cols + ii] = E::cast_from(dropped);
+            key_operand[r * cols + ii] = E::cast_from(ds);
         }
         sync_cube();
         strip_product::<F, E>(
-            &operand,
+            &value_operand,
             &grads,
             &mut value_acc,
             cols,
@@ -283,22 +289,8 @@ pub(crate) fn attention_backward_key_value_mma<F: Float, E: Float, I: Float>(
             shape,
             rows,
         );
-        sync_cube();
-        #[unroll]
-        for c in 0..width {
-            let ii = p * width + c;
-            let i = i0 + ii;
-            let mut ds = F::new(0.0);
-            if key <= i && i < t {
-                let factor = mask.factor((bh * t + i) * t + key, dropout);
-                ds =
-                    scores[r * cols + ii] * (weight_grads[r * cols + ii] * factor - tile_delta[ii]);
-            }
-            operand[r * cols + ii] = E::cast_from(ds);
-        }
-        sync_cube();
         strip_product::<F, E>(
-            &operand,
+            &key_operand,
             &queries,
             &mut key_acc,
             cols,
