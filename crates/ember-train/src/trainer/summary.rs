@@ -52,11 +52,8 @@ pub struct TimeSpent {
 impl TimeSpent {
     /// `work`, counted and timed.
     pub(crate) fn time<R>(&mut self, work: impl FnOnce() -> R) -> R {
-        let start = std::time::Instant::now();
-        let done = work();
         self.count += 1;
-        self.secs += start.elapsed().as_secs_f64();
-        done
+        self.time_more(work)
     }
 
     /// `work`, timed as part of what ran before (not counted again).
