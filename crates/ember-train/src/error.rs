@@ -74,6 +74,9 @@ pub enum TrainError {
     /// rendezvous, the collective library, or another rank.
     #[error("{0}")]
     Distributed(String),
+    /// The run cannot fit in the memory the machine has free (`crate::memory`).
+    #[error("{0}")]
+    Memory(String),
     /// The loss stopped being a finite number.
     #[error(
         "loss is {loss} at step {step}: training diverged; the last good checkpoint is kept (try a lower training.lr or gradient clipping)"

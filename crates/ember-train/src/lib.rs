@@ -19,6 +19,7 @@ pub mod init_from;
 pub mod kernel_profile;
 pub mod lm;
 pub mod lm_source;
+pub mod memory;
 pub mod metrics;
 pub mod optimizer;
 pub mod parallel;

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use ember_data::{
     CharTokenizer, TokenFile, Tokenizer, WindowSampler, batch_seed, corpus, token_file,
@@ -13,6 +14,7 @@ use crate::checkpoint::CONFIG_FILE;
 use crate::config::{RunConfig, TokenizerKind};
 use crate::error::{Result, TrainError, write_err};
 use crate::lm_source::{LmSource, open_lm};
+use crate::memory;
 use crate::task::{Split, Task};
 use crate::trainer::{Launch, RunSummary};
 
@@ -315,6 +317,32 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     if main {
         eprintln!("{}", model.summary());
     }
+    let m = &config.model;
+    let t = &config.training;
+    let last_step = launch
+        .stop_after
+        .map_or(t.max_steps, |s| s.min(t.max_steps));
+    let needs = memory::Needs {
+        params: model.num_params(),
+        loaded: source.is_some(),
+        moments_in_forward: launch.resume || last_step > 1,
+        activations: memory::activation_bytes(
+            (t.batch_size * m.context_len) as u64,
+            m.n_layers,
+            m.d_model,
+            m.d_ff(),
+            m.vocab_size,
+            t.precision.product_bytes(),
+        ),
+        devices: 1,
+        batch: format!(
+            "training.batch_size = {} x model.context_len = {} tokens",
+            t.batch_size, m.context_len
+        ),
+        keys: "model.d_model, model.n_layers, model.d_ff, the vocabulary or training.batch_size"
+            .into(),
+    };
+    memory::check_run(needs, &claimed.devices)?;
     let title = format!(
         "decoder-only LM on {}",
         config

@@ -24,6 +24,14 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// Bytes of one value of the products' inputs: 4 in `f32`, 2 in `bf16`.
+    pub fn product_bytes(self) -> u64 {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 => 2,
+        }
+    }
+
     /// The model a step's forward pass runs: `model` itself in `f32`; in `bf16` a view whose
     /// product weights are tracked bf16 casts of `model`'s, so gradients found on `model`'s
     /// parameters (`GradientsParams::from_grads(loss.backward(), model)`) are `f32`.

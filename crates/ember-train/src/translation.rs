@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor};
 use ember_data::bleu::corpus_bleu;
 use ember_data::bpe::{load_bpe, save_bpe, train_bpe};
@@ -364,6 +365,32 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     if main {
         eprintln!("{}", model.summary());
     }
+    // A batch's padded tokens pass through every encoder and decoder layer (a lower bound: the
+    // source and the target side are each at most that long).
+    let m = &config.model;
+    let t = &config.training;
+    let last_step = launch
+        .stop_after
+        .map_or(t.max_steps, |s| s.min(t.max_steps));
+    let needs = crate::memory::Needs {
+        params: model.num_params(),
+        loaded: false,
+        moments_in_forward: launch.resume || last_step > 1,
+        activations: crate::memory::activation_bytes(
+            d.batch_tokens as u64,
+            m.n_encoder_layers + m.n_decoder_layers,
+            m.d_model,
+            m.d_ff(),
+            m.tgt_vocab_size,
+            t.precision.product_bytes(),
+        ),
+        devices: 1,
+        batch: format!("data.batch_tokens = {}", d.batch_tokens),
+        keys: "model.d_model, model.n_encoder_layers, model.n_decoder_layers, model.d_ff, \
+               data.vocab_size or data.batch_tokens"
+            .into(),
+    };
+    crate::memory::check_run(needs, &claimed.devices)?;
     let title = format!("encoder-decoder on {}", d.train_src.display());
     let (options, folder) = claimed.run_options(launch, config.training.clone(), title);
     let task = TranslationTask {
