@@ -7,6 +7,7 @@
 #   DEVICE=vulkan bash scripts/bench-gpu.sh speed   # ms/step of ember and PyTorch, generation
 #   DEVICE=vulkan bash scripts/bench-gpu.sh full    # nanoGPT's 5000 iterations: time, val loss
 #   DEVICE=vulkan bash scripts/bench-gpu.sh profile # where a step's time goes, kernel by kernel
+#                                                   # (PROFILE_MODEL=gpt2: GPT-2 124M's body)
 #   DEVICE=vulkan bash scripts/bench-gpu.sh memory  # what a step holds: in use, pools, process
 #   bash scripts/bench-gpu.sh reference             # the same 5000 iterations in PyTorch eager
 #   DEVICE=vulkan bash scripts/bench-gpu.sh host    # where a sampled token's host time goes
@@ -70,6 +71,11 @@ STEPS=${STEPS:-60}
 PYTHON=${PYTHON:-python3}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 CONFIG=${CONFIG:-configs/shakespeare-char-gpu.toml}
+# GPT-2 124M's body on the GPU config's character vocabulary and recipe (`gpt2`, `profile`),
+# as ember's settings and as torch_reference.py's arguments.
+GPT2_SIZE=(--set model.d_model=768 --set model.n_heads=12 --set model.n_layers=12
+    --set model.context_len=1024 --set training.batch_size=16)
+GPT2_TORCH_SIZE=(--d-model 768 --heads 12 --layers 12 --context 1024 --batch 16)
 mkdir -p "$RUNS"
 # ember's cuDNN: the one PyTorch's wheels bring (nvidia/cudnn/lib beside torch), so that both
 # run the same flash attention, unless CUDNN_PATH names another (ember's own default is the
@@ -422,22 +428,30 @@ firstrun() {
 }
 
 # ember's kernel profile of the last PROFILE_STEPS of STEPS steps (`ember train --profile-steps`)
-# in f32 and bf16, then PyTorch's (torch.profiler) at the same precisions.
+# at each of PROFILE_PRECISIONS (default `f32 bf16`), then PyTorch's (torch.profiler) at the same
+# precisions. PROFILE_MODEL=gpt2 profiles GPT-2 124M's body as `gpt2` trains it (12 x 768, 12
+# heads, context 1024, batch 16; ember with its default attention, cuDNN's where it is found)
+# instead of nanoGPT's GPU config.
 profile() {
-    local n=${PROFILE_STEPS:-10}
-    for precision in f32 bf16; do
+    local n=${PROFILE_STEPS:-10} size=() torch_size=(--d-model 384 --heads 6 --layers 6
+        --context 256 --batch 64)
+    if [ "${PROFILE_MODEL:-}" = gpt2 ]; then
+        size=("${GPT2_SIZE[@]}")
+        torch_size=("${GPT2_TORCH_SIZE[@]}")
+    fi
+    for precision in ${PROFILE_PRECISIONS:-f32 bf16}; do
+        echo "ember profile, ${PROFILE_MODEL:-nanogpt}, precision $precision"
         rm -rf "$RUNS/profile"
         logged "$RUNS/profile.log" "$EMBER" train --config "$CONFIG" --device "$DEVICE" \
-            --out "$RUNS/profile" --stop-after "$STEPS" --profile-steps "$n" \
-            --set "training.precision=\"$precision\"" || continue
+            --out "$RUNS/profile" --stop-after "$STEPS" --profile-steps "$n" --no-checkpoints \
+            "${size[@]}" --set "training.precision=\"$precision\"" || continue
         sed -n '/^kernel profile/,/^checkpoint:/p' "$RUNS/profile.log" | grep -v '^checkpoint:'
-        grep -E "^peak" "$RUNS/profile.log"
+        grep -E "^(peak|attention)" "$RUNS/profile.log"
     done
-    precision=$(torch_f32)
-    for p in "$precision" bf16; do
-        torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 384
-            --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --steps 20 --warmup 10
-            --precision "$p" --profile "$n")
+    for p in ${PROFILE_PRECISIONS:-f32 bf16}; do
+        [ "$p" = f32 ] && p=$(torch_f32)
+        torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" "${torch_size[@]}"
+            --dropout 0.2 --steps 20 --warmup 10 --precision "$p" --profile "$n")
         echo "\$ ${torch[*]}"
         "${torch[@]}" || echo "FAILED: PyTorch profile, $p"
     done
@@ -656,8 +670,7 @@ cudnn() {
 # adds torch.compile). ember's runs write no checkpoint (`--no-checkpoints`: a GPT-2-sized one
 # is about 1 GB), here and in `paths`.
 gpt2() {
-    local size=(--set model.d_model=768 --set model.n_heads=12 --set model.n_layers=12
-        --set model.context_len=1024 --set training.batch_size=16 --set training.log_interval=5)
+    local size=("${GPT2_SIZE[@]}" --set training.log_interval=5)
     local run precision kernels cudnn
     for run in ${GPT2_RUNS:-bf16:on:cudnn bf16:on f32:on}; do
         IFS=: read -r precision kernels cudnn <<<"$run"
@@ -675,8 +688,8 @@ gpt2() {
         case $p in *-compile) extra=(--compile) p=${p%-compile} ;; esac
         # ember's f32 is TF32 on CUDA (as in `speed`).
         [ "$p" = f32 ] && p=$(torch_f32)
-        torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE" --d-model 768
-            --heads 12 --layers 12 --context 1024 --batch 16 --dropout 0.2
+        torch=("$PYTHON" scripts/torch_reference.py train --device "$TORCH_DEVICE"
+            "${GPT2_TORCH_SIZE[@]}" --dropout 0.2
             --steps "${GPT2_STEPS:-40}" --precision "$p" "${extra[@]}")
         echo "\$ ${torch[*]}"
         with_gpu_peak "${torch[@]}" || echo "FAILED: PyTorch GPT-2 body, $p"
