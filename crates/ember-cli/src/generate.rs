@@ -148,6 +148,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1, got 0");
     }
+    if args.num_samples == 0 {
+        bail!("--num-samples must be at least 1, got 0");
+    }
     let prompts = prompts(&args)?;
     let device = ember_train::device::parse(&args.device)?;
     let lm = ember_train::load_lm(&checkpoint, &device)?;
@@ -167,23 +170,28 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         context_len: context,
     };
     eprintln!("checkpoint {} (step {})", lm.dir.display(), lm.step);
-    // One row per prompt and sample, each with its own seed.
-    let mut rows = Vec::new();
-    for prompt in &prompts {
-        let ids = encode(&lm.tokenizer, prompt, context)?;
-        for sample in 0..args.num_samples {
-            rows.push(Row {
-                prompt,
-                ids: ids.clone(),
-                seed: args.seed.wrapping_add(sample as u64),
-            });
-        }
-    }
+    // One row per prompt and sample, each with its own seed, made a batch at a time (many
+    // samples of one prompt are not all held at once).
+    let encoded = prompts
+        .iter()
+        .map(|prompt| Ok((prompt.as_str(), encode(&lm.tokenizer, prompt, context)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut rows = encoded.iter().flat_map(|(prompt, ids)| {
+        (0..args.num_samples).map(move |sample| Row {
+            prompt,
+            ids: ids.clone(),
+            seed: args.seed.wrapping_add(sample as u64),
+        })
+    });
     let start = Instant::now();
     let mut total_tokens = 0;
     // How the last sample streamed one at a time was decoded (batches say nothing).
     let mut decoding: Option<Decoding> = None;
-    for (n, chunk) in rows.chunks(args.batch_size).enumerate() {
+    for n in 0.. {
+        let chunk: Vec<Row> = rows.by_ref().take(args.batch_size).collect();
+        if chunk.is_empty() {
+            break;
+        }
         if n > 0 {
             println!("\n---------------");
         }
@@ -193,7 +201,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             tokens
         } else {
             decoding = None;
-            print_batch(&lm, chunk, &args, &options, end_of_text)
+            print_batch(&lm, &chunk, &args, &options, end_of_text)
         };
     }
     let secs = start.elapsed().as_secs_f64();

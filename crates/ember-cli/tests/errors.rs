@@ -365,6 +365,20 @@ const CASES: &[Case] = &[
     ),
     case(
         "prompt",
+        "`--num-samples 0`",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--num-samples",
+            "0",
+        ],
+        &["--num-samples", "at least 1"],
+    ),
+    case(
+        "prompt",
         "`--prompt FILE:` of a missing file",
         &[
             "generate",
