@@ -77,6 +77,12 @@ pub fn draw(h: &Heatmaps, path: &Path) -> Result<()> {
         width.max(10 * h.title.chars().count() as u32 + 40),
         panel * grid_rows as u32 + 50,
     );
+    // The file is made first, for the operating system's own reason where it cannot be (the
+    // drawing backends wrap it in their own errors).
+    std::fs::File::create(path).map_err(|e| TrainError::Write {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
     let svg = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
@@ -109,7 +115,10 @@ fn render<DB: DrawingBackend>(h: &Heatmaps, root: DrawingArea<DB, Shift>) -> Dra
     for (map, area) in h.maps.iter().zip(grid.iter()) {
         panel(map, h.rows, h.columns, area).map_err(|x| e(&x))?;
     }
-    colour_scale(&scale).map_err(|x| e(&x))
+    colour_scale(&scale).map_err(|x| e(&x))?;
+    // Writes the file. Without it plotters writes when the area is dropped and loses the
+    // error: a picture that could not be written was reported as written.
+    root.present().map_err(|x| e(&x))
 }
 
 fn panel<DB: DrawingBackend>(

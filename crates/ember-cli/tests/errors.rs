@@ -810,6 +810,20 @@ const CASES: &[Case] = &[
         &["empty.txt/run"],
     ),
     case(
+        "output",
+        "`attention --out` in a folder that does not exist",
+        &[
+            "attention",
+            "--checkpoint",
+            "$TMP/run",
+            "--text",
+            "ROMEO",
+            "--out",
+            "$TMP/no-such-folder/map.png",
+        ],
+        &["no-such-folder/map.png", "No such file"],
+    ),
+    case(
         "training",
         "loss becomes NaN (resumed with `lr = 1e30`)",
         &[
