@@ -674,6 +674,36 @@ const CASES: &[Case] = &[
         &["average", "$TMP/run", "--out", "$TMP/run"],
         &["run", "already exists"],
     ),
+    case(
+        "checkpoint",
+        "`export --out` a run folder",
+        &["export", "--checkpoint", "$TMP/run", "--out", "$TMP/run"],
+        &["holds an ember run", "latest", "a folder of its own"],
+    ),
+    case(
+        "checkpoint",
+        "a folder holding both a Hugging Face model and a run",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/hf-and-run",
+            "--prompt",
+            "A",
+        ],
+        &["config.json", "latest", "unclear"],
+    ),
+    case(
+        "run folder",
+        "`train` into a Hugging Face folder",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/hf-wider",
+        ],
+        &["hf-wider", "Hugging Face model", "--init-from"],
+    ),
     // Devices.
     case(
         "device",
@@ -1062,6 +1092,12 @@ fn fixtures(dir: &Path) {
         let text = std::fs::read_to_string(&config).unwrap();
         assert!(text.contains(from));
         std::fs::write(&config, text.replace(from, to)).unwrap();
+    }
+
+    // A run folder that a Hugging Face model was copied into.
+    copy_dir(&run, &dir.join("hf-and-run"));
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(gpt2.join(file), dir.join("hf-and-run").join(file)).unwrap();
     }
 
     // Resuming the run with an absurd learning rate makes the loss NaN.

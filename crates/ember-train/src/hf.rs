@@ -31,6 +31,16 @@ pub fn is_hf_folder(dir: &Path) -> bool {
     dir.join(HF_CONFIG).is_file() && dir.join(HF_WEIGHTS).is_file()
 }
 
+/// What of an ember run or checkpoint `dir` holds (`latest`, `checkpoints/`, `state.json`,
+/// `model.bpk`), if any: such a folder and a Hugging Face model in one place leave unclear which
+/// model `--checkpoint DIR` means.
+pub fn ember_files(dir: &Path) -> Option<&'static str> {
+    use crate::checkpoint::{CHECKPOINTS, LATEST, MODEL_FILE, STATE_FILE};
+    [LATEST, CHECKPOINTS, STATE_FILE, MODEL_FILE]
+        .into_iter()
+        .find(|name| dir.join(name).exists())
+}
+
 /// The fields of a GPT-2 `config.json` that ember reads and writes; others are ignored.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Gpt2Config {
@@ -319,6 +329,15 @@ pub fn export_hf(
         message: format!("cannot be exported as GPT-2: {message}"),
     };
     let gpt2 = Gpt2Config::from_ember(config).map_err(unsupported)?;
+    if let Some(file) = ember_files(out) {
+        return Err(write_err(
+            out,
+            format!(
+                "holds an ember run or checkpoint (`{file}`); the Hugging Face files written there \
+                 would be what --checkpoint loads from it instead: export to a folder of its own"
+            ),
+        ));
+    }
     std::fs::create_dir_all(out).map_err(|e| write_err(out, e))?;
 
     let model = with_biases(model.clone());

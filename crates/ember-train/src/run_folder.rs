@@ -37,6 +37,19 @@ impl RunFolder {
     /// Creates (if needed), locks and checks `dir` for a run that treats earlier contents as
     /// `reuse` says.
     pub fn claim(dir: &Path, reuse: Reuse) -> Result<Self> {
+        if crate::hf::is_hf_folder(dir) {
+            return Err(TrainError::RunFolder {
+                path: dir.to_path_buf(),
+                message: format!(
+                    "holds a Hugging Face model ({}, {}): --checkpoint would go on loading it \
+                     instead of this run; train into another --out folder (--init-from {} starts \
+                     from its weights)",
+                    crate::hf::HF_CONFIG,
+                    crate::hf::HF_WEIGHTS,
+                    dir.display()
+                ),
+            });
+        }
         fs::create_dir_all(dir).map_err(|e| write_err(dir, e))?;
         let lock = lock(dir)?;
         let earlier = earlier_run(dir);
