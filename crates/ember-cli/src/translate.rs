@@ -40,6 +40,15 @@ pub fn run(args: TranslateArgs) -> Result<()> {
     if args.beam == 0 {
         bail!("--beam must be at least 1, got 0");
     }
+    if !args.length_penalty.is_finite() {
+        bail!(
+            "--length-penalty must be a number, got {}",
+            args.length_penalty
+        );
+    }
+    if args.max_len == Some(0) {
+        bail!("--max-len must be at least 1, got 0");
+    }
     let device = ember_train::device::parse(&args.device)?;
     let t = ember_train::load_translator(&checkpoint, &device)?;
     let lines: Vec<String> = match &args.input {

@@ -23,7 +23,7 @@ pub enum DataError {
         source: std::io::Error,
     },
     /// The file holds no text.
-    #[error("{path} is empty: a corpus needs some text to learn from")]
+    #[error("{path} is empty: there is no text in it")]
     Empty {
         /// The file.
         path: PathBuf,
