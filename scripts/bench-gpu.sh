@@ -3,6 +3,7 @@
 # device against PyTorch eager on CUDA, with nanoGPT's GPU config
 # (configs/shakespeare-char-gpu.toml: 6 layers, 6 heads, width 384, context 256, batch 64).
 #
+#   DEVICE=cuda bash scripts/bench-gpu.sh preflight # does the default path train? else what off
 #   DEVICE=vulkan bash scripts/bench-gpu.sh check   # tiny run on flex and on DEVICE, compared
 #   DEVICE=vulkan bash scripts/bench-gpu.sh speed   # ms/step of ember and PyTorch, generation
 #   DEVICE=vulkan bash scripts/bench-gpu.sh full    # nanoGPT's 5000 iterations: time, val loss
@@ -161,6 +162,62 @@ print(f"ember {sys.argv[2]}: {median} ms/step (median of the logged intervals)")
 EOF
 }
 
+# EMBER_GPU_KERNELS value $1 with the switches `preflight` turned off (KERNELS_OFF, set by
+# `all` from its finding) also off: `on` becomes that list, a list of switches to turn off
+# gains it; `off` and a list of switches to keep stay as they are.
+with_off() {
+    local k=$1
+    if [ -z "${KERNELS_OFF:-}" ]; then
+        echo "$k"
+        return
+    fi
+    case $k in
+    "" | on) echo "$KERNELS_OFF" ;;
+    -*) echo "$k,$KERNELS_OFF" ;;
+    *) echo "$k" ;;
+    esac
+}
+
+# Whether the default GPU path trains at all before the stages time it: nanoGPT's GPU config
+# for 30 steps in bf16 (cuDNN's attention, an evaluation at step 20 replayed from a recording,
+# a checkpoint written by its thread) and in f32 at context 1024 (the attention's paths timed
+# against each other, in blocks of query rows), with every switch on; where either run fails,
+# the same with each setting of PREFLIGHT_FALLBACKS in turn (default `-async-products` and
+# every strategy not yet run on a GPU). The first setting under which both train is written to
+# RUNS/kernels-off, and `all` then adds it to every later stage's EMBER_GPU_KERNELS (`with_off`),
+# so that one fault does not cost the stages after it. The compilations and tunings of its runs
+# are kept for the stages after.
+preflight() {
+    local fallbacks=${PREFLIGHT_FALLBACKS:--async-products -async-products,-eval-graph,-grouped-adamw,-weight-copies,-mixed-products,-attention-tune,-causal-blocks}
+    local setting status
+    rm -f "$RUNS/kernels-off"
+    for setting in on $fallbacks; do
+        status=0
+        for precision in bf16 f32; do
+            local size=()
+            [ "$precision" = f32 ] && size=(--set model.context_len=1024 --set training.batch_size=16)
+            rm -rf "$RUNS/preflight"
+            echo "preflight: $precision, EMBER_GPU_KERNELS=$setting"
+            EMBER_GPU_KERNELS=$setting logged "$RUNS/preflight.log" "$EMBER" train --config "$CONFIG" \
+                --device "$DEVICE" --out "$RUNS/preflight" --stop-after 30 "${size[@]}" \
+                --set "training.precision=\"$precision\"" --set training.eval_interval=20 \
+                --set training.eval_batches=4 --set training.log_interval=10 || status=1
+            grep -aE "^(step .*val|done|warning|attention)" "$RUNS/preflight.log" || true
+            [ "$status" = 0 ] || break
+        done
+        if [ "$status" = 0 ]; then
+            if [ "$setting" = on ]; then
+                echo "preflight: every switch on trains"
+            else
+                echo "preflight: trains with EMBER_GPU_KERNELS=$setting; the later stages add it"
+                echo "$setting" >"$RUNS/kernels-off"
+            fi
+            return 0
+        fi
+    done
+    echo "preflight: no setting trained; the later stages run as asked"
+}
+
 check() {
     for dev in flex "$DEVICE"; do
         rm -rf "$RUNS/tiny-$dev"
@@ -215,7 +272,7 @@ check() {
         for variant in flex:on cuda:on cuda:-weight-copies cuda:-mixed-products,-async-products; do
             dev=${variant%%:*} kernels=${variant#*:}
             rm -rf "$RUNS/tiny-bf16"
-            EMBER_GPU_KERNELS=$kernels logged "$RUNS/tiny-bf16-$dev.log" \
+            EMBER_GPU_KERNELS=$(with_off "$kernels") logged "$RUNS/tiny-bf16-$dev.log" \
                 "$EMBER" train --config configs/tiny.toml --device "$dev" --out "$RUNS/tiny-bf16" \
                 --set 'training.precision="bf16"' --set model.dropout=0.1
             echo "bf16 with dropout on $dev (EMBER_GPU_KERNELS=$kernels):"
@@ -298,7 +355,7 @@ speed() {
             [ -d "$RUNS/speed" ] || out="$RUNS/speed"
             rm -rf "$RUNS/speed-other"
             echo "round $round, precision $precision, EMBER_GPU_KERNELS=$kernels EMBER_SPLIT_K=$split"
-            EMBER_GPU_KERNELS=$kernels EMBER_SPLIT_K=$split logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
+            EMBER_GPU_KERNELS=$(with_off "$kernels") EMBER_SPLIT_K=$split logged "$RUNS/speed.log" "$EMBER" train --config "$CONFIG" \
                 --device "$DEVICE" --out "$out" --stop-after "$STEPS" \
                 --set "training.precision=\"$precision\"" || continue
             grep -E "^(peak|GPU memory|checkpoint:|warning|attention)" "$RUNS/speed.log"
@@ -327,7 +384,7 @@ speed() {
             for run in first warm; do
                 echo "EMBER_GPU_KERNELS=$kernels ($run run)"
                 # shellcheck disable=SC2086 # $mode is empty or one flag
-                EMBER_GPU_KERNELS=$kernels logged "$RUNS/generate.log" "$EMBER_GEN" generate \
+                EMBER_GPU_KERNELS=$(with_off "$kernels") logged "$RUNS/generate.log" "$EMBER_GEN" generate \
                     --checkpoint "$RUNS/speed" --device "$DEVICE" --prompt ROMEO: \
                     --max-tokens 500 --seed 1 $mode
                 grep "tokens/s" "$RUNS/generate.log"
@@ -351,7 +408,7 @@ full() {
         echo "seed: $seed, EMBER_GPU_KERNELS=$kernels"
         start=$(date +%s)
         [ -n "${FULL_STEPS:-}" ] && extra+=(--stop-after "$FULL_STEPS")
-        EMBER_GPU_KERNELS=$kernels logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" \
+        EMBER_GPU_KERNELS=$(with_off "$kernels") logged "$RUNS/full.log" "$EMBER" train --config "$CONFIG" \
             --device "$DEVICE" --out "$RUNS/full" \
             --set "training.precision=\"${PRECISION:-f32}\"" "${extra[@]}"
         echo "wall: $(($(date +%s) - start)) s"
@@ -522,7 +579,7 @@ memory() {
             "${pools:-enabled}" >"$dir/cubecl.toml"
         (
             cd "$dir"
-            EMBER_GPU_KERNELS=$kernels logged train.log "$(absolute "$EMBER")" train \
+            EMBER_GPU_KERNELS=$(with_off "$kernels") logged train.log "$(absolute "$EMBER")" train \
                 --config "$(absolute "$CONFIG")" --device "$DEVICE" --out run \
                 --stop-after "${STEPS_MEMORY:-10}" --set "training.precision=\"${PRECISION:-f32}\""
             grep -E "^(peak|GPU memory)" train.log
@@ -676,7 +733,7 @@ gpt2() {
         IFS=: read -r precision kernels cudnn <<<"$run"
         echo "GPT-2 body, ember, precision $precision, EMBER_GPU_KERNELS=$kernels${cudnn:+, with cuDNN flash attention}"
         rm -rf "$RUNS/gpt2"
-        EMBER_CUDNN_ATTENTION=$([ -n "$cudnn" ] && echo 1 || echo 0) EMBER_GPU_KERNELS=$kernels logged "$RUNS/gpt2.log" "$EMBER" train --config "$CONFIG" \
+        EMBER_CUDNN_ATTENTION=$([ -n "$cudnn" ] && echo 1 || echo 0) EMBER_GPU_KERNELS=$(with_off "$kernels") logged "$RUNS/gpt2.log" "$EMBER" train --config "$CONFIG" \
             --device "$DEVICE" --out "$RUNS/gpt2" --stop-after "${GPT2_STEPS:-40}" --no-checkpoints "${size[@]}" \
             --set "training.precision=\"$precision\"" || continue
         grep -E "^(attention|warning|peak|GPU memory)" "$RUNS/gpt2.log" || true
@@ -755,7 +812,7 @@ mt() {
         IFS=: read -r precision kernels <<<"$run"
         echo "translation, ember, precision $precision, EMBER_GPU_KERNELS=$kernels"
         rm -rf "$RUNS/mt"
-        EMBER_GPU_KERNELS=$kernels logged "$RUNS/mt.log" "$EMBER" train --config "$config" \
+        EMBER_GPU_KERNELS=$(with_off "$kernels") logged "$RUNS/mt.log" "$EMBER" train --config "$config" \
             --device "$DEVICE" --out "$RUNS/mt" --stop-after $((batches * (epochs + 1))) \
             --set training.log_interval="$batches" --set "training.precision=\"$precision\"" \
             "${quiet[@]}" || continue
@@ -787,8 +844,9 @@ all() {
     t0=$(date +%s)
     deadline=$((t0 + ${BUDGET:-550}))
     mkdir -p "$logs"
-    # An earlier run's log would read as this one's when `full` is skipped.
-    rm -f "$RUNS/full.log"
+    # An earlier run's log would read as this one's when `full` is skipped; an earlier
+    # preflight's finding would apply to this run.
+    rm -f "$RUNS/full.log" "$RUNS/kernels-off"
     local device name
     for stage in ${STAGES:-speed:300 check:90 profile:110 memory:70 full:100000}; do
         cap=${stage##*:} stage=${stage%:*}
@@ -806,7 +864,12 @@ all() {
         # Each device keeps its own runs, so `speed` on one does not remove another's checkpoint.
         local runs=$RUNS
         [ "$device" = "$DEVICE" ] || runs="$RUNS/$device"
-        DEVICE=$device RUNS=$runs timeout -k 5 "$cap" bash scripts/bench-gpu.sh "$stage" 2>&1 |
+        # What `preflight` found the default path needs turned off, for every stage after it.
+        KERNELS_OFF=$(cat "$RUNS/kernels-off" 2>/dev/null || true)
+        [ -n "$KERNELS_OFF" ] && echo "   (EMBER_GPU_KERNELS gains $KERNELS_OFF: preflight)"
+        # Runs that set no EMBER_GPU_KERNELS of their own inherit it.
+        KERNELS_OFF=$KERNELS_OFF EMBER_GPU_KERNELS=$(KERNELS_OFF=$KERNELS_OFF with_off "${EMBER_GPU_KERNELS:-}") \
+            DEVICE=$device RUNS=$runs timeout -k 5 "$cap" bash scripts/bench-gpu.sh "$stage" 2>&1 |
             tee "$logs/$name.log" || true
         # `timeout` stops the stage's shell; its ember or PyTorch child may still run.
         pkill -9 -x "$(basename "$EMBER")" 2>/dev/null || true
@@ -832,4 +895,4 @@ all() {
 
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"${1:?usage: bench-gpu.sh check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|paths|mt|nccl|firstrun|all}"
+"${1:?usage: bench-gpu.sh preflight|check|speed|full|profile|memory|host|kernels|reference|cudnn|gpt2|paths|mt|nccl|firstrun|all}"
