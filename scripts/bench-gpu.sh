@@ -844,9 +844,10 @@ all() {
     t0=$(date +%s)
     deadline=$((t0 + ${BUDGET:-550}))
     mkdir -p "$logs"
-    # An earlier run's log would read as this one's when `full` is skipped; an earlier
-    # preflight's finding would apply to this run.
-    rm -f "$RUNS/full.log" "$RUNS/kernels-off"
+    # An earlier run's log would read as this one's when `full` is skipped. An earlier
+    # preflight's finding stays for a call without a preflight of its own (the same machine).
+    rm -f "$RUNS/full.log"
+    case " ${STAGES:-} " in *" preflight"*) rm -f "$RUNS/kernels-off" ;; esac
     local device name
     for stage in ${STAGES:-speed:300 check:90 profile:110 memory:70 full:100000}; do
         cap=${stage##*:} stage=${stage%:*}
