@@ -136,6 +136,18 @@ const CASES: &[Case] = &[
         &["train", "--config", "$TMP/mt-unknown.toml"],
         &["mt-unknown.toml", "vocab"],
     ),
+    case(
+        "config",
+        "translation config: `max_train_pairs = 0`",
+        &[
+            "train",
+            "--config",
+            "$TMP/mt-misaligned.toml",
+            "--set",
+            "data.max_train_pairs=0",
+        ],
+        &["data.max_train_pairs", "at least 1"],
+    ),
     // Data.
     case(
         "data",

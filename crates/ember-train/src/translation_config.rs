@@ -141,6 +141,12 @@ impl TranslationRunConfig {
                 return Err(value_err(key, format!("must be at least 2, got {v}")));
             }
         }
+        if self.data.max_train_pairs == Some(0) {
+            return Err(value_err(
+                "data.max_train_pairs",
+                "must be at least 1 (leave it out for every pair), got 0",
+            ));
+        }
         if self.data.max_len > self.model.max_positions {
             return Err(value_err(
                 "data.max_len",
