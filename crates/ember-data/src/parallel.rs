@@ -217,6 +217,23 @@ impl Bucketed {
         self.batches.is_empty()
     }
 
+    /// Each batch's padded tokens `(source, target)`: its rows times its longest source, and
+    /// times its longest target plus one (the decoder's inputs start with BOS), as
+    /// [`make_batch`] pads them.
+    pub fn padded_tokens(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.batches.iter().map(|batch| {
+            let longest = |len: &dyn Fn(&Pair) -> usize| {
+                batch
+                    .iter()
+                    .map(|&i| len(&self.pairs[i]))
+                    .max()
+                    .unwrap_or(1)
+            };
+            let (src, tgt) = (longest(&|p| p.src.len()), longest(&|p| p.tgt.len() + 1));
+            (batch.len() * src, batch.len() * tgt)
+        })
+    }
+
     /// Number of pairs.
     pub fn pairs(&self) -> &[Pair] {
         &self.pairs
@@ -347,5 +364,14 @@ mod tests {
         }
         assert_eq!(seen, 50);
         assert_eq!(b.batch(9, 3), b.batch(9, 3));
+        // Each batch's padded tokens are the sorted batch's own, as make_batch pads it.
+        let tokens: Vec<(usize, usize)> = b.padded_tokens().collect();
+        assert_eq!(tokens.len(), b.len());
+        for (i, &(src, tgt)) in tokens.iter().enumerate() {
+            let batch = b.sorted_batch(i);
+            assert_eq!(src, batch.batch_size * batch.src_len);
+            assert_eq!(tgt, batch.batch_size * batch.tgt_len);
+        }
+        assert!(tokens.iter().any(|&(src, tgt)| src != tgt));
     }
 }

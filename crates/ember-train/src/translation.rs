@@ -365,10 +365,25 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     if main {
         eprintln!("{}", model.summary());
     }
-    // A batch's padded tokens pass through every encoder and decoder layer (a lower bound: the
-    // source and the target side are each at most that long).
+    // The largest batch's source passes through every encoder layer, its target through every
+    // decoder layer and the output layer.
     let m = &config.model;
     let t = &config.training;
+    let p = t.precision.product_bytes();
+    let (d_model, d_ff) = (m.d_model, m.d_ff());
+    let bytes = |(src, tgt): (usize, usize)| {
+        crate::memory::activation_bytes(src as u64, m.n_encoder_layers, d_model, d_ff, 0, p)
+            + crate::memory::activation_bytes(
+                tgt as u64,
+                m.n_decoder_layers,
+                d_model,
+                d_ff,
+                m.tgt_vocab_size,
+                p,
+            )
+    };
+    let largest = train.padded_tokens().max_by_key(|&tokens| bytes(tokens));
+    let (src, tgt) = largest.unwrap_or((0, 0));
     let last_step = launch
         .stop_after
         .map_or(t.max_steps, |s| s.min(t.max_steps));
@@ -376,16 +391,13 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
         params: model.num_params(),
         loaded: false,
         moments_in_forward: launch.resume || last_step > 1,
-        activations: crate::memory::activation_bytes(
-            d.batch_tokens as u64,
-            m.n_encoder_layers + m.n_decoder_layers,
-            m.d_model,
-            m.d_ff(),
-            m.tgt_vocab_size,
-            t.precision.product_bytes(),
-        ),
+        activations: bytes((src, tgt)),
         devices: 1,
-        batch: format!("data.batch_tokens = {}", d.batch_tokens),
+        batch: format!(
+            "{src} source and {tgt} target tokens padded (the largest batch of \
+             data.batch_tokens = {})",
+            d.batch_tokens
+        ),
         keys: "model.d_model, model.n_encoder_layers, model.n_decoder_layers, model.d_ff, \
                data.vocab_size or data.batch_tokens"
             .into(),
