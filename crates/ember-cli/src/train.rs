@@ -42,7 +42,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     init_from: Option<PathBuf>,
     /// Stop after this step (with a checkpoint), as if interrupted; `--resume` continues.
-    #[arg(long, value_name = "STEP", hide = true)]
+    #[arg(long, value_name = "STEP", hide = true, value_parser = clap::value_parser!(u64).range(1..))]
     stop_after: Option<u64>,
     /// Write no checkpoint, not even at the end: for benchmarks that time the steps alone (the
     /// run's weights are not kept).
