@@ -964,6 +964,27 @@ const NOTES: &[Case] = &[
         ],
         &["unknown"],
     ),
+    case(
+        "run folder",
+        "`--resume` with a changed `[model]` value",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/resumed",
+            "--resume",
+            "--set",
+            "model.dropout=0.3",
+            "--set",
+            "training.max_steps=21",
+        ],
+        &[
+            "model.dropout = ",
+            "(the config says 0.3)",
+            "continues the saved model",
+        ],
+    ),
 ];
 
 fn write(dir: &Path, name: &str, text: impl AsRef<[u8]>) {
@@ -1139,6 +1160,9 @@ fn fixtures(dir: &Path) {
     for file in ["config.json", "model.safetensors"] {
         std::fs::copy(gpt2.join(file), dir.join("hf-and-run").join(file)).unwrap();
     }
+
+    // A copy of the run to resume.
+    copy_dir(&run, &dir.join("resumed"));
 
     // Resuming the run with an absurd learning rate makes the loss NaN.
     copy_dir(&run, &dir.join("diverge"));
