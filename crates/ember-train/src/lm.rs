@@ -232,27 +232,6 @@ impl Task for LmTask {
     }
 }
 
-/// Each `[model]` value where `saved` and `config` differ, as
-/// `model.KEY = SAVED (the config says CONFIG)`, in the saved config's order.
-fn model_differences(
-    saved: &ember_model::DecoderOnlyConfig,
-    config: &ember_model::DecoderOnlyConfig,
-) -> Vec<String> {
-    let table = |c: &ember_model::DecoderOnlyConfig| -> toml::Table {
-        toml::Table::try_from(c).expect("a model config always serializes")
-    };
-    let (saved, config) = (table(saved), table(config));
-    let keys = saved
-        .keys()
-        .chain(config.keys().filter(|k| !saved.contains_key(*k)));
-    keys.filter_map(|key| {
-        let (a, b) = (saved.get(key), config.get(key));
-        let show = |v: Option<&toml::Value>| v.map_or("unset".to_string(), |v| v.to_string());
-        (a != b).then(|| format!("model.{key} = {} (the config says {})", show(a), show(b)))
-    })
-    .collect()
-}
-
 /// The tokenizer and model a run starts from, other than a fresh one: on resume the
 /// checkpoint's (so ids mean the same thing, and `config.model` becomes the saved one); with
 /// `--init-from` another model's architecture, weights and tokenizer.
@@ -264,15 +243,7 @@ fn model_source(
         let saved = open_lm(&launch.out_dir)?;
         let mut ours = config.model.clone();
         ours.vocab_size = saved.config.model.vocab_size;
-        let changed = model_differences(&saved.config.model, &ours);
-        if !changed.is_empty() {
-            eprintln!(
-                "note: resuming the model saved in {}, which keeps {}: a resumed run continues \
-                 the saved model",
-                saved.dir.display(),
-                changed.join(", ")
-            );
-        }
+        crate::config::note_kept_model(&saved.dir, &saved.config.model, &ours);
         config.model = saved.config.model;
         Ok((Some(saved.tokenizer), None))
     } else if let Some(init) = &launch.init_from {

@@ -298,7 +298,16 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     );
     let val_pairs = read_parallel(&d.val_src, &d.val_tgt)?;
     let tokenizers = if resume {
-        Tokenizers::load(&crate::checkpoint::resolve(&out_dir)?)?
+        // The saved model is the one continued (as a language model's resume does); the
+        // vocabulary sizes come from the tokenizers below.
+        let dir = crate::checkpoint::resolve(&out_dir)?;
+        let saved = TranslationRunConfig::load(&dir.join(CONFIG_FILE))?.model;
+        let mut ours = config.model.clone();
+        ours.src_vocab_size = saved.src_vocab_size;
+        ours.tgt_vocab_size = saved.tgt_vocab_size;
+        crate::config::note_kept_model(&dir, &saved, &ours);
+        config.model = saved;
+        Tokenizers::load(&dir)?
     } else {
         Tokenizers::train(&config)?
     };

@@ -117,3 +117,33 @@ pub fn task_of(path: &Path) -> Result<String> {
         )),
     }
 }
+
+/// On resume: says, on one `note:` line, each `[model]` value the checkpoint in `dir` keeps
+/// where the run's config (`config`) says otherwise; nothing where they agree.
+pub(crate) fn note_kept_model<T: serde::Serialize>(dir: &Path, saved: &T, config: &T) {
+    let changed = differences(saved, config);
+    if !changed.is_empty() {
+        eprintln!(
+            "note: resuming the model saved in {}, which keeps {}: a resumed run continues the \
+             saved model",
+            dir.display(),
+            changed.join(", ")
+        );
+    }
+}
+
+/// Each value where `saved` and `config` differ, as `model.KEY = SAVED (the config says
+/// CONFIG)`, in the saved config's order.
+fn differences<T: serde::Serialize>(saved: &T, config: &T) -> Vec<String> {
+    let table = |c: &T| toml::Table::try_from(c).expect("a model config always serializes");
+    let (saved, config) = (table(saved), table(config));
+    let keys = saved
+        .keys()
+        .chain(config.keys().filter(|k| !saved.contains_key(*k)));
+    keys.filter_map(|key| {
+        let (a, b) = (saved.get(key), config.get(key));
+        let show = |v: Option<&toml::Value>| v.map_or("unset".to_string(), |v| v.to_string());
+        (a != b).then(|| format!("model.{key} = {} (the config says {})", show(a), show(b)))
+    })
+    .collect()
+}

@@ -111,3 +111,30 @@ fn errors_name_the_key_and_the_value() {
     let e = err("this is not toml");
     assert!(e.contains("line 1"), "{e}");
 }
+
+#[test]
+fn a_resumed_model_names_each_value_it_keeps() {
+    let saved = ember_model::EncoderDecoderConfig::default();
+    let mut ours = saved.clone();
+    assert!(differences(&saved, &ours).is_empty());
+    ours.d_model = 2 * saved.d_model;
+    ours.dropout = 0.25;
+    assert_eq!(
+        differences(&saved, &ours),
+        vec![
+            format!(
+                "model.d_model = {} (the config says {})",
+                saved.d_model, ours.d_model
+            ),
+            format!("model.dropout = {:?} (the config says 0.25)", saved.dropout),
+        ]
+    );
+    // A value one side leaves out is shown as unset.
+    ours = saved.clone();
+    ours.d_ff = Some(7);
+    let lines = differences(&saved, &ours);
+    assert_eq!(
+        lines,
+        vec!["model.d_ff = unset (the config says 7)".to_string()]
+    );
+}
