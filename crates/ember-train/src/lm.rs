@@ -325,7 +325,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         loaded: source.is_some(),
         moments_in_forward: launch.resume || last_step > 1,
         activations: memory::activation_bytes(
-            (t.batch_size * m.context_len) as u64,
+            (t.batch_size as u64).saturating_mul(m.context_len as u64),
             m.n_layers,
             m.d_model,
             m.d_ff(),

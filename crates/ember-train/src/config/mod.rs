@@ -90,7 +90,22 @@ impl RunConfig {
         }
         model.validate()?;
         self.data.validate()?;
-        self.training.validate()
+        self.training.validate()?;
+        // A batch's ids are counted in one number (the memory check then says how large).
+        let tokens = self
+            .training
+            .batch_size
+            .checked_mul(self.model.context_len + 1);
+        if tokens.is_none_or(|t| t as u64 > 1 << 32) {
+            return Err(value_err(
+                "training.batch_size",
+                format!(
+                    "= {} sequences of model.context_len = {} tokens is more than 2^32 tokens a batch",
+                    self.training.batch_size, self.model.context_len
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The config as TOML, as saved beside checkpoints.

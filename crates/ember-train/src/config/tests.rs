@@ -138,3 +138,12 @@ fn a_resumed_model_names_each_value_it_keeps() {
         vec!["model.d_ff = unset (the config says 7)".to_string()]
     );
 }
+
+#[test]
+fn a_batch_of_more_than_2_to_the_32_tokens_is_refused() {
+    let at = |batch: u64| format!("[model]\ncontext_len = 63\n[training]\nbatch_size = {batch}\n");
+    assert!(RunConfig::parse(&at(1 << 26)).is_ok());
+    assert!(err(&at((1 << 26) + 1)).contains("`training.batch_size` = 67108865 sequences"));
+    // Past usize: refused, not wrapped around.
+    assert!(err(&at(u64::MAX >> 1)).contains("more than 2^32 tokens a batch"));
+}
