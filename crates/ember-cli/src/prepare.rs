@@ -91,6 +91,18 @@ pub fn run(args: PrepareArgs) -> Result<()> {
             },
         }
     };
+    if let Some(n) = args.vocab_size
+        && !matches!(tokenizer, TokenizerChoice::Bpe(_))
+    {
+        bail!(
+            "--vocab-size {n} sizes a BPE trained on the input, but this tokenizer is {}: add \
+             --tokenizer bpe, or leave --vocab-size out",
+            match tokenizer {
+                TokenizerChoice::Char => "character-level (the input's own characters)",
+                _ => "a given tokenizer file",
+            }
+        );
+    }
     let threads = args
         .threads
         .map(|n| n as usize)

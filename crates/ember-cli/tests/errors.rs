@@ -241,6 +241,21 @@ const CASES: &[Case] = &[
     ),
     case(
         "data",
+        "`prepare --vocab-size` for a character-level tokenizer",
+        &[
+            "prepare",
+            "$TMP/short.txt",
+            "--out",
+            "$TMP/prep-char",
+            "--tokenizer",
+            "char",
+            "--vocab-size",
+            "300",
+        ],
+        &["--vocab-size 300", "character-level", "--tokenizer bpe"],
+    ),
+    case(
+        "data",
         "parallel files of different lengths",
         &["train", "--config", "$TMP/mt-misaligned.toml"],
         &["three.de", "3", "two.en", "2"],
