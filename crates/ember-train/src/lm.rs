@@ -317,13 +317,10 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     }
     let m = &config.model;
     let t = &config.training;
-    let last_step = launch
-        .stop_after
-        .map_or(t.max_steps, |s| s.min(t.max_steps));
     let needs = memory::Needs {
         params: model.num_params(),
         loaded: source.is_some(),
-        moments_in_forward: launch.resume || last_step > 1,
+        moments_in_forward: launch.resume || launch.last_step(t.max_steps) > 1,
         activations: memory::activation_bytes(
             (t.batch_size as u64).saturating_mul(m.context_len as u64),
             m.n_layers,
@@ -332,7 +329,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
             m.vocab_size,
             t.precision.product_bytes(),
         ),
-        devices: 1,
+        devices: memory::cpu_devices(&claimed.devices),
         batch: format!(
             "training.batch_size = {} x model.context_len = {} tokens",
             t.batch_size, m.context_len
@@ -340,7 +337,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
         keys: "model.d_model, model.n_layers, model.d_ff, the vocabulary or training.batch_size"
             .into(),
     };
-    memory::check_run(needs, &claimed.devices)?;
+    memory::check_run(&needs)?;
     let title = format!(
         "decoder-only LM on {}",
         config

@@ -56,21 +56,19 @@ pub struct LmSource {
 
 /// Opens a checkpoint, a run folder (its newest checkpoint) or a Hugging Face GPT-2 folder.
 pub fn open_lm(path: &Path) -> Result<LmSource> {
-    if hf::is_hf_folder(path)
-        && let Some(file) = hf::ember_files(path)
-    {
-        return Err(TrainError::Checkpoint {
-            path: path.to_path_buf(),
-            message: format!(
-                "holds both a Hugging Face model ({}, {}) and an ember run or checkpoint \
-                 (`{file}`), so which one to load is unclear: move the Hugging Face files to a \
-                 folder of their own",
-                hf::HF_CONFIG,
-                hf::HF_WEIGHTS
-            ),
-        });
-    }
     let (dir, config, tokenizer, step, is_hf) = if hf::is_hf_folder(path) {
+        if let Some(file) = hf::ember_files(path) {
+            return Err(TrainError::Checkpoint {
+                path: path.to_path_buf(),
+                message: format!(
+                    "holds both a Hugging Face model ({}, {}) and an ember run or checkpoint \
+                     (`{file}`), so which one to load is unclear: move the Hugging Face files \
+                     to a folder of their own",
+                    hf::HF_CONFIG,
+                    hf::HF_WEIGHTS
+                ),
+            });
+        }
         let (model, tokenizer) = hf::open_hf(path)?;
         let config = RunConfig {
             model,

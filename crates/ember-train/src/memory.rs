@@ -21,7 +21,8 @@ pub struct Needs {
     pub moments_in_forward: bool,
     /// Activations the backward pass of one micro-batch reads, on each device at once.
     pub activations: u64,
-    /// Devices training at once, each with its own micro-batch's activations.
+    /// CPU devices training at once ([`cpu_devices`]), each with its own micro-batch's
+    /// activations; none: nothing to check.
     pub devices: usize,
     /// What sizes the activations, in config keys (for the message).
     pub batch: String,
@@ -103,18 +104,21 @@ pub fn check(needs: &Needs, available: Option<u64>) -> Result<()> {
     )))
 }
 
-/// Checks `needs` (its `devices` field is filled in here) against the memory free now, where
-/// the run trains on CPU devices: a GPU's memory is its own, and a GPU backend reports its own
-/// allocation failures.
-pub fn check_run(mut needs: Needs, devices: &[burn::tensor::Device]) -> Result<()> {
-    needs.devices = devices
+/// How many of `devices` are CPU devices, the ones whose memory this check is about: a GPU's
+/// memory is its own, and a GPU backend reports its own allocation failures.
+pub fn cpu_devices(devices: &[burn::tensor::Device]) -> usize {
+    devices
         .iter()
         .filter(|d| !ember_kernels::on_cubecl(d))
-        .count();
-    if needs.devices == 0 {
-        return Ok(());
+        .count()
+}
+
+/// Checks `needs` against the memory free now, where the run trains on CPU devices.
+pub fn check_run(needs: &Needs) -> Result<()> {
+    match needs.devices {
+        0 => Ok(()),
+        _ => check(needs, available()),
     }
-    check(&needs, available())
 }
 
 /// `bytes` in gigabytes (10^9), or in megabytes or kilobytes below one.

@@ -393,15 +393,12 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     };
     let largest = train.padded_tokens().max_by_key(|&tokens| bytes(tokens));
     let (src, tgt) = largest.unwrap_or((0, 0));
-    let last_step = launch
-        .stop_after
-        .map_or(t.max_steps, |s| s.min(t.max_steps));
     let needs = crate::memory::Needs {
         params: model.num_params(),
         loaded: false,
-        moments_in_forward: launch.resume || last_step > 1,
+        moments_in_forward: launch.resume || launch.last_step(t.max_steps) > 1,
         activations: bytes((src, tgt)),
-        devices: 1,
+        devices: crate::memory::cpu_devices(&claimed.devices),
         batch: format!(
             "{src} source and {tgt} target tokens padded (the largest batch of \
              data.batch_tokens = {})",
@@ -411,7 +408,7 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
                data.vocab_size or data.batch_tokens"
             .into(),
     };
-    crate::memory::check_run(needs, &claimed.devices)?;
+    crate::memory::check_run(&needs)?;
     let title = format!("encoder-decoder on {}", d.train_src.display());
     let (options, folder) = claimed.run_options(launch, config.training.clone(), title);
     let task = TranslationTask {

@@ -111,6 +111,11 @@ impl Claimed {
 }
 
 impl Launch {
+    /// The step the run ends at: `max_steps`, or `stop_after` where that comes first.
+    pub fn last_step(&self, max_steps: u64) -> u64 {
+        self.stop_after.map_or(max_steps, |s| s.min(max_steps))
+    }
+
     /// A fresh run in `out_dir` on the config's device, to the end, without a progress bar.
     pub fn new(out_dir: impl Into<PathBuf>) -> Self {
         Self {
@@ -149,7 +154,7 @@ impl Launch {
         if let Some(steps) = self.profile_steps {
             // Before the run folder is touched; a resumed run is checked again once its step
             // is known.
-            let stop = self.stop_after.unwrap_or(u64::MAX).min(training.max_steps);
+            let stop = self.last_step(training.max_steps);
             KernelProfiler::new(devices.clone(), &training.device, steps, 0, stop)?;
         }
         // Ranks meet before rank 0 claims the folder: a rank that fails then ends them all.
