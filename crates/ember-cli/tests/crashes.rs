@@ -186,12 +186,16 @@ fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
         assert_clear_error(&out, &["cannot write", "No space left on device"]);
         assert_eq!(leftovers(&run), 0, "the partial write is removed");
         let kept = checkpoint::resolve(&run).expect("the first checkpoint is kept");
+        let named = format!("the newest checkpoint on disk is {}", kept.display());
+        assert_clear_error(&out, &[named.as_str(), "--resume continues from it"]);
         ember_train::load_lm(&kept, &burn::tensor::Device::flex()).unwrap();
     } else {
         eprintln!("cannot mount a tmpfs here: only the file-size-limit case runs");
     }
 
-    // Everywhere: a file-size limit makes the first weights file fail to write (EFBIG).
+    // Everywhere: a file-size limit makes the first weights file fail to write (EFBIG). The
+    // checkpoint of step 50 fails on its thread: the run stops within a few steps of it, not
+    // at the next checkpoint (step 100), and says nothing is on disk.
     let run = dir.join("limited");
     let script = "trap '' XFSZ; ulimit -f 100; exec \"$0\" \"$@\"";
     let out = Command::new("sh")
@@ -199,11 +203,24 @@ fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
         .arg(script)
         .arg(env!("CARGO_BIN_EXE_ember"))
         .args(train_args(&config, &run, false))
+        .args(["--set", "training.checkpoint_interval=50"])
+        .args(["--set", "training.eval_interval=160"])
         .current_dir(repo())
         .output()
         .unwrap();
-    assert_clear_error(&out, &["cannot write", "model.bpk", "File too large"]);
+    let needles = [
+        "checkpoint of step 50 was not written",
+        "model.bpk",
+        "File too large",
+    ];
+    assert_clear_error(&out, &needles);
+    assert_clear_error(&out, &["no checkpoint of this run is on disk"]);
     assert_eq!(leftovers(&run), 0, "the partial write is removed");
     assert!(checkpoint::resolve(&run).is_err(), "no checkpoint appears");
+    let last = curve(&run).last().map(|r| r.0);
+    assert!(
+        last.is_some_and(|step| (50..100).contains(&step)),
+        "last logged step {last:?}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -62,6 +62,22 @@ pub enum TrainError {
         /// What is wrong.
         message: String,
     },
+    /// A checkpoint written beside the steps failed (a full disk): the run stopped.
+    #[error(
+        "the checkpoint of step {step} was not written, and training stopped: {cause}; {}",
+        match newest {
+            Some(dir) => format!("the newest checkpoint on disk is {} (--resume continues from it)", dir.display()),
+            None => "no checkpoint of this run is on disk".to_string(),
+        }
+    )]
+    SaveFailed {
+        /// The step of the checkpoint.
+        step: u64,
+        /// Why it failed.
+        cause: Box<TrainError>,
+        /// The newest checkpoint on disk, if any.
+        newest: Option<PathBuf>,
+    },
     /// Training was asked to stop (Ctrl-C, SIGTERM) and saved a checkpoint first.
     #[error("interrupted at step {step}; saved {}", checkpoint.display())]
     Interrupted {

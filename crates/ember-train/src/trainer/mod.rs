@@ -184,6 +184,8 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         clock.tokens += tokens as u64;
         let mut checkpoint_due = (saves || interrupted) && !options.no_checkpoints;
         if let Some(metrics) = &metrics {
+            // A checkpoint that failed on its thread stops the run now.
+            saving.poll()?;
             window.push(loss, norm, tokens);
             if state.step.is_multiple_of(config.log_interval) || checkpoint_due {
                 let record = window.flush(state.step, lr, clock.elapsed())?;

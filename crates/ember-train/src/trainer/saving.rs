@@ -11,8 +11,9 @@
 //! One checkpoint is written at a time: the next waits for the one before, and so does the end
 //! of the run (its summary names only checkpoints on disk). A checkpoint that fails (a full
 //! disk) leaves the one before it whole, as a synchronous save does, and its error stops the
-//! run at the next checkpoint or at the end; a run that stops on another error still waits for
-//! the checkpoint being written.
+//! run at the step after the thread ended ([`Saving::poll`], every step), not a checkpoint
+//! interval later, naming the newest checkpoint on disk; a run that stops on another error
+//! still waits for the checkpoint being written.
 
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
@@ -20,9 +21,9 @@ use std::thread::JoinHandle;
 use crate::checkpoint::{self, CheckpointState, Snapshot};
 use crate::error::{Result, TrainError};
 
-/// The checkpoint being written, if any, and the newest one written.
+/// The checkpoint being written, if any (its step and thread), and the newest one written.
 pub(super) struct Saving {
-    pending: Option<JoinHandle<Result<PathBuf>>>,
+    pending: Option<(u64, JoinHandle<Result<PathBuf>>)>,
     newest: PathBuf,
 }
 
@@ -54,6 +55,7 @@ impl Saving {
             let _ = std::fs::remove_dir_all(&tmp);
             return Err(e);
         }
+        let step = state.step;
         let (dir, state) = (run_dir.to_path_buf(), state.clone());
         let thread = std::thread::Builder::new()
             .name("ember-checkpoint".into())
@@ -72,17 +74,33 @@ impl Saving {
                 path: run_dir.to_path_buf(),
                 message: format!("cannot start the thread that writes the checkpoint: {e}"),
             })?;
-        self.pending = Some(thread);
+        self.pending = Some((step, thread));
+        Ok(())
+    }
+
+    /// The error of the checkpoint being written if its thread has ended with one; called every
+    /// step, so that a run whose checkpoint failed stops at once instead of training on to its
+    /// next checkpoint (where a full disk would lose that many steps again).
+    pub(super) fn poll(&mut self) -> Result<()> {
+        if self.pending.as_ref().is_some_and(|(_, t)| t.is_finished()) {
+            self.wait()?;
+        }
         Ok(())
     }
 
     /// Waits for the checkpoint being written; the newest checkpoint on disk (the run's start's
-    /// where none was written), or the error that stopped the last one.
+    /// where none was written), or the error that stopped the last one
+    /// ([`TrainError::SaveFailed`], naming the newest checkpoint on disk).
     pub(super) fn wait(&mut self) -> Result<PathBuf> {
-        if let Some(thread) = self.pending.take() {
-            self.newest = thread.join().unwrap_or_else(|panic| {
+        if let Some((step, thread)) = self.pending.take() {
+            let written = thread.join().unwrap_or_else(|panic| {
                 // Not expected: the writing's errors are returned, not raised.
                 std::panic::resume_unwind(panic)
+            });
+            self.newest = written.map_err(|cause| TrainError::SaveFailed {
+                step,
+                cause: Box::new(cause),
+                newest: (!self.newest.as_os_str().is_empty()).then(|| self.newest.clone()),
             })?;
         }
         Ok(self.newest.clone())
@@ -93,7 +111,7 @@ impl Drop for Saving {
     /// A run that stops on an error still completes the checkpoint being written (and says
     /// where that failed, the run's own error being the one returned).
     fn drop(&mut self) {
-        if let Some(thread) = self.pending.take()
+        if let Some((_, thread)) = self.pending.take()
             && let Ok(Err(e)) = thread.join()
         {
             eprintln!("error: {e}");
@@ -200,10 +218,10 @@ mod tests {
     }
 
     /// A checkpoint that fails on its thread (here `latest` cannot be replaced) leaves the
-    /// previous one as it was, and its error, naming the file, is what the next checkpoint or
-    /// the end of the run gets.
+    /// previous one as it was, and its error, naming the file and the newest checkpoint on disk,
+    /// is what the next poll (a step), checkpoint or the end of the run gets.
     #[test]
-    fn a_failed_checkpoint_is_the_next_wait_s_error() {
+    fn a_failed_checkpoint_is_the_next_poll_s_error() {
         let (layer, optim) = trained();
         let run = run_dir("fail");
         let files = |_: &Path| Ok(());
@@ -231,9 +249,30 @@ mod tests {
                 files,
             )
             .unwrap();
-        let err = saving.wait().unwrap_err().to_string();
+        // `poll` returns the error once the thread has ended, without waiting for it before.
+        let started = std::time::Instant::now();
+        let err = loop {
+            match saving.poll() {
+                Err(e) => break e.to_string(),
+                Ok(()) => {
+                    assert!(
+                        started.elapsed().as_secs() < 60,
+                        "the failure was never polled"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+        };
         assert!(err.contains(".latest.tmp"), "{err}");
+        assert!(
+            err.contains("checkpoint of step 20 was not written"),
+            "{err}"
+        );
+        let newest = format!("newest checkpoint on disk is {}", first.display());
+        assert!(err.contains(&newest), "{err}");
         assert_eq!(resolve(&run).unwrap(), first);
+        // Taken: polling again (nothing being written) is not an error.
+        saving.poll().unwrap();
         // The error was taken: the writer goes on from the checkpoint on disk.
         fs::remove_dir_all(run.join(".latest.tmp")).unwrap();
         saving
