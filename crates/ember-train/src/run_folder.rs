@@ -31,6 +31,9 @@ pub enum Reuse {
 pub struct RunFolder {
     dir: PathBuf,
     _lock: File,
+    /// The outermost folder claiming created (`dir` or a parent, as `runs/` of `runs/small`),
+    /// removed on drop with the folders below it if nothing was written to them.
+    created: Option<PathBuf>,
 }
 
 impl RunFolder {
@@ -50,6 +53,11 @@ impl RunFolder {
                 ),
             });
         }
+        let created = dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .last()
+            .map(Path::to_path_buf);
         fs::create_dir_all(dir).map_err(|e| write_err(dir, e))?;
         let lock = lock(dir)?;
         let earlier = earlier_run(dir);
@@ -95,12 +103,36 @@ impl RunFolder {
         Ok(Self {
             dir: dir.to_path_buf(),
             _lock: lock,
+            created,
         })
     }
 
     /// The folder.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+}
+
+impl Drop for RunFolder {
+    /// A folder this run created and left holding nothing but its lock (the run stopped before
+    /// writing anything: a corpus not found, a value refused) is removed, so that a mistyped
+    /// command leaves no empty run folder behind.
+    fn drop(&mut self) {
+        let only_lock = fs::read_dir(&self.dir).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .all(|e| e.file_name() == std::ffi::OsStr::new(LOCK_FILE))
+        });
+        let Some(outermost) = self.created.as_deref().filter(|_| only_lock) else {
+            return;
+        };
+        let _ = fs::remove_file(self.dir.join(LOCK_FILE));
+        // Up to the outermost folder made, each only while empty.
+        for dir in self.dir.ancestors() {
+            if fs::remove_dir(dir).is_err() || dir == outermost {
+                break;
+            }
+        }
     }
 }
 
@@ -179,6 +211,8 @@ mod tests {
         let dir = temp("reuse");
         // An empty or new folder, and one with only metrics of a run killed early: accepted.
         drop(RunFolder::claim(&dir, Reuse::Refuse).unwrap());
+        fs::create_dir_all(&dir).unwrap();
+        drop(RunFolder::claim(&dir, Reuse::Refuse).unwrap());
         fs::write(dir.join("metrics.jsonl"), "{}\n").unwrap();
         drop(RunFolder::claim(&dir, Reuse::Refuse).unwrap());
 
@@ -197,6 +231,30 @@ mod tests {
         drop(RunFolder::claim(&dir, Reuse::Overwrite).unwrap());
         assert!(!dir.join(CHECKPOINTS).exists() && !dir.join(LATEST).exists());
         assert!(!dir.join("metrics.jsonl").exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A run that fails before writing anything leaves no folder it created; a folder that was
+    /// there before, or one the run wrote to, stays.
+    #[test]
+    fn a_folder_created_and_left_empty_is_removed() {
+        let dir = temp("created");
+        drop(RunFolder::claim(&dir.join("runs/small"), Reuse::Refuse).unwrap());
+        assert!(!dir.exists(), "the empty folders this run made are removed");
+        fs::create_dir_all(dir.join("runs/other")).unwrap();
+        drop(RunFolder::claim(&dir.join("runs/small"), Reuse::Refuse).unwrap());
+        assert!(!dir.join("runs/small").exists() && dir.join("runs/other").exists());
+        let _ = fs::remove_dir_all(&dir);
+
+        let claimed = RunFolder::claim(&dir, Reuse::Refuse).unwrap();
+        fs::write(dir.join(CONFIG_FILE), "[model]\n").unwrap();
+        drop(claimed);
+        assert!(dir.join(CONFIG_FILE).exists(), "written to: kept");
+        let _ = fs::remove_dir_all(&dir);
+
+        fs::create_dir_all(&dir).unwrap();
+        drop(RunFolder::claim(&dir, Reuse::Refuse).unwrap());
+        assert!(dir.is_dir(), "made by the user: kept");
         let _ = fs::remove_dir_all(&dir);
     }
 
