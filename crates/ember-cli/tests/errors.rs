@@ -153,7 +153,7 @@ const CASES: &[Case] = &[
         "data",
         "corpus missing",
         &["train", "--config", "$TMP/data-missing.toml"],
-        &["nope.txt", "No such file"],
+        &["data.path", "nope.txt", "no such file"],
     ),
     case(
         "data",

@@ -41,6 +41,10 @@ pub const TEXT_LIMIT: u64 = 64 << 20;
 /// `data.path` is a prepared corpus folder (`ember prepare`), maps its token file.
 pub fn prepare(config: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<LmData> {
     let path = &config.data.path;
+    crate::config::must_exist("data.path", path)?;
+    if let Some(file) = &config.data.tokenizer_file {
+        crate::config::must_exist("data.tokenizer_file", file)?;
+    }
     if token_file::is_prepared(path) {
         return prepared(config, tokenizer);
     }

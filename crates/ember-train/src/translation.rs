@@ -292,6 +292,14 @@ pub fn train_translation(mut config: TranslationRunConfig, launch: &Launch) -> R
     let device = claimed.devices[0].clone();
     let (out_dir, resume) = (launch.out_dir.clone(), launch.resume);
     let d = config.data.clone();
+    for (key, path) in [
+        ("data.train_src", &d.train_src),
+        ("data.train_tgt", &d.train_tgt),
+        ("data.val_src", &d.val_src),
+        ("data.val_tgt", &d.val_tgt),
+    ] {
+        crate::config::must_exist(key, path)?;
+    }
     let train_pairs = limit(
         read_parallel(&d.train_src, &d.train_tgt)?,
         d.max_train_pairs,

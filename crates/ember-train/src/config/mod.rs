@@ -16,6 +16,7 @@ mod validation;
 pub(crate) use loading::{blame, in_file, parse_toml, parse_with};
 pub use overrides::Override;
 pub use schema::{DataConfig, TokenizerKind, TrainingConfig};
+pub(crate) use validation::must_exist;
 
 use loading::one_line;
 

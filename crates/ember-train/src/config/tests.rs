@@ -147,3 +147,28 @@ fn a_batch_of_more_than_2_to_the_32_tokens_is_refused() {
     // Past usize: refused, not wrapped around.
     assert!(err(&at(u64::MAX >> 1)).contains("more than 2^32 tokens a batch"));
 }
+
+/// A path that is not there names its key; a relative one also the folder it was looked for
+/// in, which is the current folder (not the config file's).
+#[test]
+fn a_missing_path_names_its_key_and_where_it_was_looked_for() {
+    let cwd = std::env::current_dir().unwrap();
+    let here = std::fs::read_dir(&cwd).unwrap().flatten().next().unwrap();
+    must_exist("data.path", Path::new(&here.file_name())).unwrap();
+
+    let relative = must_exist("data.path", Path::new("no/such.txt"))
+        .unwrap_err()
+        .to_string();
+    let want = format!(
+        "`data.path` = no/such.txt: no such file or folder in the current folder {}",
+        cwd.display()
+    );
+    assert!(relative.contains(&want), "{relative}");
+    let absolute = must_exist("data.val_src", Path::new("/no/such.de"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        absolute.ends_with("`data.val_src` = /no/such.de: no such file or folder"),
+        "{absolute}"
+    );
+}

@@ -133,3 +133,24 @@ impl DataConfig {
         Ok(())
     }
 }
+
+/// Checks that the file or folder `path`, the value of config key `key`, exists: where it does
+/// not, the error names the key, and for a relative path the folder it was looked for in (a
+/// config's paths are read from the current folder, not the config file's, as nanoGPT's are).
+pub(crate) fn must_exist(key: &str, path: &std::path::Path) -> Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    let from = match std::env::current_dir() {
+        Ok(cwd) if path.is_relative() => format!(
+            " in the current folder {} (a config's relative paths are read from the folder \
+             ember runs in)",
+            cwd.display()
+        ),
+        _ => String::new(),
+    };
+    Err(value_err(
+        key,
+        format!("= {}: no such file or folder{from}", path.display()),
+    ))
+}
