@@ -5,7 +5,8 @@ what ember computes.
     ember export --checkpoint runs/small --out /tmp/small-hf
     python3 scripts/check-hf-export.py /tmp/small-hf [ember binary]
 
-Loads the folder with `GPT2LMHeadModel.from_pretrained` and `AutoTokenizer.from_pretrained`,
+Loads the folder with `AutoModelForCausalLM.from_pretrained` (GPT-2 for a model with learned
+positions, GPT-NeoX for rotary ones) and `AutoTokenizer.from_pretrained`,
 then compares with the ember binary on the same folder: the loss on a short text
 (`ember eval --json`) and a greedy continuation (`ember generate --greedy`). Needs torch and
 transformers (PyPI). Exits non-zero when they disagree.
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 PROMPT = "ROMEO:"
@@ -26,14 +27,16 @@ NEW_TOKENS = 40
 
 
 def main(folder: str, ember: str) -> int:
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = model.config
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    print(f"transformers loaded {folder}: {model.config.n_layer} layers, "
-          f"width {model.config.n_embd}, vocab {model.config.vocab_size}, "
+    print(f"transformers loaded {folder} as {type(model).__name__}: "
+          f"{config.num_hidden_layers} layers, width {config.hidden_size}, "
+          f"vocab {config.vocab_size}, "
           f"{sum(p.numel() for p in model.parameters())} parameters")
 
     ids = tokenizer(TEXT)["input_ids"]
-    ids = ids[: model.config.n_positions + 1]
+    ids = ids[: config.max_position_embeddings + 1]
     with torch.no_grad():
         logits = model(torch.tensor([ids[:-1]])).logits[0]
         hf_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()
@@ -47,7 +50,7 @@ def main(folder: str, ember: str) -> int:
 
     prompt = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     # transformers cannot go past the positional table; ember would slide its window.
-    new_tokens = min(NEW_TOKENS, model.config.n_positions - prompt.shape[1])
+    new_tokens = min(NEW_TOKENS, config.max_position_embeddings - prompt.shape[1])
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0, eos_token_id=None)

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Makes the tiny GPT-2 fixture that ember's Hugging Face import is tested against.
+"""Makes the tiny GPT-2 and GPT-NeoX fixtures that ember's Hugging Face import is tested against.
 
 A small byte-level BPE tokenizer trained on the start of tiny Shakespeare, a 2-layer GPT-2 of
 width 32 with every parameter random (biases and LayerNorm weights included, so that a wrong
 name mapping cannot hide behind zeros and ones), saved with `save_pretrained`, and the logits
-and greedy continuation transformers computes for a fixed prompt.
+and greedy continuation transformers computes for a fixed prompt. With `--neox`, a GPT-NeoX
+instead in the layout ember reads (rotary positions over whole heads, attention then MLP, an
+untied head): the fused projection's per-head grouping and the `[out, in]` weights are what its
+test checks.
 
     python3 -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers tokenizers safetensors
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py crates/ember-train/tests/fixtures/tiny-gpt2
+    /tmp/hf/bin/python scripts/make-gpt2-fixture.py --neox crates/ember-train/tests/fixtures/tiny-neox
 
 The output is committed, so the tests need no Python.
 """
@@ -20,13 +24,13 @@ import tokenizers
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 PROMPT = "ROMEO: What light through yonder window"
 GREEDY_TOKENS = 16
 
 
-def main(out: Path) -> None:
+def main(out: Path, neox: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     corpus = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
     text = corpus.read_text()[:50_000]
@@ -43,20 +47,38 @@ def main(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=tok.get_vocab_size(),
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        activation_function="gelu_new",
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = GPT2LMHeadModel(config)
+    if neox:
+        config = GPTNeoXConfig(
+            vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=96,
+            hidden_act="gelu",
+            use_parallel_residual=False,
+            rotary_pct=1.0,
+            rotary_emb_base=500.0,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = GPTNeoXForCausalLM(config)
+    else:
+        config = GPT2Config(
+            vocab_size=tok.get_vocab_size(),
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            activation_function="gelu_new",
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = GPT2LMHeadModel(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "ln" in name and name.endswith("weight"):
+            if any(n in name for n in ("ln", "layernorm", "layer_norm")) and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.2 * torch.randn_like(p))
@@ -90,4 +112,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "crates/ember-train/tests/fixtures/tiny-gpt2"))
+    args = [a for a in sys.argv[1:] if a != "--neox"]
+    neox = "--neox" in sys.argv[1:]
+    default = "crates/ember-train/tests/fixtures/" + ("tiny-neox" if neox else "tiny-gpt2")
+    main(Path(args[0] if args else default), neox)

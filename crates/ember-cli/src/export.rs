@@ -25,8 +25,9 @@ pub struct ExportArgs {
 /// Export formats.
 #[derive(Clone, Copy, ValueEnum)]
 enum Format {
-    /// A Hugging Face GPT-2 folder (config.json, model.safetensors, tokenizer.json) that
-    /// `transformers.GPT2LMHeadModel.from_pretrained` loads.
+    /// A Hugging Face folder (config.json, model.safetensors, tokenizer.json) that
+    /// `transformers.AutoModelForCausalLM.from_pretrained` loads: GPT-2 for learned positions,
+    /// GPT-NeoX for rotary ones.
     Hf,
 }
 
@@ -45,7 +46,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         args.out.display()
     );
     eprintln!(
-        "in Python: transformers.GPT2LMHeadModel.from_pretrained({:?})",
+        "in Python: transformers.AutoModelForCausalLM.from_pretrained({:?})",
         args.out.display().to_string()
     );
     Ok(())

@@ -62,7 +62,7 @@ enum Command {
     Bleu(bleu::BleuArgs),
     /// Draw a model's attention weights on a text as heatmaps (PNG or SVG).
     Attention(attention::AttentionArgs),
-    /// Write a language model in another format (a Hugging Face GPT-2 folder).
+    /// Write a language model in another format (a Hugging Face GPT-2 or GPT-NeoX folder).
     Export(export::ExportArgs),
     /// Average the weights of a run's last checkpoints into a new run folder.
     Average(average::AverageArgs),

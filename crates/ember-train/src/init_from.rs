@@ -1,5 +1,5 @@
 //! `ember train --init-from DIR`: a run that starts from existing weights (an ember checkpoint
-//! or a Hugging Face GPT-2 folder), as nanoGPT fine-tunes GPT-2 on Shakespeare. The
+//! or a Hugging Face GPT-2 or GPT-NeoX folder), as nanoGPT fine-tunes GPT-2 on Shakespeare. The
 //! architecture and the tokenizer come from DIR; of the config's `[model]` section only
 //! `context_len` (the training window, at most DIR's positions) and `dropout` apply.
 
@@ -16,7 +16,7 @@ pub const ADJUSTABLE: [&str; 2] = ["context_len", "dropout"];
 /// Where the weights come from, and what the config changes about the model.
 #[derive(Debug, Clone, Default)]
 pub struct InitFrom {
-    /// An ember checkpoint or run folder, or a Hugging Face GPT-2 folder.
+    /// An ember checkpoint or run folder, or a Hugging Face GPT-2 or GPT-NeoX folder.
     pub dir: PathBuf,
     /// The training window, if the config sets one.
     pub context_len: Option<usize>,

@@ -1,6 +1,6 @@
 //! Where a language model comes from: an ember checkpoint (or run folder) or a Hugging Face
-//! GPT-2 folder. Opening reads the architecture and tokenizer; loading reads the weights into a
-//! model built on any device (with autodiff, for fine-tuning).
+//! GPT-2 or GPT-NeoX folder. Opening reads the architecture and tokenizer; loading reads the
+//! weights into a model built on any device (with autodiff, for fine-tuning).
 
 use std::path::{Path, PathBuf};
 
@@ -28,7 +28,7 @@ pub struct LoadedLm {
 }
 
 impl LoadedLm {
-    /// Writes the model as a Hugging Face GPT-2 folder in `out` (see [`hf::export_hf`]).
+    /// Writes the model as a Hugging Face GPT-2 or GPT-NeoX folder in `out` (see [`hf::export_hf`]).
     pub fn export_hf(&self, out: &Path) -> Result<PathBuf> {
         hf::export_hf(
             &self.model,
@@ -54,7 +54,8 @@ pub struct LmSource {
     pub is_hf: bool,
 }
 
-/// Opens a checkpoint, a run folder (its newest checkpoint) or a Hugging Face GPT-2 folder.
+/// Opens a checkpoint, a run folder (its newest checkpoint) or a Hugging Face GPT-2 or GPT-NeoX
+/// folder.
 pub fn open_lm(path: &Path) -> Result<LmSource> {
     let (dir, config, tokenizer, step, is_hf) = if hf::is_hf_folder(path) {
         if let Some(file) = hf::ember_files(path) {
@@ -106,7 +107,7 @@ impl LmSource {
     pub fn load_model(&self, config: &DecoderOnlyConfig, device: &Device) -> Result<DecoderOnly> {
         let model = config.init(device)?;
         if self.is_hf {
-            hf::load_weights(model, &self.dir.join(hf::HF_WEIGHTS))
+            hf::load_weights(model, &self.dir)
         } else {
             crate::checkpoint::load_model(model, &self.dir)
         }
@@ -125,8 +126,8 @@ impl LmSource {
     }
 }
 
-/// Loads a checkpoint (or the newest in a run folder, or a Hugging Face GPT-2 folder) for
-/// inference.
+/// Loads a checkpoint (or the newest in a run folder, or a Hugging Face GPT-2 or GPT-NeoX
+/// folder) for inference.
 pub fn load_lm(path: &Path, device: &Device) -> Result<LoadedLm> {
     open_lm(path)?.load(device)
 }

@@ -1,6 +1,6 @@
-//! Hugging Face GPT-2 interop against a fixture made by `scripts/make-gpt2-fixture.py` with
-//! `transformers`: ember's logits and greedy tokens equal the ones transformers computed, and
-//! export -> import gives back identical logits.
+//! Hugging Face GPT-2 and GPT-NeoX interop against fixtures made by
+//! `scripts/make-gpt2-fixture.py` with `transformers`: ember's logits and greedy tokens equal the
+//! ones transformers computed, and export -> import gives back identical logits.
 
 use std::path::{Path, PathBuf};
 
@@ -10,7 +10,18 @@ use ember_infer::{GenerateOptions, Sampling, generate};
 use ember_train::{LoadedLm, load_lm};
 
 fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-gpt2")
+    fixture_named("tiny-gpt2")
+}
+
+/// The GPT-NeoX fixture: rotary positions (base 500), an untied head.
+fn neox() -> PathBuf {
+    fixture_named("tiny-neox")
+}
+
+fn fixture_named(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 fn temp(name: &str) -> PathBuf {
@@ -27,8 +38,8 @@ struct Expected {
     greedy_ids: Vec<u32>,
 }
 
-fn expected() -> Expected {
-    let text = std::fs::read_to_string(fixture().join("expected.json")).unwrap();
+fn expected_of(fixture: &Path) -> Expected {
+    let text = std::fs::read_to_string(fixture.join("expected.json")).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids = |key: &str| -> Vec<u32> {
         json[key]
@@ -84,10 +95,10 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-#[test]
-fn transformers_logits_and_greedy_tokens_are_reproduced() {
-    let want = expected();
-    let lm = load_lm(&fixture(), &Device::flex()).unwrap();
+/// The fixture's logits and greedy tokens, as transformers computed them, from ember.
+fn reproduces_transformers(fixture: &Path) {
+    let want = expected_of(fixture);
+    let lm = load_lm(fixture, &Device::flex()).unwrap();
     let ids = lm.tokenizer.encode(&want.prompt).unwrap().ids;
     assert_eq!(
         ids, want.input_ids,
@@ -100,21 +111,60 @@ fn transformers_logits_and_greedy_tokens_are_reproduced() {
 }
 
 #[test]
-fn export_then_import_gives_identical_logits() {
-    let want = expected();
-    let lm = load_lm(&fixture(), &Device::flex()).unwrap();
-    let out = temp("roundtrip");
+fn transformers_logits_and_greedy_tokens_are_reproduced() {
+    reproduces_transformers(&fixture());
+}
+
+#[test]
+fn transformers_gpt_neox_logits_and_greedy_tokens_are_reproduced() {
+    reproduces_transformers(&neox());
+    let lm = load_lm(&neox(), &Device::flex()).unwrap();
+    let model = &lm.config.model;
+    assert_eq!(model.positional, ember_model::PositionalKind::Rotary);
+    assert_eq!((model.rotary_base, model.tie_weights), (500.0, false));
+}
+
+/// Export, then import: the same logits, and the layout the fixture came in.
+fn round_trip(fixture: &Path, architecture: &str) {
+    let want = expected_of(fixture);
+    let lm = load_lm(fixture, &Device::flex()).unwrap();
+    let out = temp(&format!("roundtrip-{architecture}"));
     lm.export_hf(&out).unwrap();
     let again = load_lm(&out, &Device::flex()).unwrap();
     assert_eq!(
         logits(&lm, &want.input_ids),
         logits(&again, &want.input_ids)
     );
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(config["architectures"][0], architecture);
+    // The tensors' names and shapes are the fixture's (transformers' own files).
+    let names = |dir: &Path| {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<(String, Vec<usize>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, view.shape().to_vec()))
+            .collect();
+        names.sort();
+        names
+    };
+    if architecture == "GPTNeoXForCausalLM" {
+        assert_eq!(names(&out), names(fixture));
+    }
     let _ = std::fs::remove_dir_all(out);
 }
 
 #[test]
-fn a_bias_free_char_model_exports_with_zero_biases_and_its_vocabulary() {
+fn export_then_import_gives_identical_logits() {
+    round_trip(&fixture(), "GPT2LMHeadModel");
+    round_trip(&neox(), "GPTNeoXForCausalLM");
+}
+
+/// An ember model with no biases and a character vocabulary, the given positions, exported
+/// and read back: the same tokens and logits.
+fn bias_free_char_model_round_trip(positional: ember_model::PositionalKind) {
     let device = Device::flex();
     let config = ember_model::DecoderOnlyConfig {
         vocab_size: 12,
@@ -123,6 +173,7 @@ fn a_bias_free_char_model_exports_with_zero_biases_and_its_vocabulary() {
         n_layers: 2,
         context_len: 16,
         bias: false,
+        positional,
         ..Default::default()
     };
     let chars = ember_data::CharTokenizer::from_text("abc def\nghi");
@@ -137,7 +188,7 @@ fn a_bias_free_char_model_exports_with_zero_biases_and_its_vocabulary() {
         dir: PathBuf::from("in-memory"),
         step: 0,
     };
-    let out = temp("char");
+    let out = temp(&format!("char-{positional:?}"));
     lm.export_hf(&out).unwrap();
     let again = load_lm(&out, &device).unwrap();
     let text = "bad cab\nfig";
@@ -146,14 +197,28 @@ fn a_bias_free_char_model_exports_with_zero_biases_and_its_vocabulary() {
     assert_eq!(again.tokenizer.decode(&ids), text);
     let diff = max_diff(&logits(&lm, &ids), &logits(&again, &ids));
     assert!(diff == 0.0, "logits differ by {diff}");
+    assert_eq!(again.config.model.positional, positional);
     let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
+fn a_bias_free_char_model_exports_with_zero_biases_and_its_vocabulary() {
+    // GPT-2 for learned positions, GPT-NeoX (here with a tied head) for rotary ones, as the
+    // default config's model is.
+    bias_free_char_model_round_trip(ember_model::PositionalKind::Learned);
+    bias_free_char_model_round_trip(ember_model::PositionalKind::Rotary);
 }
 
 /// A copy of the fixture with `config.json` edited.
 fn with_config(name: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+    with_config_of(&fixture(), name, edit)
+}
+
+/// A copy of `fixture` with `config.json` edited.
+fn with_config_of(fixture: &Path, name: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
     let dir = temp(name);
     for file in ["config.json", "model.safetensors", "tokenizer.json"] {
-        std::fs::copy(fixture().join(file), dir.join(file)).unwrap();
+        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
     }
     let path = dir.join("config.json");
     let mut config: serde_json::Value =
@@ -195,4 +260,96 @@ fn missing_and_misshaped_tensors_are_named() {
     for dir in [deeper, wider, other] {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+#[test]
+fn gpt_neox_variants_ember_lacks_are_named() {
+    /// A name, an edit of config.json, and what the error must say.
+    type Case = (&'static str, fn(&mut serde_json::Value), &'static [&'static str]);
+    let cases: [Case; 6] = [
+        (
+            "parallel",
+            |c| c["use_parallel_residual"] = true.into(),
+            &["use_parallel_residual", "Pythia"],
+        ),
+        (
+            "partial",
+            |c| c["rope_parameters"]["partial_rotary_factor"] = 0.25.into(),
+            &["rotary_pct", "0.25"],
+        ),
+        (
+            "scaled",
+            |c| c["rope_parameters"]["rope_type"] = "linear".into(),
+            &["rope_parameters", "linear"],
+        ),
+        (
+            "llama",
+            |c| c["model_type"] = "llama".into(),
+            &["model_type", "llama"],
+        ),
+        (
+            "deeper",
+            |c| c["num_hidden_layers"] = 3.into(),
+            &["`gpt_neox.layers.2.", "missing"],
+        ),
+        (
+            "wider-mlp",
+            |c| c["intermediate_size"] = 128.into(),
+            &["dense_h_to_4h.weight", "[96, 32]", "[128, 32]"],
+        ),
+    ];
+    for (name, edit, needles) in cases {
+        let dir = with_config_of(&neox(), &format!("neox-{name}"), edit);
+        let err = load_error(&dir);
+        for needle in needles {
+            assert!(
+                err.contains(needle),
+                "{name}: {needle:?} missing from {err}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    // The older keys (transformers 4) are read too.
+    let older = with_config_of(&neox(), "neox-older", |c| {
+        let base = c["rope_parameters"]["rope_theta"].clone();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rotary_pct"] = 1.0.into();
+        c["rotary_emb_base"] = base;
+    });
+    let want = expected_of(&neox());
+    let lm = load_lm(&older, &Device::flex()).unwrap();
+    assert!(max_diff(&logits(&lm, &want.input_ids), &want.logits) < 1e-4);
+    let _ = std::fs::remove_dir_all(older);
+}
+
+#[test]
+fn sinusoidal_positions_have_no_hugging_face_layout() {
+    let config = ember_model::DecoderOnlyConfig {
+        vocab_size: 12,
+        d_model: 16,
+        n_heads: 2,
+        n_layers: 1,
+        context_len: 8,
+        positional: ember_model::PositionalKind::Sinusoidal,
+        ..Default::default()
+    };
+    let lm = LoadedLm {
+        model: config.init(&Device::flex()).unwrap(),
+        tokenizer: ember_data::Tokenizer::Char(ember_data::CharTokenizer::from_text(
+            "abc def\nghi",
+        )),
+        config: ember_train::RunConfig {
+            model: config,
+            ..Default::default()
+        },
+        dir: PathBuf::from("in-memory"),
+        step: 0,
+    };
+    let out = temp("sinusoidal");
+    let err = lm.export_hf(&out).unwrap_err().to_string();
+    assert!(
+        err.contains("Sinusoidal") && err.contains("rotary"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(out);
 }

@@ -1,9 +1,13 @@
-//! Hugging Face GPT-2 folders in and out: `config.json`, `model.safetensors`, `tokenizer.json`.
+//! Hugging Face model folders in and out: `config.json`, `model.safetensors`, `tokenizer.json`.
+//! GPT-2 (`"gpt2"`, learned positions) here, GPT-NeoX (`"gpt_neox"`, rotary positions) in
+//! [`neox`].
 //!
 //! GPT-2 and ember's decoder-only model share one layout: a fused `c_attn` for Q, K and V,
 //! learned positions, pre-norm blocks, a head tied to the token embedding. GPT-2's projections
 //! are `Conv1D` layers whose weights are stored `[in, out]`, which is exactly how Burn's `Linear`
 //! stores them, so weights move across by name alone, with no transposition.
+
+pub mod neox;
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +18,8 @@ use ember_data::Tokenizer;
 use ember_data::hf_tokenizer::char_tokenizer_json;
 use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, PositionalKind};
 use serde::{Deserialize, Serialize};
+
+pub use neox::NeoxConfig;
 
 use crate::error::{Result, TrainError, write_err};
 
@@ -242,22 +248,53 @@ fn hf_name(path: &str) -> String {
     name
 }
 
-fn read_config(dir: &Path) -> Result<Gpt2Config> {
+/// A folder's `config.json`, by its `model_type`.
+enum HfConfig {
+    Gpt2(Gpt2Config),
+    Neox(NeoxConfig),
+}
+
+fn read_config(dir: &Path) -> Result<HfConfig> {
     let path = dir.join(HF_CONFIG);
     let text = std::fs::read_to_string(&path).map_err(|e| TrainError::ConfigFile {
         path: path.clone(),
         message: format!("cannot read: {e}"),
     })?;
-    serde_json::from_str(&text).map_err(|e| TrainError::ConfigFile {
-        path,
-        message: format!("not a GPT-2 config: {e}"),
-    })
+    let bad = |what: &str, e: serde_json::Error| TrainError::ConfigFile {
+        path: path.clone(),
+        message: format!("not a {what} config: {e}"),
+    };
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad("JSON", e))?;
+    match json.get("model_type").and_then(|t| t.as_str()) {
+        Some(neox::MODEL_TYPE) => serde_json::from_value(json)
+            .map(HfConfig::Neox)
+            .map_err(|e| bad("GPT-NeoX", e)),
+        Some("gpt2") | None => serde_json::from_value(json)
+            .map(HfConfig::Gpt2)
+            .map_err(|e| bad("GPT-2", e)),
+        Some(other) => Err(TrainError::ConfigFile {
+            path: path.clone(),
+            message: format!(
+                "`model_type` is {other:?}; ember reads GPT-2 (\"gpt2\") and GPT-NeoX \
+                 (\"{}\") models",
+                neox::MODEL_TYPE
+            ),
+        }),
+    }
 }
 
-/// The architecture and tokenizer of a GPT-2 folder.
+impl HfConfig {
+    fn to_ember(&self, path: &Path) -> Result<DecoderOnlyConfig> {
+        match self {
+            HfConfig::Gpt2(gpt2) => gpt2.to_ember(path),
+            HfConfig::Neox(neox) => neox.to_ember(path),
+        }
+    }
+}
+
+/// The architecture and tokenizer of a GPT-2 or GPT-NeoX folder.
 pub fn open_hf(dir: &Path) -> Result<(DecoderOnlyConfig, Tokenizer)> {
-    let gpt2 = read_config(dir)?;
-    let model_config = gpt2.to_ember(&dir.join(HF_CONFIG))?;
+    let model_config = read_config(dir)?.to_ember(&dir.join(HF_CONFIG))?;
     let tokenizer_path = dir.join(HF_TOKENIZER);
     if !tokenizer_path.is_file() {
         return Err(TrainError::Checkpoint {
@@ -269,8 +306,22 @@ pub fn open_hf(dir: &Path) -> Result<(DecoderOnlyConfig, Tokenizer)> {
     Ok((model_config, tokenizer))
 }
 
+/// Reads the weights of Hugging Face folder `dir` into `model` (built from the folder's
+/// architecture, perhaps with another context or dropout); every tensor of the model must be
+/// there, with its shape.
+pub(crate) fn load_weights(model: DecoderOnly, dir: &Path) -> Result<DecoderOnly> {
+    let path = dir.join(HF_WEIGHTS);
+    match read_config(dir)? {
+        HfConfig::Gpt2(_) => load_gpt2_weights(model, &path),
+        HfConfig::Neox(config) => {
+            let ember = config.to_ember(&dir.join(HF_CONFIG))?;
+            neox::load_weights(model, &ember, &config, &path)
+        }
+    }
+}
+
 /// Reads GPT-2 weights into `model`; every tensor of the model must be there, with its shape.
-pub(crate) fn load_weights(mut model: DecoderOnly, path: &Path) -> Result<DecoderOnly> {
+fn load_gpt2_weights(mut model: DecoderOnly, path: &Path) -> Result<DecoderOnly> {
     let bad = |message: String| TrainError::Checkpoint {
         path: path.to_path_buf(),
         message,
@@ -312,9 +363,10 @@ pub(crate) fn load_weights(mut model: DecoderOnly, path: &Path) -> Result<Decode
 }
 
 /// Writes `model` (of architecture `config`, with `tokenizer`, read from checkpoint `source`) as
-/// a GPT-2 folder in `out`: `config.json`, `model.safetensors` (biases of a bias-free model
-/// written as zeros), `tokenizer.json` (a char vocabulary becomes a word-level tokenizer over
-/// single characters) and `tokenizer_config.json`. [`LoadedLm::export_hf`] is the usual door.
+/// a Hugging Face folder in `out`, GPT-2 for learned positions and GPT-NeoX for rotary ones:
+/// `config.json`, `model.safetensors` (biases of a bias-free model written as zeros),
+/// `tokenizer.json` (a char vocabulary becomes a word-level tokenizer over single characters)
+/// and `tokenizer_config.json`. [`LoadedLm::export_hf`] is the usual door.
 ///
 /// [`LoadedLm::export_hf`]: crate::LoadedLm::export_hf
 pub fn export_hf(
@@ -324,11 +376,33 @@ pub fn export_hf(
     source: &Path,
     out: &Path,
 ) -> Result<PathBuf> {
-    let unsupported = |message: String| TrainError::Checkpoint {
+    let unsupported = |layout: &str, message: String| TrainError::Checkpoint {
         path: source.to_path_buf(),
-        message: format!("cannot be exported as GPT-2: {message}"),
+        message: format!("cannot be exported as {layout}: {message}"),
     };
-    let gpt2 = Gpt2Config::from_ember(config).map_err(unsupported)?;
+    let (hf_config, architecture) = match config.positional {
+        PositionalKind::Rotary => (
+            NeoxConfig::from_ember(config)
+                .map(|c| serde_json::to_value(c).expect("the config serializes"))
+                .map_err(|m| unsupported("GPT-NeoX", m))?,
+            "GPTNeoXForCausalLM",
+        ),
+        PositionalKind::Learned => (
+            Gpt2Config::from_ember(config)
+                .map(|c| serde_json::to_value(c).expect("the config serializes"))
+                .map_err(|m| unsupported("GPT-2", m))?,
+            "GPT2LMHeadModel",
+        ),
+        other => {
+            return Err(unsupported(
+                "a Hugging Face model",
+                format!(
+                    "its positions are {other:?}; GPT-2 has learned ones and GPT-NeoX rotary \
+                     ones (positional = \"learned\" or \"rotary\")"
+                ),
+            ));
+        }
+    };
     if let Some(file) = ember_files(out) {
         return Err(write_err(
             out,
@@ -342,17 +416,21 @@ pub fn export_hf(
 
     let model = with_biases(model.clone());
     let weights = out.join(HF_WEIGHTS);
-    let mut store = EMBER_TO_HF
-        .iter()
-        .fold(
-            SafetensorsStore::from_file(&weights),
-            |store, (from, to)| store.with_key_remapping(*from, *to),
-        )
-        .metadata("format", "pt")
-        .overwrite(true);
-    model
-        .save_into(&mut store)
-        .map_err(|e| write_err(&weights, e))?;
+    if config.positional == PositionalKind::Rotary {
+        neox::write_weights(&model, config, &weights)?;
+    } else {
+        let mut store = EMBER_TO_HF
+            .iter()
+            .fold(
+                SafetensorsStore::from_file(&weights),
+                |store, (from, to)| store.with_key_remapping(*from, *to),
+            )
+            .metadata("format", "pt")
+            .overwrite(true);
+        model
+            .save_into(&mut store)
+            .map_err(|e| write_err(&weights, e))?;
+    }
 
     // GPT2Config's defaults name token 50256 as BOS/EOS; say which token is, if any.
     let eos = match tokenizer {
@@ -361,10 +439,10 @@ pub fn export_hf(
             .iter()
             .find_map(|t| bpe.token_to_id(t)),
     };
-    let mut config = serde_json::to_value(&gpt2).expect("the config serializes");
+    let mut config = hf_config;
     config["bos_token_id"] = serde_json::json!(eos);
     config["eos_token_id"] = serde_json::json!(eos);
-    config["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+    config["architectures"] = serde_json::json!([architecture]);
     config["torch_dtype"] = "float32".into();
     config["exported_by"] = format!("ember {}", env!("CARGO_PKG_VERSION")).into();
     let config_path = out.join(HF_CONFIG);
