@@ -76,8 +76,15 @@ pub fn run(args: AttentionArgs) -> Result<()> {
         bail!("--text is empty: give the text whose attention to draw");
     }
     let device = ember_train::device::parse(&args.device)?;
-    let dir = ember_train::checkpoint::resolve(&checkpoint)?;
-    let kind = ember_train::checkpoint::read_state(&dir)?.model_kind;
+    // A Hugging Face folder holds a language model; an ember run or checkpoint says which it is.
+    let (dir, kind) = match ember_train::hf::is_hf_folder(&checkpoint) {
+        true => (checkpoint.clone(), "decoder_only".to_string()),
+        false => {
+            let dir = ember_train::checkpoint::resolve(&checkpoint)?;
+            let kind = ember_train::checkpoint::read_state(&dir)?.model_kind;
+            (dir, kind)
+        }
+    };
     let (maps, rows, columns, per_row, what) = if kind == "encoder_decoder" {
         translation_maps(&args, &dir, &device)?
     } else {

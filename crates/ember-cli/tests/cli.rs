@@ -402,6 +402,54 @@ fn translation_commands_train_translate_and_score() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `ember attention` on Hugging Face folders (GPT-2 and GPT-NeoX): every layer's and head's
+/// weights, the model's own.
+#[test]
+fn attention_pictures_of_hugging_face_folders() {
+    let dir = temp("attention-hf");
+    let text = "ROMEO: O, she doth teach";
+    for name in ["tiny-gpt2", "tiny-neox"] {
+        let folder = repo().join("crates/ember-train/tests/fixtures").join(name);
+        let json = dir.join(format!("{name}.json"));
+        ember_ok(&[
+            "attention",
+            "--checkpoint",
+            folder.to_str().unwrap(),
+            "--text",
+            text,
+            "--out",
+            dir.join(format!("{name}.png")).to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        let maps = json["maps"].as_array().unwrap();
+        assert_eq!(maps.len(), 8, "{name}: 2 layers of 4 heads");
+        let lm = ember_train::load_lm(&folder, &burn::tensor::Device::flex()).unwrap();
+        let ids = lm.tokenizer.encode(text).unwrap().ids;
+        let want = ember_infer::self_attention(&lm.model, &ids);
+        let last = &maps[7];
+        let (layer, head) = (
+            last["layer"].as_u64().unwrap() as usize,
+            last["head"].as_u64(),
+        );
+        let reference = want
+            .iter()
+            .find(|m| m.layer == layer && m.head.map(|h| h as u64) == head)
+            .unwrap();
+        let row = ids.len() - 1;
+        for (j, w) in last["weights"][row].as_array().unwrap().iter().enumerate() {
+            let w = w.as_f64().unwrap();
+            assert!(
+                (w - reference.weights[row][j] as f64).abs() < 1e-6,
+                "{name}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn attention_pictures_hold_the_weights_the_model_used() {
     let run = trained();
