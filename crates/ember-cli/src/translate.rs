@@ -62,8 +62,11 @@ pub fn run(args: TranslateArgs) -> Result<()> {
             .collect::<std::io::Result<_>>()
             .context("cannot read standard input")?,
     };
+    // An empty line stays an empty line (the model would make up a sentence for it), so that
+    // the output stays line-aligned with the input.
     let sources = lines
         .iter()
+        .filter(|l| !l.trim().is_empty())
         .map(|l| t.tokenizers.encode_source(l.trim()))
         .collect::<ember_train::Result<Vec<_>>>()?;
     let mut options: SearchOptions =
@@ -74,14 +77,19 @@ pub fn run(args: TranslateArgs) -> Result<()> {
         options.max_len = max_len;
     }
     let start = Instant::now();
-    let out = ember_train::translation::translate_all(&t.model, &t.tokenizers, sources, &options);
+    let translated =
+        ember_train::translation::translate_all(&t.model, &t.tokenizers, sources, &options);
+    let mut translated = translated.into_iter();
     let mut stdout = std::io::stdout().lock();
-    for line in &out {
-        writeln!(stdout, "{line}")?;
+    for line in &lines {
+        match line.trim().is_empty() {
+            true => writeln!(stdout)?,
+            false => writeln!(stdout, "{}", translated.next().unwrap_or_default())?,
+        }
     }
     eprintln!(
         "{} sentences in {:.2}s (beam {}, checkpoint {} step {})",
-        out.len(),
+        lines.len(),
         start.elapsed().as_secs_f64(),
         args.beam,
         t.dir.display(),

@@ -261,17 +261,33 @@ fn translation_commands_train_translate_and_score() {
     );
     let input = dir.join("in.de");
     std::fs::write(&input, "Ein Hund läuft.\nZwei Männer spielen Fußball.\n").unwrap();
+    // Blank lines stay blank, the others translate as without them: the output stays aligned.
+    let gaps = dir.join("gaps.de");
+    std::fs::write(
+        &gaps,
+        "\nEin Hund läuft.\n  \nZwei Männer spielen Fußball.\n",
+    )
+    .unwrap();
     for beam in ["1", "3"] {
-        let out = ember_ok(&[
-            "translate",
-            "--checkpoint",
-            run.to_str().unwrap(),
-            "--input",
-            input.to_str().unwrap(),
-            "--beam",
-            beam,
-        ]);
-        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
+        let translate = |file: &Path| {
+            let out = ember_ok(&[
+                "translate",
+                "--checkpoint",
+                run.to_str().unwrap(),
+                "--input",
+                file.to_str().unwrap(),
+                "--beam",
+                beam,
+            ]);
+            String::from_utf8_lossy(&out.stdout).to_string()
+        };
+        let plain = translate(&input);
+        assert_eq!(plain.lines().count(), 2);
+        let lines: Vec<&str> = plain.lines().collect();
+        assert_eq!(
+            translate(&gaps),
+            format!("\n{}\n\n{}\n", lines[0], lines[1])
+        );
     }
     // The mean of the run's two checkpoints (steps 20 and 40) translates like any checkpoint.
     let averaged = dir.join("avg");

@@ -265,7 +265,11 @@ fn missing_and_misshaped_tensors_are_named() {
 #[test]
 fn gpt_neox_variants_ember_lacks_are_named() {
     /// A name, an edit of config.json, and what the error must say.
-    type Case = (&'static str, fn(&mut serde_json::Value), &'static [&'static str]);
+    type Case = (
+        &'static str,
+        fn(&mut serde_json::Value),
+        &'static [&'static str],
+    );
     let cases: [Case; 6] = [
         (
             "parallel",
