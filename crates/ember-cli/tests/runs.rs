@@ -80,6 +80,15 @@ fn a_second_run_into_a_folder_is_refused_unless_it_resumes_or_overwrites() {
     assert_eq!(metrics(&run), first_metrics, "metrics.jsonl was touched");
     assert!(params(&run) == first_params);
 
+    // Resumed at or past its max_steps: nothing trains, and a note says how to go on.
+    let out = ember_ok(&["train", "--config", &cfg, "--out", r, "--resume"]);
+    assert!(
+        stderr(&out).contains("at step 30 already, training.max_steps = 30: nothing to train"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(params(&run) == first_params);
+
     // The case that used to go wrong: a shorter run whose step numbers are below the old
     // checkpoints'. With --overwrite the old run is removed first and says so; `latest` names
     // the new run's checkpoint, which exists, and commands are served the new model.

@@ -82,6 +82,15 @@ pub fn train<T: Task>(task: &T, model: T::Model, options: &RunOptions) -> Result
         Some(metrics) => Best::open(out, metrics, options.resume),
         None => Best::default(),
     };
+    if main && options.resume && state.step >= config.max_steps {
+        eprintln!(
+            "note: the run is at step {} already, training.max_steps = {}: nothing to train \
+             (a larger training.max_steps trains on, e.g. --set training.max_steps={})",
+            state.step,
+            config.max_steps,
+            state.step * 2
+        );
+    }
     let bar = progress_bar(config.max_steps, state.step, options.progress && main);
     let mut clock = Clock::new(&state);
     let mut window = LogWindow::new(state.step);
