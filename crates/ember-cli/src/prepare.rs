@@ -103,6 +103,19 @@ pub fn run(args: PrepareArgs) -> Result<()> {
             }
         );
     }
+    // The files would sit beside a model's, and the folder become two things at once.
+    if let Some(file) = ember_train::hf::ember_files(&args.out) {
+        bail!(
+            "--out {}: holds an ember run or checkpoint (`{file}`); prepare into a folder of its own",
+            args.out.display()
+        );
+    }
+    if ember_train::hf::is_hf_folder(&args.out) {
+        bail!(
+            "--out {}: holds a Hugging Face model; prepare into a folder of its own",
+            args.out.display()
+        );
+    }
     let threads = args
         .threads
         .map(|n| n as usize)

@@ -235,6 +235,12 @@ const CASES: &[Case] = &[
     ),
     case(
         "data",
+        "`prepare` into a run folder",
+        &["prepare", "$TMP/short.txt", "--out", "$TMP/run"],
+        &["--out $TMP/run", "ember run", "folder of its own"],
+    ),
+    case(
+        "data",
         "`prepare` of a folder with no files",
         &["prepare", "$TMP/empty-dir", "--out", "$TMP/prep-none"],
         &["empty-dir", "no files"],
