@@ -53,10 +53,13 @@ enum Command {
     /// Tokenize a corpus once into a folder that training memory-maps (for large corpora).
     Prepare(prepare::PrepareArgs),
     /// Sample text from a trained language model.
+    // Negative numbers are values (`--temperature -1` gets the option's own message).
+    #[command(allow_negative_numbers = true)]
     Generate(generate::GenerateArgs),
     /// Score a trained language model on a text file.
     Eval(eval::EvalArgs),
     /// Translate sentences (one per line) with a trained translation model.
+    #[command(allow_negative_numbers = true)]
     Translate(translate::TranslateArgs),
     /// Corpus BLEU of translations against references (sacreBLEU's defaults).
     Bleu(bleu::BleuArgs),
