@@ -148,6 +148,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1, got 0");
     }
+    if args.stop.iter().any(String::is_empty) {
+        bail!("--stop is empty: give the text at which a sample stops");
+    }
     if args.num_samples == 0 {
         bail!("--num-samples must be at least 1, got 0");
     }

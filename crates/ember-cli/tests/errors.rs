@@ -357,6 +357,20 @@ const CASES: &[Case] = &[
     ),
     case(
         "prompt",
+        "`--stop ''`",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "A",
+            "--stop",
+            "",
+        ],
+        &["--stop is empty"],
+    ),
+    case(
+        "prompt",
         "`--top-p 1.5`",
         &[
             "generate",
