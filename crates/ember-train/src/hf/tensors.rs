@@ -1,0 +1,88 @@
+//! Tensors as plain `f32` arrays, read from and written to safetensors bytes: what moves
+//! between a Hugging Face layout and ember's where names alone do not (transposed weights,
+//! regrouped rows).
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{DType, TensorData};
+use safetensors::{Dtype, tensor::TensorView};
+
+/// A tensor's shape and `f32` values, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Array {
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+impl Array {
+    /// `[r, c]` -> `[c, r]`.
+    pub fn transposed(&self) -> Array {
+        let (r, c) = (self.shape[0], self.shape[1]);
+        let mut values = vec![0.0; r * c];
+        for i in 0..r {
+            for j in 0..c {
+                values[j * r + i] = self.values[i * c + j];
+            }
+        }
+        Array {
+            shape: vec![c, r],
+            values,
+        }
+    }
+
+    /// Rows (entries of a vector) reordered: row `i` of the result is row `from(i)`.
+    pub fn rows_from(&self, from: impl Fn(usize) -> usize) -> Array {
+        let rows = self.shape[0];
+        let width = self.values.len() / rows.max(1);
+        let mut values = Vec::with_capacity(self.values.len());
+        for i in 0..rows {
+            let j = from(i);
+            values.extend_from_slice(&self.values[j * width..(j + 1) * width]);
+        }
+        Array {
+            shape: self.shape.clone(),
+            values,
+        }
+    }
+}
+
+/// The `f32` values of a stored tensor (stored as `f32`, `f16` or `bf16`).
+pub(super) fn read_array(view: &TensorView<'_>) -> std::result::Result<Array, String> {
+    let dtype = match view.dtype() {
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        other => {
+            return Err(format!(
+                "is stored as {other:?}; ember reads F32, F16 and BF16"
+            ));
+        }
+    };
+    let shape = view.shape().to_vec();
+    let data = TensorData::from_bytes_vec(view.data().to_vec(), shape.clone(), dtype);
+    let values = data
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| format!("cannot be read as f32: {e:?}"))?;
+    Ok(Array { shape, values })
+}
+
+/// Safetensors bytes of `arrays` (`f32`).
+pub(super) fn serialize(arrays: &BTreeMap<String, Array>) -> std::result::Result<Vec<u8>, String> {
+    let bytes: BTreeMap<&str, (Vec<usize>, Vec<u8>)> = arrays
+        .iter()
+        .map(|(name, a)| {
+            let raw = a.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (name.as_str(), (a.shape.clone(), raw))
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(name, (shape, raw))| {
+            TensorView::new(Dtype::F32, shape.clone(), raw).map(|view| (*name, view))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let metadata = [("format".to_string(), "pt".to_string())].into();
+    safetensors::serialize(views, Some(metadata)).map_err(|e| e.to_string())
+}
