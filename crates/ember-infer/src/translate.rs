@@ -14,6 +14,8 @@ pub struct Seq2SeqScorer<'a> {
     device: Device,
     /// Each row's source: rows with the same one hold the same encoder output.
     sources: Vec<usize>,
+    /// Tokens never chosen (the decoder's start and padding, which no target holds).
+    never: Vec<u32>,
 }
 
 impl<'a> Seq2SeqScorer<'a> {
@@ -45,7 +47,16 @@ impl<'a> Seq2SeqScorer<'a> {
             cache: model.new_cache(),
             device,
             sources,
+            never: Vec::new(),
         }
+    }
+
+    /// The same scorer giving `tokens` a log-probability of minus infinity, so that no search
+    /// chooses them: the start token and padding, which a target never holds (a weakly trained
+    /// model can still rank them first, and its translation would print `<bos>`).
+    pub fn never(mut self, tokens: &[u32]) -> Self {
+        self.never = tokens.to_vec();
+        self
     }
 }
 
@@ -62,7 +73,15 @@ impl StepScorer for Seq2SeqScorer<'_> {
         let flat = ember_kernels::log_softmax(logits.reshape([n, v]))
             .try_into_vec_as::<f32>()
             .expect("logits are f32");
-        flat.chunks(v).map(<[f32]>::to_vec).collect()
+        let mut rows: Vec<Vec<f32>> = flat.chunks(v).map(<[f32]>::to_vec).collect();
+        for row in &mut rows {
+            for &token in &self.never {
+                if let Some(p) = row.get_mut(token as usize) {
+                    *p = f32::NEG_INFINITY;
+                }
+            }
+        }
+        rows
     }
 
     fn reorder(&mut self, rows: &[usize]) {
@@ -102,7 +121,7 @@ fn pad_sources(
 
 /// Translates a batch of tokenized sources (each ending with EOS): the encoder runs once over the
 /// batch, then the decoder steps every sentence at once, greedily (beam 1) or with beam search
-/// (`beam` rows a sentence, [`beam_search_batch`]).
+/// (`beam` rows a sentence, [`beam_search_batch`]), never choosing the start token or `pad`.
 pub fn translate_batch(
     model: &EncoderDecoder,
     sources: &[Vec<u32>],
@@ -128,10 +147,86 @@ pub fn translate_batch(
         max_len: options.max_len.min(model.max_positions),
         ..*options
     };
+    let never = [options.bos, pad];
     if options.beam <= 1 {
-        let mut scorer = Seq2SeqScorer::new(model, memory);
+        let mut scorer = Seq2SeqScorer::new(model, memory).never(&never);
         return greedy(&mut scorer, sources.len(), &options);
     }
-    let mut scorer = Seq2SeqScorer::for_beams(model, memory, options.beam);
+    let mut scorer = Seq2SeqScorer::for_beams(model, memory, options.beam).never(&never);
     beam_search_batch(&mut scorer, sources.len(), &options)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::Param;
+    use ember_model::EncoderDecoderConfig;
+
+    const PAD: u32 = 0;
+    const BOS: u32 = 1;
+    const EOS: u32 = 2;
+
+    /// A model whose decoder ranks BOS first, then PAD, then EOS, at every step: its final
+    /// LayerNorm outputs ones whatever its input (gain 0, bias 1), and the output layer's
+    /// columns for those tokens are 1, 0.5 and 0.25, the others 0.
+    fn model_preferring_bos() -> EncoderDecoder {
+        let device = Device::flex();
+        let config = EncoderDecoderConfig {
+            src_vocab_size: 10,
+            tgt_vocab_size: 10,
+            shared_embeddings: false,
+            tie_output: false,
+            d_model: 8,
+            n_heads: 2,
+            n_encoder_layers: 1,
+            n_decoder_layers: 1,
+            max_positions: 16,
+            ..Default::default()
+        };
+        let mut model = config.init(&device).unwrap();
+        let norm = model
+            .decoder_norm
+            .as_mut()
+            .expect("pre-norm has a final LayerNorm");
+        norm.gamma = Param::from_tensor(Tensor::zeros([8], &device));
+        norm.beta = Some(Param::from_tensor(Tensor::ones([8], &device)));
+        let mut columns = vec![0.0f32; 10];
+        (
+            columns[BOS as usize],
+            columns[PAD as usize],
+            columns[EOS as usize],
+        ) = (1.0, 0.5, 0.25);
+        let weight: Vec<f32> = (0..8).flat_map(|_| columns.clone()).collect();
+        let weight = Tensor::<1>::from_floats(weight.as_slice(), &device).reshape([8, 10]);
+        model.output.as_mut().unwrap().weight = Param::from_tensor(weight);
+        model
+    }
+
+    #[test]
+    fn translations_never_choose_the_start_token_or_padding() {
+        let model = model_preferring_bos();
+        let options = SearchOptions {
+            beam: 1,
+            length_penalty: 0.0,
+            max_len: 5,
+            bos: BOS,
+            eos: EOS,
+        };
+        let sources = vec![vec![5, 6, EOS], vec![7, EOS]];
+        // Searched as the model ranks them: the start token, every step.
+        let (src, mask) = pad_sources(&sources, PAD, &Device::flex());
+        let memory = model.encode(src, Some(mask));
+        let plain = greedy(&mut Seq2SeqScorer::new(&model, memory), 2, &options);
+        assert!(plain.iter().all(|h| h.tokens == [BOS; 5]), "{plain:?}");
+        // Translated: the best token that is neither, the end.
+        for beam in [1, 3] {
+            let options = SearchOptions { beam, ..options };
+            for h in translate_batch(&model, &sources, PAD, &options) {
+                assert!(
+                    h.tokens.is_empty() && h.log_prob.is_finite(),
+                    "beam {beam}: {h:?}"
+                );
+            }
+        }
+    }
 }
