@@ -7,11 +7,13 @@ name mapping cannot hide behind zeros and ones), saved with `save_pretrained`, a
 and greedy continuation transformers computes for a fixed prompt. With `--neox`, a GPT-NeoX
 instead in the layout ember reads (rotary positions over whole heads, attention then MLP, an
 untied head): the fused projection's per-head grouping and the `[out, in]` weights are what its
-test checks.
+test checks. With `--pythia`, a GPT-NeoX as Pythia's models are: attention and MLP side by side
+(`use_parallel_residual`) and a quarter of each head rotated (`rotary_pct = 0.25`).
 
     python3 -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers tokenizers safetensors
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py crates/ember-train/tests/fixtures/tiny-gpt2
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --neox crates/ember-train/tests/fixtures/tiny-neox
+    /tmp/hf/bin/python scripts/make-gpt2-fixture.py --pythia crates/ember-train/tests/fixtures/tiny-pythia
 
 The output is committed, so the tests need no Python.
 """
@@ -30,7 +32,7 @@ PROMPT = "ROMEO: What light through yonder window"
 GREEDY_TOKENS = 16
 
 
-def main(out: Path, neox: bool) -> None:
+def main(out: Path, kind: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     corpus = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
     text = corpus.read_text()[:50_000]
@@ -47,18 +49,20 @@ def main(out: Path, neox: bool) -> None:
     tok.save(str(out / "tokenizer.json"))
 
     torch.manual_seed(0)
-    if neox:
+    if kind in ("neox", "pythia"):
+        pythia = kind == "pythia"
         config = GPTNeoXConfig(
             vocab_size=tok.get_vocab_size(),
             max_position_embeddings=64,
             hidden_size=32,
             num_hidden_layers=2,
-            num_attention_heads=4,
+            # Pythia: heads of 16 dimensions, 4 of them turned.
+            num_attention_heads=2 if pythia else 4,
             intermediate_size=96,
             hidden_act="gelu",
-            use_parallel_residual=False,
-            rotary_pct=1.0,
-            rotary_emb_base=500.0,
+            use_parallel_residual=pythia,
+            rotary_pct=0.25 if pythia else 1.0,
+            rotary_emb_base=10000.0 if pythia else 500.0,
             tie_word_embeddings=False,
             bos_token_id=0,
             eos_token_id=0,
@@ -112,7 +116,7 @@ def main(out: Path, neox: bool) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--neox"]
-    neox = "--neox" in sys.argv[1:]
-    default = "crates/ember-train/tests/fixtures/" + ("tiny-neox" if neox else "tiny-gpt2")
-    main(Path(args[0] if args else default), neox)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    kind = next((a[2:] for a in sys.argv[1:] if a in ("--neox", "--pythia")), "gpt2")
+    default = f"crates/ember-train/tests/fixtures/tiny-{kind}"
+    main(Path(args[0] if args else default), kind)

@@ -178,6 +178,57 @@ fn wgpu_trains_and_generates_like_the_cpu() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Pythia's block (attention and MLP side by side, a quarter of each head rotated) on the GPU
+/// path: the `tiny-pythia` fixture (made with transformers) scores a text, decodes greedily
+/// (replayed steps read the rotation's tables, as wide as the part it turns) and trains a few
+/// steps as on the CPU.
+#[test]
+fn a_pythia_model_scores_decodes_and_trains_on_wgpu_as_on_the_cpu() {
+    let fixture = repo().join("crates/ember-train/tests/fixtures/tiny-pythia");
+    let dir = temp("wgpu-pythia");
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "ROMEO:\nWhat light through yonder window breaks?\n").unwrap();
+    let (x, y) = (
+        eval_loss(&fixture, "flex", &text),
+        eval_loss(&fixture, "wgpu", &text),
+    );
+    assert!((x - y).abs() < 1e-5, "eval loss flex {x} vs wgpu {y}");
+    let ((host, _), (device, summary)) = (greedy(&fixture, "flex"), greedy(&fixture, "wgpu"));
+    assert_eq!(host, device, "{summary}");
+    let config = dir.join("tune.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[data]\npath = {:?}\n[training]\nbatch_size = 4\nmax_steps = 10\nlog_interval = 5\n\
+             eval_interval = 10\neval_batches = 2\ncheckpoint_interval = 10\nlr = 1e-3\n",
+            repo().join("data/tinyshakespeare.txt").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let mut losses_on = Vec::new();
+    for device in ["flex", "wgpu"] {
+        let run = dir.join(device);
+        ember_ok(&[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--init-from",
+            fixture.to_str().unwrap(),
+            "--out",
+            run.to_str().unwrap(),
+            "--device",
+            device,
+        ]);
+        losses_on.push(losses(&run));
+    }
+    let (a, b) = (&losses_on[0], &losses_on[1]);
+    assert_eq!(a.len(), 2);
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() < 1e-4, "flex {a:?} vs wgpu {b:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The GPU run's memory line: its allocator holds at least the weights and AdamW's two moments
 /// at the end (f32 each), and the peak is at least what is reserved, which is at least what is
 /// in use; before a backward pass more was live than at the end (a forward pass's saved

@@ -554,6 +554,37 @@ fn invalid_configs_are_errors_naming_the_field() {
             },
             "position_init",
         ),
+        (
+            DecoderOnlyConfig {
+                rotary_dims: Some(2),
+                ..base.clone()
+            },
+            "rotary_dims",
+        ),
+        (
+            DecoderOnlyConfig {
+                positional: PositionalKind::Rotary,
+                rotary_dims: Some(3),
+                ..base.clone()
+            },
+            "rotary_dims",
+        ),
+        (
+            DecoderOnlyConfig {
+                positional: PositionalKind::Rotary,
+                rotary_dims: Some(64),
+                ..base.clone()
+            },
+            "rotary_dims",
+        ),
+        (
+            DecoderOnlyConfig {
+                norm_first: false,
+                parallel_blocks: true,
+                ..base.clone()
+            },
+            "parallel_blocks",
+        ),
     ];
     for (config, field) in cases {
         let err = config.init(&device).unwrap_err();
@@ -597,4 +628,80 @@ fn summary_reports_the_parameter_count() {
         "{summary}"
     );
     assert!(summary.contains("tied to wte"));
+}
+
+/// Pythia's block (GPT-NeoX's): attention and MLP side by side, 2 of each head's 8 dimensions
+/// rotated. Its transformers twin is checked in ember-train's tests (`tiny-pythia`); here, that
+/// it decodes as it computes: the causal mask, the valid-rows cache, a whole-buffer cache read
+/// at a position held on the device (the rotation's tables as wide as the part it turns), and
+/// a left-padded batch (rotated from negative positions) all give the full forward's logits.
+#[test]
+fn parallel_blocks_with_a_partial_rotation_decode_as_they_compute() {
+    let device = Device::flex();
+    let config = DecoderOnlyConfig {
+        context_len: 80,
+        rotary_dims: Some(2),
+        parallel_blocks: true,
+        ..lm_config(PositionalKind::Rotary, true)
+    };
+    let model = config.init(&device).unwrap();
+    // The rotation and the block are the variants': the model differs from the plain one with
+    // the same weights.
+    let plain = DecoderOnlyConfig {
+        rotary_dims: None,
+        parallel_blocks: false,
+        ..config.clone()
+    }
+    .init(&device)
+    .unwrap()
+    .load_record(model.clone().into_record());
+    let ids: Vec<i32> = (0..140).map(|i| (i * 5 + i / 4) % 11).collect();
+    let rows: [&[i32]; 2] = [&ids[..70], &ids[70..]];
+    let seq = tokens(&rows, &device);
+    let full = model.forward(seq.clone());
+    assert!(max_diff(full.clone(), plain.forward(seq.clone())) > 1e-3);
+    // Causal: a changed future leaves the past's logits.
+    let mut changed = ids[..70].to_vec();
+    changed[40] = (changed[40] + 1) % 11;
+    let other = model.forward(tokens(&[&changed], &device));
+    let same = |x: Tensor<3>| x.slice([0..1, 0..40, 0..11]);
+    assert!(max_diff(same(full.clone()), same(other)) < 1e-6);
+
+    let (mut valid, mut at) = (model.new_cache(), model.new_whole_buffer_cache());
+    let prompt = seq.clone().slice([0..2, 0..5]);
+    let first = model
+        .forward_with(prompt.clone(), None, Some(&mut valid), false)
+        .logits;
+    let _ = model.forward_with(prompt, None, Some(&mut at), false);
+    assert!(max_diff(first, full.clone().slice([0..2, 0..5, 0..11])) < 1e-4);
+    for t in 5..70 {
+        let step = seq.clone().slice([0..2, t..t + 1]);
+        let want = full.clone().slice([0..2, t..t + 1, 0..11]);
+        let cached = model
+            .forward_with(step.clone(), None, Some(&mut valid), false)
+            .logits;
+        assert!(max_diff(cached, want.clone()) < 1e-4, "step {t}");
+        let position = Tensor::<1, Int>::from_ints([t], &device);
+        at.read_position_from(Some(model.step_position(position)));
+        let replayed = model.forward_with(step, None, Some(&mut at), false).logits;
+        assert!(
+            max_diff(replayed, want) < 1e-4,
+            "step {t}, position on the device"
+        );
+    }
+
+    // Left-padded: the shorter prompt's last logits are its own.
+    let prompts: [&[i32]; 2] = [&[3, 1, 4, 1, 5], &[9, 2]];
+    let padded: [&[i32]; 2] = [&[3, 1, 4, 1, 5], &[7, 7, 7, 9, 2]];
+    let mut cache = ember_model::DecoderCache::left_padded(2, vec![0, 3]);
+    let batch = model
+        .forward_with(tokens(&padded, &device), None, Some(&mut cache), false)
+        .logits;
+    for (row, prompt) in prompts.iter().enumerate() {
+        let alone = model.forward(tokens(&[prompt], &device));
+        let t = prompt.len();
+        let want = alone.slice([0..1, t - 1..t, 0..11]);
+        let got = batch.clone().slice([row..row + 1, 4..5, 0..11]);
+        assert!(max_diff(got, want) < 1e-4, "prompt {row}");
+    }
 }

@@ -18,6 +18,12 @@ fn neox() -> PathBuf {
     fixture_named("tiny-neox")
 }
 
+/// A GPT-NeoX as Pythia's models are: attention and MLP side by side, 4 of each head's 16
+/// dimensions rotated.
+fn pythia() -> PathBuf {
+    fixture_named("tiny-pythia")
+}
+
 fn fixture_named(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
@@ -122,6 +128,15 @@ fn transformers_gpt_neox_logits_and_greedy_tokens_are_reproduced() {
     let model = &lm.config.model;
     assert_eq!(model.positional, ember_model::PositionalKind::Rotary);
     assert_eq!((model.rotary_base, model.tie_weights), (500.0, false));
+    assert_eq!((model.rotary_dims, model.parallel_blocks), (None, false));
+}
+
+#[test]
+fn transformers_pythia_logits_and_greedy_tokens_are_reproduced() {
+    reproduces_transformers(&pythia());
+    let lm = load_lm(&pythia(), &Device::flex()).unwrap();
+    let model = &lm.config.model;
+    assert_eq!((model.rotary_dims, model.parallel_blocks), (Some(4), true));
 }
 
 /// Export, then import: the same logits, and the layout the fixture came in.
@@ -160,6 +175,7 @@ fn round_trip(fixture: &Path, architecture: &str) {
 fn export_then_import_gives_identical_logits() {
     round_trip(&fixture(), "GPT2LMHeadModel");
     round_trip(&neox(), "GPTNeoXForCausalLM");
+    round_trip(&pythia(), "GPTNeoXForCausalLM");
 }
 
 /// An ember model with no biases and a character vocabulary, the given positions, exported
@@ -272,14 +288,15 @@ fn gpt_neox_variants_ember_lacks_are_named() {
     );
     let cases: [Case; 6] = [
         (
-            "parallel",
-            |c| c["use_parallel_residual"] = true.into(),
-            &["use_parallel_residual", "Pythia"],
+            "odd",
+            // 8 * 0.375: 3 dimensions of each head.
+            |c| c["rope_parameters"]["partial_rotary_factor"] = 0.375.into(),
+            &["rotary_pct", "0.375", "3 of each head's 8"],
         ),
         (
-            "partial",
-            |c| c["rope_parameters"]["partial_rotary_factor"] = 0.25.into(),
-            &["rotary_pct", "0.25"],
+            "none",
+            |c| c["rope_parameters"]["partial_rotary_factor"] = 0.1.into(),
+            &["rotary_pct", "0 of each head's 8"],
         ),
         (
             "scaled",

@@ -24,6 +24,9 @@ pub struct MultiHeadAttentionConfig {
     pub bias: bool,
     /// Rotate queries and keys with RoPE of this base (`None`: no rotation).
     pub rotary_base: Option<f64>,
+    /// How many leading dimensions of each head the rotation turns (`None`: all; GPT-NeoX's
+    /// `rotary_pct`, a quarter in Pythia); the rest pass unturned.
+    pub rotary_dims: Option<usize>,
     /// Standard deviation of the output projection's initial weights. GPT-2 scales it by
     /// `1/sqrt(2 * layers)` so the residual stream's variance does not grow with depth.
     pub proj_std: f64,
@@ -38,6 +41,7 @@ impl MultiHeadAttentionConfig {
             dropout: 0.0,
             bias: true,
             rotary_base: None,
+            rotary_dims: None,
             proj_std: 0.02,
         }
     }
@@ -56,6 +60,7 @@ impl MultiHeadAttentionConfig {
             attn_dropout: DropoutConfig::new(self.dropout).init(),
             n_heads: self.n_heads,
             rotary_base: self.rotary_base.unwrap_or(0.0),
+            rotary_dims: self.rotary_dims.unwrap_or(0),
         }
     }
 }
@@ -77,6 +82,8 @@ pub struct MultiHeadAttention {
     pub n_heads: usize,
     /// RoPE base; 0 when queries and keys are not rotated.
     pub rotary_base: f64,
+    /// Leading dimensions of each head the rotation turns; 0 for the whole head.
+    pub rotary_dims: usize,
 }
 
 /// Result of an attention call: the output `[B, T, D]` and, if asked, the weights `[B, H, T, S]`.

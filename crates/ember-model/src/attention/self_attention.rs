@@ -31,7 +31,9 @@ impl MultiHeadAttention {
     ) -> AttentionResult {
         // The training attention, the sequence on itself under the causal mask alone, is one
         // op from the input to the output projection where a kernel takes it.
-        let qkv = match cache.is_none() && causal && pad.is_none() && !return_weights {
+        let one_op = cache.is_none() && causal && pad.is_none() && !return_weights;
+        // (The op turns whole heads; a partial rotation takes the steps below.)
+        let qkv = match one_op && self.partial_rotary().is_none() {
             true => match ops::fused_causal_self_attention(
                 x,
                 &self.c_attn,
@@ -73,6 +75,45 @@ impl MultiHeadAttention {
             return qkv;
         }
         let at = KvCache::rotary_at(cache, qkv.dims()[1]);
-        ops::rotate_qk_at(qkv, self.n_heads, at, self.rotary_base)
+        let Some(turned) = self.partial_rotary() else {
+            return ops::rotate_qk_at(qkv, self.n_heads, at, self.rotary_base);
+        };
+        // Only the first `turned` dimensions of each query and key head: they are gathered
+        // into a narrower `[Q | K | V]` (its V part a stand-in), rotated as whole heads of
+        // that width (angles `pos * base^(-2i / turned)`), and put back.
+        let [b, t, d3] = qkv.dims();
+        let (d, h) = (d3 / 3, self.n_heads);
+        let k = d / h;
+        let heads = |i: usize| {
+            qkv.clone()
+                .slice([0..b, 0..t, i * d..(i + 1) * d])
+                .reshape([b, t, h, k])
+        };
+        let (q, key) = (heads(0), heads(1));
+        let lead = |x: &Tensor<4>| {
+            x.clone()
+                .slice([0..b, 0..t, 0..h, 0..turned])
+                .reshape([b, t, h * turned])
+        };
+        let narrow = Tensor::cat(vec![lead(&q), lead(&key), lead(&q)], 2);
+        let rotated = ops::rotate_qk_at(narrow, h, at, self.rotary_base);
+        let back = |i: usize, x: Tensor<4>| {
+            let turned_part = rotated
+                .clone()
+                .slice([0..b, 0..t, i * h * turned..(i + 1) * h * turned])
+                .reshape([b, t, h, turned]);
+            let rest = x.slice([0..b, 0..t, 0..h, turned..k]);
+            Tensor::cat(vec![turned_part, rest], 3).reshape([b, t, d])
+        };
+        let v = qkv.slice([0..b, 0..t, 2 * d..3 * d]);
+        Tensor::cat(vec![back(0, q), back(1, key), v], 2)
+    }
+
+    /// The dimensions of each head a partial rotation turns (`None` when the rotation turns
+    /// whole heads, or there is none).
+    pub(crate) fn partial_rotary(&self) -> Option<usize> {
+        let head = self.c_attn.weight.dims()[0] / self.n_heads;
+        (self.rotary_base > 0.0 && self.rotary_dims > 0 && self.rotary_dims < head)
+            .then_some(self.rotary_dims)
     }
 }

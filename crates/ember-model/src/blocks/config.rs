@@ -27,6 +27,10 @@ pub struct BlockConfig {
     pub layer_norm_eps: f64,
     /// RoPE base for self-attention, when the model uses rotary positions.
     pub rotary_base: Option<f64>,
+    /// Leading dimensions of each head the rotation turns (`None`: all).
+    pub rotary_dims: Option<usize>,
+    /// Attention and MLP side by side on the block's input (decoder blocks).
+    pub parallel: bool,
     /// Init scale of the projections that write into the residual stream.
     pub proj_std: f64,
 }
@@ -39,6 +43,7 @@ impl BlockConfig {
             dropout: self.dropout,
             bias: self.bias,
             rotary_base: if rotary { self.rotary_base } else { None },
+            rotary_dims: if rotary { self.rotary_dims } else { None },
             proj_std: self.proj_std,
         }
         .init(device)

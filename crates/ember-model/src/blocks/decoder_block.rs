@@ -46,6 +46,9 @@ pub struct DecoderBlock {
     pub mlp: Mlp,
     /// Dropout on attention outputs before the residual sum.
     pub dropout: Dropout,
+    /// Attention and MLP side by side on the block's input (`x + attn(ln_1(x)) +
+    /// mlp(ln_2(x))`) rather than one after the other.
+    pub parallel: bool,
 }
 
 impl DecoderBlock {
@@ -59,6 +62,7 @@ impl DecoderBlock {
             ln_2: config.residual(device),
             mlp: config.mlp(device),
             dropout: DropoutConfig::new(config.dropout).init(),
+            parallel: config.parallel && !cross_attention,
         }
     }
 
@@ -83,10 +87,23 @@ impl DecoderBlock {
             Some((s, c)) => (Some(s), Some(c)),
             None => (None, None),
         };
+        // Side by side, the MLP reads the block's input, normalised by its own LayerNorm.
+        let mlp_input = self.parallel.then(|| self.ln_2.normalized(x.clone()));
         let (mut x, self_attn) = self.ln_1.forward(x, Some(&self.dropout), |h| {
             self.attn
                 .forward_self(h, true, pad, self_cache, return_weights)
         });
+        if let Some(h) = mlp_input {
+            let y = self.mlp.forward_undropped(h);
+            let x = crate::ops::add_dropout(x, &self.mlp.dropout, y);
+            return (
+                x,
+                BlockWeights {
+                    self_attn,
+                    cross_attn: None,
+                },
+            );
+        }
         let mut cross_weights = None;
         if let (Some(ln), Some(cross), Some(memory)) = (&self.ln_cross, &self.cross_attn, memory) {
             let (y, w) = ln.forward(x, Some(&self.dropout), |h| {

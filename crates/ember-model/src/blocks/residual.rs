@@ -52,6 +52,14 @@ impl Residual {
     fn norm(&self, x: Tensor<3>) -> Tensor<3> {
         layer_norm(&self.norm, x, self.eps)
     }
+
+    /// The norm alone, for a sub-layer whose sum is made elsewhere (a parallel block's MLP).
+    ///
+    /// # Shapes
+    /// - x, output: `[B, T, D]`
+    pub fn normalized(&self, x: Tensor<3>) -> Tensor<3> {
+        self.norm(x)
+    }
 }
 
 /// `x + dropout(y)` (one kernel on GPUs in training: `ops::add_dropout`), or `x + y`.

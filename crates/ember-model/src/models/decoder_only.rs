@@ -165,8 +165,10 @@ impl DecoderOnly {
         if let Some(attn) = self.blocks.first().map(|b| &b.attn)
             && attn.rotary_base > 0.0
         {
+            // The tables' width: the part of each head the rotation turns.
             let head = attn.c_attn.weight.dims()[0] / attn.n_heads;
-            step = step.with_rotary(self.max_positions, head, attn.rotary_base, &device);
+            let turned = attn.partial_rotary().unwrap_or(head);
+            step = step.with_rotary(self.max_positions, turned, attn.rotary_base, &device);
         }
         step
     }

@@ -35,8 +35,16 @@ pub struct DecoderOnlyConfig {
     pub position_init: PositionInit,
     /// Base of the rotary angles. Default 10000.
     pub rotary_base: f64,
+    /// How many leading dimensions of each head the rotation turns (even, at most the head
+    /// size), the rest passing unturned: GPT-NeoX's `rotary_pct` (Pythia turns a quarter).
+    /// Default the whole head. Only for `positional = "rotary"`.
+    pub rotary_dims: Option<usize>,
     /// Pre-norm (`true`, default, GPT-2) or post-norm (`false`, the original paper).
     pub norm_first: bool,
+    /// Attention and MLP side by side on each block's input, `x + attn(ln_1(x)) +
+    /// mlp(ln_2(x))` (GPT-J's, GPT-NeoX's and Pythia's blocks), instead of the MLP after the
+    /// attention. Default false. Pre-norm only.
+    pub parallel_blocks: bool,
     /// `gelu` (default), `gelu_tanh` or `relu`.
     pub activation: Activation,
     /// Dropout probability in `[0, 1)` on the embedded input, the attention weights, each
@@ -63,7 +71,9 @@ impl Default for DecoderOnlyConfig {
             positional: PositionalKind::Learned,
             position_init: PositionInit::Normal,
             rotary_base: 10000.0,
+            rotary_dims: None,
             norm_first: true,
+            parallel_blocks: false,
             activation: Activation::Gelu,
             dropout: 0.0,
             bias: true,
@@ -110,6 +120,28 @@ impl DecoderOnlyConfig {
                  positional = \"learned\"",
             ));
         }
+        if let Some(dims) = self.rotary_dims {
+            let head = self.d_model / self.n_heads;
+            if self.positional != PositionalKind::Rotary {
+                return Err(ConfigError::new(
+                    "rotary_dims",
+                    "sizes the rotation of rotary positions: it needs positional = \"rotary\"",
+                ));
+            }
+            if dims == 0 || !dims.is_multiple_of(2) || dims > head {
+                return Err(ConfigError::new(
+                    "rotary_dims",
+                    format!("must be even, from 2 to the head size {head}, got {dims}"),
+                ));
+            }
+        }
+        if self.parallel_blocks && !self.norm_first {
+            return Err(ConfigError::new(
+                "parallel_blocks",
+                "needs pre-norm blocks (norm_first = true): side by side, attention and MLP \
+                 each normalise the block's input",
+            ));
+        }
         probability("dropout", self.dropout)?;
         epsilon("layer_norm_eps", self.layer_norm_eps)?;
         epsilon("rotary_base", self.rotary_base)
@@ -132,6 +164,8 @@ impl DecoderOnlyConfig {
             bias: self.bias,
             layer_norm_eps: self.layer_norm_eps,
             rotary_base: (self.positional == PositionalKind::Rotary).then_some(self.rotary_base),
+            rotary_dims: self.rotary_dims,
+            parallel: self.parallel_blocks,
             proj_std: 0.02 / (2.0 * self.n_layers as f64).sqrt(),
         }
     }

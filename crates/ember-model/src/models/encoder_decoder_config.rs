@@ -125,6 +125,8 @@ impl EncoderDecoderConfig {
             bias: self.bias,
             layer_norm_eps: self.layer_norm_eps,
             rotary_base: (self.positional == PositionalKind::Rotary).then_some(self.rotary_base),
+            rotary_dims: None,
+            parallel: false,
             proj_std: 0.02 / (2.0 * layers as f64).sqrt(),
         }
     }

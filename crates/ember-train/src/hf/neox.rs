@@ -3,8 +3,9 @@
 //! GPT-NeoX (`GPTNeoXForCausalLM`, the layout of EleutherAI's models) is the GPT-2 block with
 //! rotary positions in place of a learned table: a fused Q/K/V projection, pre-norm LayerNorms,
 //! an MLP with biases, rotary angles `pos * base^(-2i/K)` applied to dimension pairs `(i, i +
-//! K/2)` ("rotate half", as ember's rotary positions are). With `use_parallel_residual = false`
-//! and the rotation over the whole head (`rotary_pct = 1`) it is exactly ember's model. Three
+//! K/2)` ("rotate half", as ember's rotary positions are), over the leading `rotary_pct` of each
+//! head (ember's `rotary_dims`), attention and MLP in sequence or side by side
+//! (`use_parallel_residual`, ember's `parallel_blocks`): Pythia's models are GPT-NeoX's. Three
 //! things differ in the files: names, PyTorch's `nn.Linear` storing weights `[out, in]` where
 //! Burn's `Linear` stores `[in, out]` (transposed here), and the fused projection's outputs,
 //! grouped by head (`[q_h | k_h | v_h]` for each head `h`) where ember's are `[Q | K | V]` (rows
@@ -116,7 +117,8 @@ impl NeoxConfig {
         (share, base, kind.to_string())
     }
 
-    /// The matching ember model: rotary positions over whole heads, pre-norm, biases.
+    /// The matching ember model: rotary positions (over the share of each head the config
+    /// says), pre-norm, biases, blocks in sequence or side by side.
     pub fn to_ember(&self, path: &Path) -> Result<DecoderOnlyConfig> {
         let bad = |key: &str, message: String| TrainError::ConfigFile {
             path: path.to_path_buf(),
@@ -133,21 +135,16 @@ impl NeoxConfig {
                 ));
             }
         };
-        if self.use_parallel_residual {
-            return Err(bad(
-                "use_parallel_residual",
-                "is true (attention and MLP side by side, as in Pythia); ember's blocks apply \
-                 them one after the other (false)"
-                    .into(),
-            ));
-        }
         let (share, base, kind) = self.rotary();
-        if share != 1.0 {
+        // As transformers sizes it: `int(head_size * partial_rotary_factor)`.
+        let head = self.hidden_size / self.num_attention_heads.max(1);
+        let turned = (head as f64 * share) as usize;
+        if !(share > 0.0 && share <= 1.0) || turned == 0 || !turned.is_multiple_of(2) {
             return Err(bad(
                 "rotary_pct",
                 format!(
-                    "is {share}; ember rotates whole heads (1.0), not a share of each (Pythia's \
-                     0.25)"
+                    "is {share}: {turned} of each head's {head} dimensions, where ember turns an \
+                     even number of them, at least 2"
                 ),
             ));
         }
@@ -168,7 +165,9 @@ impl NeoxConfig {
             max_positions: Some(self.max_position_embeddings),
             positional: PositionalKind::Rotary,
             rotary_base: base,
+            rotary_dims: (turned < head).then_some(turned),
             norm_first: true,
+            parallel_blocks: self.use_parallel_residual,
             activation,
             dropout: 0.0,
             bias: true,
@@ -196,6 +195,8 @@ impl NeoxConfig {
             Activation::Relu => "relu",
         };
         let base = config.rotary_base;
+        let head = config.d_model / config.n_heads;
+        let share = rotary_share(config.rotary_dims.unwrap_or(head), head);
         Ok(Self {
             model_type: MODEL_TYPE.into(),
             vocab_size: config.vocab_size,
@@ -206,22 +207,32 @@ impl NeoxConfig {
             hidden_act: hidden_act.into(),
             max_position_embeddings: config.max_positions(),
             layer_norm_eps: config.layer_norm_eps,
-            use_parallel_residual: false,
+            use_parallel_residual: config.parallel_blocks,
             tie_word_embeddings: config.tie_weights,
             attention_bias: true,
             // Both generations of transformers' keys, so that either reads the rotation.
-            rotary_pct: Some(1.0),
+            rotary_pct: Some(share),
             rotary_emb_base: Some(base),
             rope_parameters: Some(serde_json::json!({
                 "rope_type": "default",
                 "rope_theta": base,
-                "partial_rotary_factor": 1.0,
+                "partial_rotary_factor": share,
             })),
             rope_scaling: None,
             hidden_dropout: config.dropout,
             attention_dropout: config.dropout,
         })
     }
+}
+
+/// The share of a head of `head` dimensions that transformers turns into `turned` of them
+/// (`int(head * share)`): `turned / head`, nudged up where rounding would make it one fewer.
+fn rotary_share(turned: usize, head: usize) -> f64 {
+    let mut share = turned as f64 / head as f64;
+    while ((head as f64 * share) as usize) < turned {
+        share = f64::from_bits(share.to_bits() + 1);
+    }
+    share
 }
 
 /// Writes `model` (whose every linear layer has a bias) in GPT-NeoX's layout to `path`.
