@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use burn::store::{ApplyError, ModuleSnapshot, SafetensorsStore};
-use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, PositionalKind};
+use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError, write_err};
@@ -88,17 +88,7 @@ impl Gpt2Config {
                 format!("is {kind:?}; ember reads GPT-2 models (\"gpt2\")"),
             ));
         }
-        let activation = match self.activation_function.as_str() {
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Activation::GeluTanh,
-            "gelu" => Activation::Gelu,
-            "relu" => Activation::Relu,
-            other => {
-                return Err(bad(
-                    "activation_function",
-                    format!("is {other:?}; ember supports gelu_new, gelu and relu"),
-                ));
-            }
-        };
+        let activation = super::activation(&self.activation_function, "activation_function", path)?;
         for (key, unsupported) in [
             ("tie_word_embeddings", !self.tie_word_embeddings),
             ("scale_attn_weights", !self.scale_attn_weights),
@@ -129,11 +119,7 @@ impl Gpt2Config {
             layer_norm_eps: self.layer_norm_epsilon,
             ..DecoderOnlyConfig::default()
         };
-        config.validate().map_err(|e| TrainError::ConfigFile {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        Ok(config)
+        super::validated(config, path)
     }
 
     /// The GPT-2 config of an ember model, or why it has none.
@@ -150,11 +136,7 @@ impl Gpt2Config {
         if !config.tie_weights {
             return Err("GPT-2 ties its head to the embedding; this model does not".into());
         }
-        let activation_function = match config.activation {
-            Activation::GeluTanh => "gelu_new",
-            Activation::Gelu => "gelu",
-            Activation::Relu => "relu",
-        };
+        let activation_function = super::activation_name(config.activation);
         Ok(Self {
             model_type: Some("gpt2".into()),
             vocab_size: config.vocab_size,

@@ -14,7 +14,7 @@ use burn::module::Param;
 use burn::tensor::Tensor;
 use ember_data::Tokenizer;
 use ember_data::hf_tokenizer::char_tokenizer_json;
-use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind};
+use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, PositionalKind};
 
 pub use gpt2::Gpt2Config;
 pub use neox::NeoxConfig;
@@ -43,6 +43,37 @@ pub fn ember_files(dir: &Path) -> Option<&'static str> {
     [LATEST, CHECKPOINTS, STATE_FILE, MODEL_FILE]
         .into_iter()
         .find(|name| dir.join(name).exists())
+}
+
+/// The activation a Hugging Face config names under `key` (of the config file `path`).
+fn activation(name: &str, key: &str, path: &Path) -> Result<Activation> {
+    match name {
+        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Activation::GeluTanh),
+        "gelu" => Ok(Activation::Gelu),
+        "relu" => Ok(Activation::Relu),
+        other => Err(TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: format!("`{key}` is {other:?}; ember supports gelu_new, gelu and relu"),
+        }),
+    }
+}
+
+/// The Hugging Face name of `activation`.
+fn activation_name(activation: Activation) -> &'static str {
+    match activation {
+        Activation::GeluTanh => "gelu_new",
+        Activation::Gelu => "gelu",
+        Activation::Relu => "relu",
+    }
+}
+
+/// `config`, read from the config file `path`, if it describes a valid model.
+fn validated(config: DecoderOnlyConfig, path: &Path) -> Result<DecoderOnlyConfig> {
+    config.validate().map_err(|e| TrainError::ConfigFile {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    Ok(config)
 }
 
 /// A folder's `config.json`, by its `model_type`.

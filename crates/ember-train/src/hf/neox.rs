@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::store::{ApplyError, ModuleSnapshot, SafetensorsStore};
-use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, PositionalKind};
+use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -124,17 +124,7 @@ impl NeoxConfig {
             path: path.to_path_buf(),
             message: format!("`{key}` {message}"),
         };
-        let activation = match self.hidden_act.as_str() {
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Activation::GeluTanh,
-            "gelu" => Activation::Gelu,
-            "relu" => Activation::Relu,
-            other => {
-                return Err(bad(
-                    "hidden_act",
-                    format!("is {other:?}; ember supports gelu, gelu_new and relu"),
-                ));
-            }
-        };
+        let activation = super::activation(&self.hidden_act, "hidden_act", path)?;
         let (share, base, kind) = self.rotary();
         // As transformers sizes it: `int(head_size * partial_rotary_factor)`.
         let head = self.hidden_size / self.num_attention_heads.max(1);
@@ -175,11 +165,7 @@ impl NeoxConfig {
             layer_norm_eps: self.layer_norm_eps,
             ..DecoderOnlyConfig::default()
         };
-        config.validate().map_err(|e| TrainError::ConfigFile {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        Ok(config)
+        super::validated(config, path)
     }
 
     /// The GPT-NeoX config of an ember model with rotary positions (the caller checks that).
@@ -189,11 +175,7 @@ impl NeoxConfig {
                 "GPT-NeoX is pre-norm; this model is post-norm (norm_first = false)".into(),
             );
         }
-        let hidden_act = match config.activation {
-            Activation::GeluTanh => "gelu_new",
-            Activation::Gelu => "gelu",
-            Activation::Relu => "relu",
-        };
+        let hidden_act = super::activation_name(config.activation);
         let base = config.rotary_base;
         let head = config.d_model / config.n_heads;
         let share = rotary_share(config.rotary_dims.unwrap_or(head), head);
