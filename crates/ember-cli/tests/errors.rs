@@ -659,6 +659,12 @@ const CASES: &[Case] = &[
     ),
     case(
         "checkpoint",
+        "Hugging Face folder with `pytorch_model.bin` instead of `model.safetensors`",
+        &["generate", "--checkpoint", "$TMP/hf-bin", "--prompt", "A"],
+        &["hf-bin", "pytorch_model.bin", "model.safetensors", "save_pretrained"],
+    ),
+    case(
+        "checkpoint",
         "Hugging Face folder missing a tensor (config.json says 3 layers, weights have 2)",
         &[
             "generate",
@@ -1190,6 +1196,14 @@ fn fixtures(dir: &Path) {
         assert!(text.contains(from));
         std::fs::write(&config, text.replace(from, to)).unwrap();
     }
+
+    // A Hugging Face model saved in PyTorch's pickle format.
+    let bin = dir.join("hf-bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(gpt2.join(file), bin.join(file)).unwrap();
+    }
+    write(&bin, "pytorch_model.bin", "not read");
 
     // A run folder that a Hugging Face model was copied into.
     copy_dir(&run, &dir.join("hf-and-run"));

@@ -57,6 +57,7 @@ pub struct LmSource {
 /// Opens a checkpoint, a run folder (its newest checkpoint) or a Hugging Face GPT-2 or GPT-NeoX
 /// folder.
 pub fn open_lm(path: &Path) -> Result<LmSource> {
+    hf::check_weights_format(path)?;
     let (dir, config, tokenizer, step, is_hf) = if hf::is_hf_folder(path) {
         if let Some(file) = hf::ember_files(path) {
             return Err(TrainError::Checkpoint {

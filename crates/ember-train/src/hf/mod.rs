@@ -35,6 +35,33 @@ pub fn is_hf_folder(dir: &Path) -> bool {
     dir.join(HF_CONFIG).is_file() && dir.join(HF_WEIGHTS).is_file()
 }
 
+/// A Hugging Face folder whose weights are not in the one `model.safetensors` ember reads
+/// (PyTorch's pickle, `pytorch_model.bin`, or safetensors split in shards) is refused naming
+/// what it holds; any other folder passes.
+pub fn check_weights_format(dir: &Path) -> Result<()> {
+    if !dir.join(HF_CONFIG).is_file() || dir.join(HF_WEIGHTS).is_file() {
+        return Ok(());
+    }
+    let holds = [
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+    ]
+    .into_iter()
+    .find(|name| dir.join(name).exists());
+    let Some(file) = holds else {
+        return Ok(());
+    };
+    Err(TrainError::Checkpoint {
+        path: dir.to_path_buf(),
+        message: format!(
+            "holds a Hugging Face model whose weights are in `{file}`; ember reads one \
+             {HF_WEIGHTS} (in Python: `AutoModelForCausalLM.from_pretrained(DIR)\
+             .save_pretrained(DIR, max_shard_size=\"100GB\")` writes it)"
+        ),
+    })
+}
+
 /// What of an ember run or checkpoint `dir` holds (`latest`, `checkpoints/`, `state.json`,
 /// `model.bpk`), if any: such a folder and a Hugging Face model in one place leave unclear which
 /// model `--checkpoint DIR` means.
