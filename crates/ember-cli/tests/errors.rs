@@ -661,7 +661,12 @@ const CASES: &[Case] = &[
         "checkpoint",
         "Hugging Face folder with `pytorch_model.bin` instead of `model.safetensors`",
         &["generate", "--checkpoint", "$TMP/hf-bin", "--prompt", "A"],
-        &["hf-bin", "pytorch_model.bin", "model.safetensors", "save_pretrained"],
+        &[
+            "hf-bin",
+            "pytorch_model.bin",
+            "model.safetensors",
+            "save_pretrained",
+        ],
     ),
     case(
         "checkpoint",

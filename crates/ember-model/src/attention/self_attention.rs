@@ -8,6 +8,7 @@ use super::kv_cache::{Keys, KvCache};
 use super::multi_head::{AttentionResult, MultiHeadAttention};
 use super::scaled_dot_product::attend_keys;
 use crate::ops::{self, linear};
+use crate::positions::rotary::rotate_leading;
 
 impl MultiHeadAttention {
     /// Self-attention of `x` on itself (plus the cached past, if a cache is given).
@@ -75,38 +76,10 @@ impl MultiHeadAttention {
             return qkv;
         }
         let at = KvCache::rotary_at(cache, qkv.dims()[1]);
-        let Some(turned) = self.partial_rotary() else {
-            return ops::rotate_qk_at(qkv, self.n_heads, at, self.rotary_base);
-        };
-        // Only the first `turned` dimensions of each query and key head: they are gathered
-        // into a narrower `[Q | K | V]` (its V part a stand-in), rotated as whole heads of
-        // that width (angles `pos * base^(-2i / turned)`), and put back.
-        let [b, t, d3] = qkv.dims();
-        let (d, h) = (d3 / 3, self.n_heads);
-        let k = d / h;
-        let heads = |i: usize| {
-            qkv.clone()
-                .slice([0..b, 0..t, i * d..(i + 1) * d])
-                .reshape([b, t, h, k])
-        };
-        let (q, key) = (heads(0), heads(1));
-        let lead = |x: &Tensor<4>| {
-            x.clone()
-                .slice([0..b, 0..t, 0..h, 0..turned])
-                .reshape([b, t, h * turned])
-        };
-        let narrow = Tensor::cat(vec![lead(&q), lead(&key), lead(&q)], 2);
-        let rotated = ops::rotate_qk_at(narrow, h, at, self.rotary_base);
-        let back = |i: usize, x: Tensor<4>| {
-            let turned_part = rotated
-                .clone()
-                .slice([0..b, 0..t, i * h * turned..(i + 1) * h * turned])
-                .reshape([b, t, h, turned]);
-            let rest = x.slice([0..b, 0..t, 0..h, turned..k]);
-            Tensor::cat(vec![turned_part, rest], 3).reshape([b, t, d])
-        };
-        let v = qkv.slice([0..b, 0..t, 2 * d..3 * d]);
-        Tensor::cat(vec![back(0, q), back(1, key), v], 2)
+        match self.partial_rotary() {
+            None => ops::rotate_qk_at(qkv, self.n_heads, at, self.rotary_base),
+            Some(turned) => rotate_leading(qkv, self.n_heads, turned, at, self.rotary_base),
+        }
     }
 
     /// The dimensions of each head a partial rotation turns (`None` when the rotation turns

@@ -1,5 +1,7 @@
 //! Decoder block: masked (causal) self-attention, then attention over the encoder output
 //! (absent in decoder-only models), then the MLP; each in a residual connection with LayerNorm.
+//! A decoder-only model's block may instead take attention and MLP side by side on its input
+//! (`parallel`, GPT-J's and Pythia's: `x + attn(ln_1(x)) + mlp(ln_2(x))`).
 
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig};

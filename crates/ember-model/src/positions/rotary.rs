@@ -4,6 +4,53 @@
 // The rotation itself lives with the rotary op and its kernels, which apply it in place.
 pub use crate::ops::rotation::{apply_rotary, rotate_by};
 
+use burn::tensor::Tensor;
+
+use crate::ops::{self, RotaryAt};
+
+/// A fused `[Q | K | V]` projection with the first `turned` dimensions of each query and key
+/// head rotated by their positions (`at`), the rest of each head and the values as they were:
+/// GPT-NeoX's partial rotation (`rotary_pct`; Pythia turns a quarter of each head). The leading
+/// parts are gathered into a narrower `[Q | K | V]` (its V part a stand-in), rotated by the
+/// rotary op as whole heads of that width (angles `pos * base^(-2i / turned)`), and put back.
+///
+/// # Shapes
+/// - qkv, output: `[B, T, 3D]`, `H` heads of `K = D / H` each, `turned <= K` and even
+pub fn rotate_leading(
+    qkv: Tensor<3>,
+    heads: usize,
+    turned: usize,
+    at: RotaryAt,
+    base: f64,
+) -> Tensor<3> {
+    let [b, t, d3] = qkv.dims();
+    let (d, h) = (d3 / 3, heads);
+    let k = d / h;
+    let part = |i: usize| {
+        qkv.clone()
+            .slice([0..b, 0..t, i * d..(i + 1) * d])
+            .reshape([b, t, h, k])
+    };
+    let (q, key) = (part(0), part(1));
+    let lead = |x: &Tensor<4>| {
+        x.clone()
+            .slice([0..b, 0..t, 0..h, 0..turned])
+            .reshape([b, t, h * turned])
+    };
+    let narrow = Tensor::cat(vec![lead(&q), lead(&key), lead(&q)], 2);
+    let rotated = ops::rotate_qk_at(narrow, h, at, base);
+    let back = |i: usize, x: Tensor<4>| {
+        let turned_part = rotated
+            .clone()
+            .slice([0..b, 0..t, i * h * turned..(i + 1) * h * turned])
+            .reshape([b, t, h, turned]);
+        let rest = x.slice([0..b, 0..t, 0..h, turned..k]);
+        Tensor::cat(vec![turned_part, rest], 3).reshape([b, t, d])
+    };
+    let v = qkv.slice([0..b, 0..t, 2 * d..3 * d]);
+    Tensor::cat(vec![back(0, q), back(1, key), v], 2)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
