@@ -85,8 +85,10 @@ impl MultiHeadAttention {
     /// The dimensions of each head a partial rotation turns (`None` when the rotation turns
     /// whole heads, or there is none).
     pub(crate) fn partial_rotary(&self) -> Option<usize> {
+        if self.rotary_base == 0.0 || self.rotary_dims == 0 {
+            return None;
+        }
         let head = self.c_attn.weight.dims()[0] / self.n_heads;
-        (self.rotary_base > 0.0 && self.rotary_dims > 0 && self.rotary_dims < head)
-            .then_some(self.rotary_dims)
+        (self.rotary_dims < head).then_some(self.rotary_dims)
     }
 }
