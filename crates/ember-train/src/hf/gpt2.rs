@@ -196,15 +196,24 @@ fn hf_name(path: &str) -> String {
     name
 }
 
-/// Reads GPT-2 weights into `model`; every tensor of the model must be there, with its shape.
+/// Reads GPT-2 weights into `model`, as `f32` whatever they are stored in; every tensor of the
+/// model must be there, with its shape.
 pub(super) fn load_weights(mut model: DecoderOnly, path: &Path) -> Result<DecoderOnly> {
     let bad = |message: String| TrainError::Checkpoint {
         path: path.to_path_buf(),
         message,
     };
+    // Weights stored in half precision are read as `f32` (the model's LayerNorms and products
+    // take `f32`); `f32` files are read as they are.
+    let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let store =
+        match super::tensors::in_f32(&bytes).map_err(|e| bad(format!("cannot read: {e}")))? {
+            Some(converted) => SafetensorsStore::from_bytes(Some(converted)),
+            None => SafetensorsStore::from_bytes(Some(bytes)),
+        };
     let mut store = HF_TO_EMBER
         .iter()
-        .fold(SafetensorsStore::from_file(path), |store, (from, to)| {
+        .fold(store, |store, (from, to)| {
             store.with_key_remapping(*from, *to)
         })
         .allow_partial(true)

@@ -1,6 +1,6 @@
 //! Tensors as plain `f32` arrays, read from and written to safetensors bytes: what moves
 //! between a Hugging Face layout and ember's where names alone do not (transposed weights,
-//! regrouped rows).
+//! regrouped rows), and what a file of `f16` or `bf16` weights becomes (ember's are `f32`).
 
 use std::collections::BTreeMap;
 
@@ -85,4 +85,20 @@ pub(super) fn serialize(arrays: &BTreeMap<String, Array>) -> std::result::Result
         .map_err(|e| e.to_string())?;
     let metadata = [("format".to_string(), "pt".to_string())].into();
     safetensors::serialize(views, Some(metadata)).map_err(|e| e.to_string())
+}
+
+/// The safetensors file `bytes` with every tensor in `f32`, or `None` where all already are
+/// (a model saved in half precision, as many on the Hugging Face hub are, loads as `f32`).
+pub(super) fn in_f32(bytes: &[u8]) -> std::result::Result<Option<Vec<u8>>, String> {
+    let file = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+    let tensors = file.tensors();
+    if tensors.iter().all(|(_, view)| view.dtype() == Dtype::F32) {
+        return Ok(None);
+    }
+    let mut arrays = BTreeMap::new();
+    for (name, view) in tensors {
+        let array = read_array(&view).map_err(|e| format!("tensor `{name}` {e}"))?;
+        arrays.insert(name, array);
+    }
+    serialize(&arrays).map(Some)
 }
