@@ -205,12 +205,14 @@ pub(super) fn load_weights(mut model: DecoderOnly, path: &Path) -> Result<Decode
     };
     // Weights stored in half precision are read as `f32` (the model's LayerNorms and products
     // take `f32`); `f32` files are read as they are.
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let store =
-        match super::tensors::in_f32(&bytes).map_err(|e| bad(format!("cannot read: {e}")))? {
-            Some(converted) => SafetensorsStore::from_bytes(Some(converted)),
-            None => SafetensorsStore::from_bytes(Some(bytes)),
-        };
+    let mapped = super::tensors::map(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let converted =
+        super::tensors::in_f32(&mapped).map_err(|e| bad(format!("cannot read: {e}")))?;
+    drop(mapped);
+    let store = match converted {
+        Some(converted) => SafetensorsStore::from_bytes(Some(converted)),
+        None => SafetensorsStore::from_file(path),
+    };
     let mut store = HF_TO_EMBER
         .iter()
         .fold(store, |store, (from, to)| {

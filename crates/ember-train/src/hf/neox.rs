@@ -254,8 +254,8 @@ pub(super) fn load_weights(
         path: path.to_path_buf(),
         message,
     };
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let mapped = super::tensors::map(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let file = SafeTensors::deserialize(&mapped).map_err(|e| bad(format!("cannot read: {e}")))?;
     let mut ours = BTreeMap::new();
     for entry in entries(config) {
         // transformers 5 names the head `lm_head`; earlier ones `embed_out`.
@@ -290,6 +290,7 @@ pub(super) fn load_weights(
         ours.insert(entry.ember, from_neox(&array, entry.how, config));
     }
     let bytes = serialize(&ours).map_err(|e| bad(format!("cannot convert: {e}")))?;
+    drop(ours);
     let mut model = model;
     let mut store = SafetensorsStore::from_bytes(Some(bytes)).validate(false);
     let result = model

@@ -87,6 +87,16 @@ pub(super) fn serialize(arrays: &BTreeMap<String, Array>) -> std::result::Result
     safetensors::serialize(views, Some(metadata)).map_err(|e| e.to_string())
 }
 
+/// The file at `path`, mapped into memory (read-only): a model's weights are not copied
+/// whole before they are read.
+pub(super) fn map(path: &std::path::Path) -> std::io::Result<memmap2::Mmap> {
+    let file = std::fs::File::open(path)?;
+    // SAFETY: read-only; ember never writes a weights file in place (an export writes a new
+    // folder), so the bytes change under the map only if another program rewrites the file
+    // while it loads, which the format's length checks make unlikely to go unnoticed.
+    unsafe { memmap2::Mmap::map(&file) }
+}
+
 /// The safetensors file `bytes` with every tensor in `f32`, or `None` where all already are
 /// (a model saved in half precision, as many on the Hugging Face hub are, loads as `f32`).
 pub(super) fn in_f32(bytes: &[u8]) -> std::result::Result<Option<Vec<u8>>, String> {
