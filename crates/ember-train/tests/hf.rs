@@ -344,16 +344,30 @@ fn gpt_neox_variants_ember_lacks_are_named() {
 }
 
 #[test]
-fn sinusoidal_positions_have_no_hugging_face_layout() {
-    let config = ember_model::DecoderOnlyConfig {
+fn models_without_a_hugging_face_layout_are_refused() {
+    let base = ember_model::DecoderOnlyConfig {
         vocab_size: 12,
         d_model: 16,
         n_heads: 2,
         n_layers: 1,
         context_len: 8,
-        positional: ember_model::PositionalKind::Sinusoidal,
         ..Default::default()
     };
+    let sinusoidal = ember_model::DecoderOnlyConfig {
+        positional: ember_model::PositionalKind::Sinusoidal,
+        ..base.clone()
+    };
+    refused(sinusoidal, &["Sinusoidal", "rotary"]);
+    // Learned positions are GPT-2's, whose blocks are sequential.
+    let parallel = ember_model::DecoderOnlyConfig {
+        parallel_blocks: true,
+        ..base
+    };
+    refused(parallel, &["GPT-2", "parallel_blocks"]);
+}
+
+/// The export of a model of `config` fails, its message holding `needles`.
+fn refused(config: ember_model::DecoderOnlyConfig, needles: &[&str]) {
     let lm = LoadedLm {
         model: config.init(&Device::flex()).unwrap(),
         tokenizer: ember_data::Tokenizer::Char(ember_data::CharTokenizer::from_text(
@@ -366,12 +380,12 @@ fn sinusoidal_positions_have_no_hugging_face_layout() {
         dir: PathBuf::from("in-memory"),
         step: 0,
     };
-    let out = temp("sinusoidal");
+    let out = temp(&format!("refused-{}", needles[0]));
     let err = lm.export_hf(&out).unwrap_err().to_string();
-    assert!(
-        err.contains("Sinusoidal") && err.contains("rotary"),
-        "{err}"
-    );
+    for needle in needles {
+        assert!(err.contains(needle), "{needle:?} missing from {err}");
+    }
+    assert!(!out.join("model.safetensors").exists(), "nothing written");
     let _ = std::fs::remove_dir_all(out);
 }
 

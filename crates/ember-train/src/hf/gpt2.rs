@@ -136,6 +136,13 @@ impl Gpt2Config {
         if !config.tie_weights {
             return Err("GPT-2 ties its head to the embedding; this model does not".into());
         }
+        if config.parallel_blocks {
+            return Err(
+                "GPT-2's blocks apply attention then MLP; this model's take them side by side \
+                 (parallel_blocks = true; GPT-NeoX has such blocks, with rotary positions)"
+                    .into(),
+            );
+        }
         let activation_function = super::activation_name(config.activation);
         Ok(Self {
             model_type: Some("gpt2".into()),
