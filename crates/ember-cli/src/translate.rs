@@ -77,6 +77,7 @@ pub fn run(args: TranslateArgs) -> Result<()> {
         options.max_len = max_len;
     }
     let start = Instant::now();
+    let count = sources.len();
     let translated =
         ember_train::translation::translate_all(&t.model, &t.tokenizers, sources, &options);
     let mut translated = translated.into_iter();
@@ -89,7 +90,7 @@ pub fn run(args: TranslateArgs) -> Result<()> {
     }
     eprintln!(
         "{} sentences in {:.2}s (beam {}, checkpoint {} step {})",
-        lines.len(),
+        count,
         start.elapsed().as_secs_f64(),
         args.beam,
         t.dir.display(),
