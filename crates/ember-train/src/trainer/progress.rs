@@ -93,9 +93,16 @@ impl Clock {
     }
 }
 
+/// Redraws `loss.png`: drawn beside it and renamed over it, so that a viewer watching the file
+/// (or a run killed while drawing) never sees half a picture.
 pub(super) fn draw_plot(metrics: &Metrics, title: &str, out: &Path) {
     let records = crate::metrics::read(metrics.path());
-    if let Err(e) = crate::plot::loss_curves(&records, title, &out.join("loss.png")) {
+    // (The `.png` ending tells the drawing library the format.)
+    let (tmp, plot) = (out.join(".loss.tmp.png"), out.join("loss.png"));
+    let drawn = crate::plot::loss_curves(&records, title, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &plot).map_err(|e| crate::error::write_err(&plot, e)));
+    if let Err(e) = drawn {
+        let _ = std::fs::remove_file(&tmp);
         eprintln!("warning: no loss plot: {e}");
     }
 }
