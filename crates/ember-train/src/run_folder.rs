@@ -78,6 +78,7 @@ impl RunFolder {
                     BEST,
                     "metrics.jsonl",
                     "loss.png",
+                    ".loss.tmp.png",
                     CONFIG_FILE,
                 ] {
                     let path = dir.join(name);
