@@ -39,7 +39,10 @@ fn tiny_config_learns() {
     let val = summary.val_loss.unwrap();
     assert!(val < 2.75, "val loss {val} after 300 steps");
     assert!(out.join("loss.png").is_file());
-    assert!(!out.join(".loss.tmp.png").exists(), "the plot is drawn beside and renamed");
+    assert!(
+        !out.join(".loss.tmp.png").exists(),
+        "the plot is drawn beside and renamed"
+    );
     assert!(out.join("metrics.jsonl").is_file());
     // The checkpoint loads and scores the way training measured it.
     let lm = load_lm(&out, &Device::flex()).unwrap();
