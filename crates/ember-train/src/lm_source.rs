@@ -50,15 +50,16 @@ pub struct LmSource {
     pub dir: PathBuf,
     /// The step it was saved at (0 when imported).
     pub step: u64,
-    /// A Hugging Face folder (weights in `model.safetensors`)?
-    pub is_hf: bool,
+    /// A Hugging Face folder's config (its weights in `model.safetensors`), read once when
+    /// opened; `None` for an ember checkpoint.
+    pub hf: Option<hf::HfConfig>,
 }
 
 /// Opens a checkpoint, a run folder (its newest checkpoint) or a Hugging Face GPT-2 or GPT-NeoX
 /// folder.
 pub fn open_lm(path: &Path) -> Result<LmSource> {
     hf::check_weights_format(path)?;
-    let (dir, config, tokenizer, step, is_hf) = if hf::is_hf_folder(path) {
+    let (dir, config, tokenizer, step, hf_config) = if hf::is_hf_folder(path) {
         if let Some(file) = hf::ember_files(path) {
             return Err(TrainError::Checkpoint {
                 path: path.to_path_buf(),
@@ -71,17 +72,17 @@ pub fn open_lm(path: &Path) -> Result<LmSource> {
                 ),
             });
         }
-        let (model, tokenizer) = hf::open_hf(path)?;
+        let (hf_config, model, tokenizer) = hf::open_hf(path)?;
         let config = RunConfig {
             model,
             ..RunConfig::default()
         };
-        (path.to_path_buf(), config, tokenizer, 0, true)
+        (path.to_path_buf(), config, tokenizer, 0, Some(hf_config))
     } else {
         let (dir, state) = crate::checkpoint::open(path, "decoder_only", "a language model")?;
         let config = RunConfig::load(&dir.join(CONFIG_FILE))?;
         let tokenizer = Tokenizer::load(&dir)?;
-        (dir, config, tokenizer, state.step, false)
+        (dir, config, tokenizer, state.step, None)
     };
     if tokenizer.vocab_size() > config.model.vocab_size {
         return Err(TrainError::Checkpoint {
@@ -98,7 +99,7 @@ pub fn open_lm(path: &Path) -> Result<LmSource> {
         tokenizer,
         dir,
         step,
-        is_hf,
+        hf: hf_config,
     })
 }
 
@@ -107,10 +108,9 @@ impl LmSource {
     /// `device` and reads the weights into it.
     pub fn load_model(&self, config: &DecoderOnlyConfig, device: &Device) -> Result<DecoderOnly> {
         let model = config.init(device)?;
-        if self.is_hf {
-            hf::load_weights(model, &self.dir)
-        } else {
-            crate::checkpoint::load_model(model, &self.dir)
+        match &self.hf {
+            Some(hf_config) => hf::load_weights(model, config, hf_config, &self.dir),
+            None => crate::checkpoint::load_model(model, &self.dir),
         }
     }
 

@@ -36,13 +36,13 @@ pub struct Gpt2Config {
     #[serde(default = "default_activation")]
     pub activation_function: String,
     /// LayerNorm epsilon.
-    #[serde(default = "default_eps")]
+    #[serde(default = "super::layer_norm_eps")]
     pub layer_norm_epsilon: f64,
     /// GPT-2 ties the head to the token embedding.
-    #[serde(default = "yes")]
+    #[serde(default = "super::yes")]
     pub tie_word_embeddings: bool,
     /// Scores divided by sqrt(head width), as in every GPT-2.
-    #[serde(default = "yes")]
+    #[serde(default = "super::yes")]
     pub scale_attn_weights: bool,
     /// A variant ember does not implement.
     #[serde(default)]
@@ -63,14 +63,6 @@ pub struct Gpt2Config {
 
 fn default_activation() -> String {
     "gelu_new".into()
-}
-
-fn default_eps() -> f64 {
-    1e-5
-}
-
-fn yes() -> bool {
-    true
 }
 
 impl Gpt2Config {

@@ -72,6 +72,16 @@ pub fn ember_files(dir: &Path) -> Option<&'static str> {
         .find(|name| dir.join(name).exists())
 }
 
+/// transformers' LayerNorm epsilon where a config leaves it out (GPT-2's and GPT-NeoX's).
+fn layer_norm_eps() -> f64 {
+    1e-5
+}
+
+/// `true`, for a config key whose absence means yes.
+fn yes() -> bool {
+    true
+}
+
 /// The activation a Hugging Face config names under `key` (of the config file `path`).
 fn activation(name: &str, key: &str, path: &Path) -> Result<Activation> {
     match name {
@@ -104,8 +114,11 @@ fn validated(config: DecoderOnlyConfig, path: &Path) -> Result<DecoderOnlyConfig
 }
 
 /// A folder's `config.json`, by its `model_type`.
-enum HfConfig {
+#[derive(Debug, Clone)]
+pub enum HfConfig {
+    /// `"gpt2"` (or no `model_type`).
     Gpt2(Gpt2Config),
+    /// `"gpt_neox"`.
     Neox(NeoxConfig),
 }
 
@@ -147,9 +160,10 @@ impl HfConfig {
     }
 }
 
-/// The architecture and tokenizer of a GPT-2 or GPT-NeoX folder.
-pub fn open_hf(dir: &Path) -> Result<(DecoderOnlyConfig, Tokenizer)> {
-    let model_config = read_config(dir)?.to_ember(&dir.join(HF_CONFIG))?;
+/// The config, architecture and tokenizer of a GPT-2 or GPT-NeoX folder.
+pub fn open_hf(dir: &Path) -> Result<(HfConfig, DecoderOnlyConfig, Tokenizer)> {
+    let hf_config = read_config(dir)?;
+    let model_config = hf_config.to_ember(&dir.join(HF_CONFIG))?;
     let tokenizer_path = dir.join(HF_TOKENIZER);
     if !tokenizer_path.is_file() {
         return Err(TrainError::Checkpoint {
@@ -158,20 +172,22 @@ pub fn open_hf(dir: &Path) -> Result<(DecoderOnlyConfig, Tokenizer)> {
         });
     }
     let tokenizer = Tokenizer::Bpe(Box::new(ember_data::bpe::load_bpe(&tokenizer_path)?));
-    Ok((model_config, tokenizer))
+    Ok((hf_config, model_config, tokenizer))
 }
 
-/// Reads the weights of Hugging Face folder `dir` into `model` (built from the folder's
-/// architecture, perhaps with another context or dropout); every tensor of the model must be
-/// there, with its shape.
-pub(crate) fn load_weights(model: DecoderOnly, dir: &Path) -> Result<DecoderOnly> {
+/// Reads the weights of Hugging Face folder `dir` (whose config is `hf_config`) into `model`,
+/// built from `config`: the folder's architecture, perhaps with another context or dropout.
+/// Every tensor of the model must be there, with its shape.
+pub(crate) fn load_weights(
+    model: DecoderOnly,
+    config: &DecoderOnlyConfig,
+    hf_config: &HfConfig,
+    dir: &Path,
+) -> Result<DecoderOnly> {
     let path = dir.join(HF_WEIGHTS);
-    match read_config(dir)? {
+    match hf_config {
         HfConfig::Gpt2(_) => gpt2::load_weights(model, &path),
-        HfConfig::Neox(config) => {
-            let ember = config.to_ember(&dir.join(HF_CONFIG))?;
-            neox::load_weights(model, &ember, &config, &path)
-        }
+        HfConfig::Neox(neox) => neox::load_weights(model, config, neox, &path),
     }
 }
 

@@ -51,17 +51,17 @@ pub struct NeoxConfig {
     #[serde(default = "positions")]
     pub max_position_embeddings: usize,
     /// LayerNorm epsilon.
-    #[serde(default = "eps")]
+    #[serde(default = "super::layer_norm_eps")]
     pub layer_norm_eps: f64,
     /// Attention and MLP side by side (`x + attn(ln1(x)) + mlp(ln2(x))`, Pythia's) instead of one
     /// after the other; ember has only the latter.
-    #[serde(default = "yes")]
+    #[serde(default = "super::yes")]
     pub use_parallel_residual: bool,
     /// The head shares the token embedding.
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// The attention's projections have biases (the MLP's always do).
-    #[serde(default = "yes")]
+    #[serde(default = "super::yes")]
     pub attention_bias: bool,
     /// The share of each head the rotation covers (older transformers' key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,14 +89,6 @@ fn gelu() -> String {
 
 fn positions() -> usize {
     2048
-}
-
-fn eps() -> f64 {
-    1e-5
-}
-
-fn yes() -> bool {
-    true
 }
 
 impl NeoxConfig {

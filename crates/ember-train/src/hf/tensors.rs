@@ -67,24 +67,30 @@ pub(super) fn read_array(view: &TensorView<'_>) -> std::result::Result<Array, St
     Ok(Array { shape, values })
 }
 
+/// An array as safetensors writes it: `f32`, each tensor's bytes made only as it is written
+/// (not all of them held beside the arrays at once).
+impl safetensors::View for &Array {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        self.values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    fn data_len(&self) -> usize {
+        self.values.len() * size_of::<f32>()
+    }
+}
+
 /// Safetensors bytes of `arrays` (`f32`).
 pub(super) fn serialize(arrays: &BTreeMap<String, Array>) -> std::result::Result<Vec<u8>, String> {
-    let bytes: BTreeMap<&str, (Vec<usize>, Vec<u8>)> = arrays
-        .iter()
-        .map(|(name, a)| {
-            let raw = a.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (name.as_str(), (a.shape.clone(), raw))
-        })
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(name, (shape, raw))| {
-            TensorView::new(Dtype::F32, shape.clone(), raw).map(|view| (*name, view))
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
     let metadata = [("format".to_string(), "pt".to_string())].into();
-    safetensors::serialize(views, Some(metadata)).map_err(|e| e.to_string())
+    safetensors::serialize(arrays, Some(metadata)).map_err(|e| e.to_string())
 }
 
 /// The file at `path`, mapped into memory (read-only): a model's weights are not copied
