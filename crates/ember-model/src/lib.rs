@@ -42,7 +42,9 @@ pub use attention::{
     AttentionOutput, DecoderCache, KvCache, MultiHeadAttention, MultiHeadAttentionConfig,
     scaled_dot_product_attention,
 };
-pub use blocks::{Activation, BlockConfig, BlockWeights, DecoderBlock, EncoderBlock, Memory, Mlp};
+pub use blocks::{
+    Activation, BlockConfig, BlockWeights, DecoderBlock, EncoderBlock, Memory, Mlp, NormKind,
+};
 pub use error::ConfigError;
 pub use models::{
     DecoderOnly, DecoderOnlyConfig, DecoderOutput, EncoderDecoder, EncoderDecoderConfig,

@@ -236,7 +236,7 @@ mod tests {
         use crate::{Activation, Mlp};
         use burn::tensor::Distribution;
         let device = Device::flex();
-        let mlp = Mlp::new(8, 32, Activation::Gelu, 0.0, true, 0.02, &device);
+        let mlp = Mlp::new(8, 32, Activation::Gelu, false, 0.0, true, 0.02, &device);
         let view = products_in(mlp.clone(), FloatDType::BF16);
         let x = Tensor::<3>::random([2, 3, 8], Distribution::Normal(0.0, 1.0), &device);
         let hidden = linear_gelu(&view.c_fc, x.clone(), false);

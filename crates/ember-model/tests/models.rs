@@ -4,8 +4,8 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Bool, Device, Distribution, Int, Tensor};
 use ember_model::{
-    Activation, DecoderOnly, DecoderOnlyConfig, EncoderDecoder, EncoderDecoderConfig, PositionInit,
-    PositionalKind,
+    Activation, DecoderOnly, DecoderOnlyConfig, EncoderDecoder, EncoderDecoderConfig, NormKind,
+    PositionInit, PositionalKind,
 };
 
 fn max_diff<const N: usize>(a: Tensor<N>, b: Tensor<N>) -> f32 {
@@ -409,11 +409,15 @@ fn assert_all_params_get_gradients<M: Module>(model: &M, grads: &GradientsParams
 fn one_step_lowers_the_loss_of_the_language_model() {
     let device = Device::flex().autodiff();
     device.seed(7);
-    for (positional, tie) in [
-        (PositionalKind::Learned, true),
-        (PositionalKind::Rotary, false),
+    for (positional, tie, llama) in [
+        (PositionalKind::Learned, true, false),
+        (PositionalKind::Rotary, false, false),
+        (PositionalKind::Rotary, false, true),
     ] {
-        let mut config = lm_config(positional, true);
+        let mut config = match llama {
+            true => llama_config(),
+            false => lm_config(positional, true),
+        };
         config.tie_weights = tie;
         let model = config.init(&device).unwrap();
         let x = Tensor::<2, Int>::random([4, 12], Distribution::Uniform(0.0, 11.0), &device);
@@ -585,6 +589,20 @@ fn invalid_configs_are_errors_naming_the_field() {
             },
             "parallel_blocks",
         ),
+        (
+            DecoderOnlyConfig {
+                n_kv_heads: Some(3),
+                ..base.clone()
+            },
+            "n_kv_heads",
+        ),
+        (
+            DecoderOnlyConfig {
+                n_kv_heads: Some(0),
+                ..base.clone()
+            },
+            "n_kv_heads",
+        ),
     ];
     for (config, field) in cases {
         let err = config.init(&device).unwrap_err();
@@ -655,11 +673,26 @@ fn parallel_blocks_with_a_partial_rotation_decode_as_they_compute() {
     .init(&device)
     .unwrap()
     .load_record(model.clone().into_record());
+    let seq = long_rows(&device);
+    assert!(max_diff(model.forward(seq.clone()), plain.forward(seq)) > 1e-3);
+    decodes_as_it_computes(&model, &device);
+}
+
+/// Two rows of 70 tokens of a vocabulary of 11.
+fn long_rows(device: &Device) -> Tensor<2, Int> {
     let ids: Vec<i32> = (0..140).map(|i| (i * 5 + i / 4) % 11).collect();
     let rows: [&[i32]; 2] = [&ids[..70], &ids[70..]];
-    let seq = tokens(&rows, &device);
+    tokens(&rows, device)
+}
+
+/// `model` (context at least 70, vocabulary 11) is causal, and its valid-rows cache, a
+/// whole-buffer cache read at a position held on the device and a left-padded batch all give
+/// the full forward's logits.
+fn decodes_as_it_computes(model: &DecoderOnly, device: &Device) {
+    let device = device.clone();
+    let seq = long_rows(&device);
+    let ids: Vec<i32> = (0..140).map(|i| (i * 5 + i / 4) % 11).collect();
     let full = model.forward(seq.clone());
-    assert!(max_diff(full.clone(), plain.forward(seq.clone())) > 1e-3);
     // Causal: a changed future leaves the past's logits.
     let mut changed = ids[..70].to_vec();
     changed[40] = (changed[40] + 1) % 11;
@@ -704,4 +737,141 @@ fn parallel_blocks_with_a_partial_rotation_decode_as_they_compute() {
         let got = batch.clone().slice([row..row + 1, 4..5, 0..11]);
         assert!(max_diff(got, want) < 1e-4, "prompt {row}");
     }
+}
+
+/// LLaMA's parts: RMSNorm, a gated SiLU MLP (SwiGLU), 4 query heads sharing 2 key/value heads,
+/// no biases, an untied head.
+fn llama_config() -> DecoderOnlyConfig {
+    DecoderOnlyConfig {
+        context_len: 80,
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        gated_mlp: true,
+        activation: Activation::Silu,
+        norm: NormKind::RmsNorm,
+        bias: false,
+        tie_weights: false,
+        ..lm_config(PositionalKind::Rotary, true)
+    }
+}
+
+/// Its transformers twin is checked in ember-train's tests (`tiny-llama`); here, that a model of
+/// LLaMA's parts decodes as it computes, and that each part changes what it computes.
+#[test]
+fn llama_blocks_decode_as_they_compute() {
+    let device = Device::flex();
+    let model = unit_scale(llama_config().init(&device).unwrap());
+    decodes_as_it_computes(&model, &device);
+    // The same weights with another activation for the gate compute something else.
+    let seq = long_rows(&device);
+    let twin = DecoderOnlyConfig {
+        activation: Activation::Gelu,
+        ..llama_config()
+    }
+    .init(&device)
+    .unwrap()
+    .load_record(model.clone().into_record());
+    assert!(max_diff(twin.forward(seq.clone()), model.forward(seq)) > 1e-2);
+    // Parameters: per block two norms of 16, c_attn 16 x (16 + 2 * 8), c_proj 16 x 16, the MLP
+    // 16 x 2F and F x 16 with F = 64; the embedding, the final norm and the head.
+    let per_block = 2 * 16 + 16 * 32 + 16 * 16 + 16 * 128 + 64 * 16;
+    let want = 2 * per_block + 11 * 16 + 16 + 16 * 11;
+    assert_eq!(model.num_params(), want);
+}
+
+/// Grouped-query attention is multi-head attention whose heads share keys and values: a model
+/// with 2 key/value heads for 4 query heads gives the logits of a multi-head model whose key and
+/// value columns (and biases) are those of its group, and the gradient of a shared column is
+/// the sum of the multi-head model's over the heads that share it.
+#[test]
+fn grouped_keys_and_values_are_heads_sharing_them() {
+    let device = Device::flex().autodiff();
+    let config = DecoderOnlyConfig {
+        bias: true,
+        ..llama_config()
+    };
+    let grouped = unit_scale(config.init(&device).unwrap());
+    // Column of the multi-head c_attn -> column of the grouped one: head h reads group h / 2.
+    let (d, k) = (16, 4);
+    let from: Vec<i32> = (0..3 * d)
+        .map(|c| match c / d {
+            0 => c,
+            part => {
+                let (head, e) = ((c % d) / k, c % k);
+                (d + (part - 1) * 2 * k + (head / 2) * k + e) as i32
+            }
+        })
+        .map(|c| c as i32)
+        .collect();
+    let index = Tensor::<1, Int>::from_ints(from.as_slice(), &device);
+    let mut expanded = grouped.clone();
+    for block in &mut expanded.blocks {
+        let linear = &mut block.attn.c_attn;
+        let weight = linear.weight.val().detach().select(1, index.clone());
+        linear.weight = Param::from_tensor(leaf(weight));
+        let bias = linear.bias.as_ref().unwrap().val();
+        linear.bias = Some(Param::from_tensor(leaf(bias.select(0, index.clone()))));
+    }
+    let heads = DecoderOnlyConfig {
+        n_kv_heads: None,
+        ..config.clone()
+    }
+    .init(&device)
+    .unwrap()
+    .load_record(expanded.into_record());
+    let seq = long_rows(&device);
+    let targets = seq.clone().slice([0..2, 1..70]);
+    let inputs = seq.slice([0..2, 0..69]);
+    let (a, b) = (
+        grouped.loss(inputs.clone(), targets.clone()),
+        heads.loss(inputs, targets),
+    );
+    assert!(max_diff(a.clone(), b.clone()) < 1e-5);
+    let (ga, gb) = (a.backward(), b.backward());
+    let grad = |model: &DecoderOnly, grads: &_| -> Tensor<2> {
+        model.blocks[0]
+            .attn
+            .c_attn
+            .weight
+            .val()
+            .grad(grads)
+            .unwrap()
+    };
+    let (ga, gb) = (grad(&grouped, &ga), grad(&heads, &gb));
+    // Summing the multi-head gradient's columns into the grouped ones they came from.
+    let summed = Tensor::<2>::zeros([d, d + 4 * k], &gb.device()).select_assign(
+        1,
+        index.inner(),
+        gb,
+        burn::tensor::IndexingUpdateOp::Add,
+    );
+    assert!(max_diff(ga, summed) < 1e-5);
+}
+
+/// `model` with its matrices 10 times their initial scale (standard deviation 0.2, where a
+/// width of 16 gives each product about unit scale): at the initial 0.02 every logit is near 0,
+/// and a comparison of them tells little.
+fn unit_scale(model: DecoderOnly) -> DecoderOnly {
+    struct Scale;
+    impl burn::module::ModuleMapper for Scale {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            match D {
+                2 => {
+                    let (x, tracked) = (param.val(), param.val().is_require_grad());
+                    let device = x.device();
+                    let x = Tensor::from_data(x.mul_scalar(10.0).into_data(), &device);
+                    Param::initialized(param.id, x.set_require_grad(tracked))
+                }
+                _ => param,
+            }
+        }
+    }
+    model.map(&mut Scale)
+}
+
+/// A tensor of `x`'s values that autodiff (where `x` is tracked) tracks as a leaf of its own,
+/// as a parameter.
+fn leaf<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let (device, tracked) = (x.device(), x.is_require_grad());
+    Tensor::from_data(x.into_data(), &device).set_require_grad(tracked)
 }

@@ -18,6 +18,9 @@ pub struct MultiHeadAttentionConfig {
     pub d_model: usize,
     /// Number of heads `H`; must divide `D`.
     pub n_heads: usize,
+    /// Key/value heads `G`, dividing `H`: each shared by `H / G` query heads (grouped-query
+    /// attention, Ainslie et al. 2023; LLaMA 2's and Mistral's). `H` for multi-head attention.
+    pub n_kv_heads: usize,
     /// Dropout on the attention weights.
     pub dropout: f64,
     /// Whether the projections have biases.
@@ -38,6 +41,7 @@ impl MultiHeadAttentionConfig {
         Self {
             d_model,
             n_heads,
+            n_kv_heads: n_heads,
             dropout: 0.0,
             bias: true,
             rotary_base: None,
@@ -54,11 +58,13 @@ impl MultiHeadAttentionConfig {
                 .with_initializer(Initializer::Normal { mean: 0.0, std })
                 .init(device)
         };
+        let kv_width = self.d_model / self.n_heads * self.n_kv_heads;
         MultiHeadAttention {
-            c_attn: linear(3 * self.d_model, 0.02),
+            c_attn: linear(self.d_model + 2 * kv_width, 0.02),
             c_proj: linear(self.d_model, self.proj_std),
             attn_dropout: DropoutConfig::new(self.dropout).init(),
             n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
             rotary_base: self.rotary_base.unwrap_or(0.0),
             rotary_dims: self.rotary_dims.unwrap_or(0),
         }
@@ -69,10 +75,11 @@ impl MultiHeadAttentionConfig {
 ///
 /// The query, key and value projections are one `[D, 3D]` matrix (GPT-2's `c_attn`): one
 /// matrix multiply for self-attention; cross-attention uses its first third on the queries
-/// and the rest on the encoder output.
+/// and the rest on the encoder output. With `G < H` key/value heads (grouped-query
+/// attention) it is `[D, D + 2GK]`, and each key/value head serves `H / G` query heads.
 #[derive(Module, Debug)]
 pub struct MultiHeadAttention {
-    /// Fused Q, K, V projection `[D, 3D]`, columns `[Q | K | V]`.
+    /// Fused Q, K, V projection `[D, 3D]`, columns `[Q | K | V]` (`[D, D + 2GK]` grouped).
     pub c_attn: Linear,
     /// Output projection `[D, D]`.
     pub c_proj: Linear,
@@ -80,6 +87,8 @@ pub struct MultiHeadAttention {
     pub attn_dropout: Dropout,
     /// Number of heads `H`.
     pub n_heads: usize,
+    /// Key/value heads `G` (`H` but in grouped-query attention).
+    pub n_kv_heads: usize,
     /// RoPE base; 0 when queries and keys are not rotated.
     pub rotary_base: f64,
     /// Leading dimensions of each head the rotation turns; 0 for the whole head.

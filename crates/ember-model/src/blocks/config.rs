@@ -4,6 +4,7 @@ use burn::tensor::Device;
 
 use crate::attention::multi_head::{MultiHeadAttention, MultiHeadAttentionConfig};
 use crate::blocks::mlp::{Activation, Mlp};
+use crate::blocks::norm::NormKind;
 use crate::blocks::residual::Residual;
 
 /// What every transformer block is made of; filled in by the model configs.
@@ -13,17 +14,23 @@ pub struct BlockConfig {
     pub d_model: usize,
     /// Attention heads `H`.
     pub n_heads: usize,
+    /// Key/value heads of self-attention (`H` but for grouped-query attention).
+    pub n_kv_heads: usize,
     /// Hidden width of the MLP `F`.
     pub d_ff: usize,
     /// Dropout on attention weights, sub-layer outputs and the MLP.
     pub dropout: f64,
     /// The MLP's non-linearity.
     pub activation: Activation,
+    /// A gated MLP, `proj(act(gate(x)) * up(x))`.
+    pub gated_mlp: bool,
+    /// LayerNorm or RMSNorm.
+    pub norm: NormKind,
     /// Pre-norm (`true`) or post-norm (`false`).
     pub norm_first: bool,
     /// Biases in the linear layers.
     pub bias: bool,
-    /// LayerNorm epsilon.
+    /// The norms' epsilon.
     pub layer_norm_eps: f64,
     /// RoPE base for self-attention, when the model uses rotary positions.
     pub rotary_base: Option<f64>,
@@ -40,6 +47,12 @@ impl BlockConfig {
         MultiHeadAttentionConfig {
             d_model: self.d_model,
             n_heads: self.n_heads,
+            // Grouped keys and values are self-attention's (`rotary`: it alone rotates).
+            n_kv_heads: if rotary {
+                self.n_kv_heads
+            } else {
+                self.n_heads
+            },
             dropout: self.dropout,
             bias: self.bias,
             rotary_base: if rotary { self.rotary_base } else { None },
@@ -54,6 +67,7 @@ impl BlockConfig {
             self.d_model,
             self.d_ff,
             self.activation,
+            self.gated_mlp,
             self.dropout,
             self.bias,
             self.proj_std,
@@ -62,6 +76,12 @@ impl BlockConfig {
     }
 
     pub(crate) fn residual(&self, device: &Device) -> Residual {
-        Residual::new(self.d_model, self.layer_norm_eps, self.norm_first, device)
+        Residual::new(
+            self.d_model,
+            self.layer_norm_eps,
+            self.norm_first,
+            self.norm,
+            device,
+        )
     }
 }

@@ -1,9 +1,11 @@
-//! The position-wise feed-forward network: `proj(act(fc(x)))`, applied to each position alone.
+//! The position-wise feed-forward network: `proj(act(fc(x)))`, applied to each position alone;
+//! or gated (Shazeer 2020; LLaMA's SwiGLU with `silu`): `proj(act(gate(x)) * up(x))`, the
+//! activated half of a double-width expansion multiplying the other half.
 
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::serde::{Deserialize, Serialize};
-use burn::tensor::activation::relu;
+use burn::tensor::activation::{relu, silu};
 use burn::tensor::{Device, Tensor};
 
 use crate::ops::linear;
@@ -19,6 +21,8 @@ pub enum Activation {
     GeluTanh,
     /// `max(0, x)`, as in the original transformer.
     Relu,
+    /// `x * sigmoid(x)` (SiLU, or swish; LLaMA's gated MLP).
+    Silu,
 }
 
 impl Activation {
@@ -28,6 +32,7 @@ impl Activation {
             Activation::Gelu => crate::ops::gelu(x),
             Activation::GeluTanh => crate::ops::gelu_tanh(x),
             Activation::Relu => relu(x),
+            Activation::Silu => silu(x),
         }
     }
 
@@ -38,6 +43,7 @@ impl Activation {
             Activation::Gelu => crate::ops::linear_gelu(layer, x, false),
             Activation::GeluTanh => crate::ops::linear_gelu(layer, x, true),
             Activation::Relu => relu(linear(layer, x)),
+            Activation::Silu => silu(linear(layer, x)),
         }
     }
 }
@@ -48,6 +54,7 @@ impl std::fmt::Display for Activation {
             Activation::Gelu => "gelu",
             Activation::GeluTanh => "gelu_tanh",
             Activation::Relu => "relu",
+            Activation::Silu => "silu",
         };
         f.write_str(name)
     }
@@ -60,22 +67,27 @@ empty!(Activation);
 /// Position-wise feed-forward network `D -> F -> D`.
 #[derive(Module, Debug)]
 pub struct Mlp {
-    /// `[D, F]` expansion (GPT-2's `c_fc`).
+    /// `[D, F]` expansion (GPT-2's `c_fc`); gated, `[D, 2F]`, columns `[gate | up]`.
     pub c_fc: Linear,
     /// `[F, D]` projection back (GPT-2's `c_proj`).
     pub c_proj: Linear,
     /// The non-linearity between them.
     pub activation: Activation,
+    /// Gated: `proj(act(gate(x)) * up(x))`.
+    pub gated: bool,
     /// Dropout after the projection.
     pub dropout: Dropout,
 }
 
 impl Mlp {
-    /// A `D -> F -> D` MLP; `proj_std` is the init scale of the projection back to `D`.
+    /// A `D -> F -> D` MLP (gated: `F` twice, for the gate and the values it multiplies);
+    /// `proj_std` is the init scale of the projection back to `D`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         d_model: usize,
         d_ff: usize,
         activation: Activation,
+        gated: bool,
         dropout: f64,
         bias: bool,
         proj_std: f64,
@@ -88,9 +100,10 @@ impl Mlp {
                 .init(device)
         };
         Self {
-            c_fc: linear(d_model, d_ff, 0.02),
+            c_fc: linear(d_model, if gated { 2 * d_ff } else { d_ff }, 0.02),
             c_proj: linear(d_ff, d_model, proj_std),
             activation,
+            gated,
             dropout: DropoutConfig::new(dropout).init(),
         }
     }
@@ -112,7 +125,16 @@ impl Mlp {
         let dtype = x.dtype();
         // act(fc(x)), [B, T, F]: in mixed precision kept in the products' type (bf16), as
         // PyTorch's autocast keeps it; the projection back is widened to the residual stream's.
-        let h = self.activation.after_linear(&self.c_fc, x);
+        let h = match self.gated {
+            false => self.activation.after_linear(&self.c_fc, x),
+            true => {
+                let both = linear(&self.c_fc, x); // [B, T, 2F]
+                let [b, t, f2] = both.dims();
+                let gate = both.clone().slice([0..b, 0..t, 0..f2 / 2]);
+                let up = both.slice([0..b, 0..t, f2 / 2..f2]);
+                self.activation.forward(gate) * up
+            }
+        };
         crate::ops::linear_into(&self.c_proj, h, dtype)
     }
 }

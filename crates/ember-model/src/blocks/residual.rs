@@ -1,17 +1,19 @@
-//! Residual connection around a sub-layer, with LayerNorm before it (pre-norm, GPT-2) or after
+//! Residual connection around a sub-layer, with a norm before it (pre-norm, GPT-2) or after
 //! the sum (post-norm, the original paper's `LayerNorm(x + Sublayer(x))`).
 
 use burn::module::Module;
-use burn::nn::{Dropout, LayerNorm, LayerNormConfig};
+use burn::nn::{Dropout, LayerNorm};
 use burn::tensor::{Device, Tensor};
 
-use crate::ops::layer_norm;
+use crate::blocks::norm::NormKind;
 
-/// A LayerNorm and where it sits relative to the residual sum.
+/// A norm and where it sits relative to the residual sum.
 #[derive(Module, Debug)]
 pub struct Residual {
-    /// The normalisation.
+    /// The norm's weights (`gamma` alone for RMSNorm).
     pub norm: LayerNorm,
+    /// LayerNorm or RMSNorm.
+    pub kind: NormKind,
     /// `true`: `x + f(norm(x))`; `false`: `norm(x + f(x))`.
     pub norm_first: bool,
     /// The norm's epsilon (Burn's `LayerNorm` keeps its own private).
@@ -20,9 +22,16 @@ pub struct Residual {
 
 impl Residual {
     /// A residual wrapper over width `D`.
-    pub fn new(d_model: usize, eps: f64, norm_first: bool, device: &Device) -> Self {
+    pub fn new(
+        d_model: usize,
+        eps: f64,
+        norm_first: bool,
+        kind: NormKind,
+        device: &Device,
+    ) -> Self {
         Self {
-            norm: LayerNormConfig::new(d_model).with_epsilon(eps).init(device),
+            norm: kind.init(d_model, eps, device),
+            kind,
             norm_first,
             eps,
         }
@@ -50,7 +59,7 @@ impl Residual {
     }
 
     fn norm(&self, x: Tensor<3>) -> Tensor<3> {
-        layer_norm(&self.norm, x, self.eps)
+        self.kind.forward(&self.norm, x, self.eps)
     }
 
     /// The norm alone, for a sub-layer whose sum is made elsewhere (a parallel block's MLP).

@@ -1,17 +1,17 @@
 //! The GPT-style language model: token embedding + positions, N causal decoder blocks, a final
-//! LayerNorm and a head over the vocabulary (optionally tied to the embedding).
+//! norm and a head over the vocabulary (optionally tied to the embedding).
 
 use burn::module::Module;
 use burn::nn::{
-    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
-    Linear, LinearConfig,
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, Linear,
+    LinearConfig,
 };
 use burn::tensor::{Bool, Device, Int, Tensor};
 
 use crate::attention::kv_cache::DecoderCache;
 use crate::blocks::decoder_block::{BlockWeights, DecoderBlock};
+use crate::blocks::norm::NormKind;
 use crate::models::decoder_only_config::DecoderOnlyConfig;
-use crate::ops::layer_norm;
 use crate::positions::{AdditivePositions, StepPosition};
 
 /// A decoder-only transformer language model. Build it with [`DecoderOnlyConfig::init`].
@@ -26,14 +26,16 @@ pub struct DecoderOnly {
     pub drop: Dropout,
     /// The decoder blocks.
     pub blocks: Vec<DecoderBlock>,
-    /// Final LayerNorm.
+    /// Final norm's weights.
     pub ln_f: LayerNorm,
     /// Output head `[D, V]`; `None` when tied to `wte`.
     pub lm_head: Option<Linear>,
     /// Positions the model accepts (`max_positions`).
     pub max_positions: usize,
-    /// The LayerNorms' epsilon (Burn's `LayerNorm` keeps its own private).
+    /// The norms' epsilon (Burn's `LayerNorm` keeps its own private).
     pub layer_norm_eps: f64,
+    /// LayerNorm or RMSNorm.
+    pub norm: NormKind,
 }
 
 /// Logits and, when asked for, the attention weights of every block.
@@ -67,9 +69,9 @@ impl DecoderOnly {
             blocks: (0..config.n_layers)
                 .map(|_| DecoderBlock::new(&block, false, device))
                 .collect(),
-            ln_f: LayerNormConfig::new(config.d_model)
-                .with_epsilon(config.layer_norm_eps)
-                .init(device),
+            ln_f: config
+                .norm
+                .init(config.d_model, config.layer_norm_eps, device),
             lm_head: (!config.tie_weights).then(|| {
                 LinearConfig::new(config.d_model, config.vocab_size)
                     .with_bias(false)
@@ -78,6 +80,7 @@ impl DecoderOnly {
             }),
             max_positions: config.max_positions(),
             layer_norm_eps: config.layer_norm_eps,
+            norm: config.norm,
         }
     }
 
@@ -145,7 +148,7 @@ impl DecoderOnly {
                 weights.push(w);
             }
         }
-        let x = layer_norm(&self.ln_f, x, self.layer_norm_eps);
+        let x = self.norm.forward(&self.ln_f, x, self.layer_norm_eps);
         DecoderOutput {
             logits: self.head(x),
             weights,

@@ -5,6 +5,7 @@ use burn::tensor::Device;
 
 use crate::blocks::config::BlockConfig;
 use crate::blocks::mlp::Activation;
+use crate::blocks::norm::NormKind;
 use crate::error::{ConfigError, epsilon, positive, probability};
 use crate::models::decoder_only::DecoderOnly;
 use crate::positions::{PositionInit, PositionalKind};
@@ -20,10 +21,17 @@ pub struct DecoderOnlyConfig {
     pub d_model: usize,
     /// Attention heads `H`; must divide `d_model`. Default 4.
     pub n_heads: usize,
+    /// Key/value heads `G` of grouped-query attention (LLaMA 2's, Mistral's): each shared by
+    /// `H / G` query heads, so the projections to keys and values are `G / H` the size. Must
+    /// divide `n_heads`. Default `n_heads` (multi-head attention).
+    pub n_kv_heads: Option<usize>,
     /// Number of decoder blocks. Default 4.
     pub n_layers: usize,
     /// MLP hidden width `F`. Default `4 * d_model`.
     pub d_ff: Option<usize>,
+    /// A gated MLP, `proj(act(gate(x)) * up(x))` (with `activation = "silu"` LLaMA's SwiGLU):
+    /// three `D x F` matrices where the plain MLP has two. Default false.
+    pub gated_mlp: bool,
     /// Longest sequence the model is trained on and attends over. Default 64.
     pub context_len: usize,
     /// Size of the positional table; at least `context_len`. Default `context_len`.
@@ -45,8 +53,10 @@ pub struct DecoderOnlyConfig {
     /// mlp(ln_2(x))` (GPT-J's, GPT-NeoX's and Pythia's blocks), instead of the MLP after the
     /// attention. Default false. Pre-norm only.
     pub parallel_blocks: bool,
-    /// `gelu` (default), `gelu_tanh` or `relu`.
+    /// `gelu` (default), `gelu_tanh`, `relu` or `silu`.
     pub activation: Activation,
+    /// `layer_norm` (default) or `rms_norm` (LLaMA's: no centring, no bias).
+    pub norm: NormKind,
     /// Dropout probability in `[0, 1)` on the embedded input, the attention weights, each
     /// sub-layer's output and the MLP (where GPT-2 and nanoGPT drop). Default 0.
     pub dropout: f64,
@@ -54,7 +64,7 @@ pub struct DecoderOnlyConfig {
     pub bias: bool,
     /// Share the token embedding with the output head (weight tying). Default true.
     pub tie_weights: bool,
-    /// LayerNorm epsilon. Default 1e-5.
+    /// The norms' epsilon. Default 1e-5.
     pub layer_norm_eps: f64,
 }
 
@@ -64,8 +74,10 @@ impl Default for DecoderOnlyConfig {
             vocab_size: 0,
             d_model: 128,
             n_heads: 4,
+            n_kv_heads: None,
             n_layers: 4,
             d_ff: None,
+            gated_mlp: false,
             context_len: 64,
             max_positions: None,
             positional: PositionalKind::Learned,
@@ -75,6 +87,7 @@ impl Default for DecoderOnlyConfig {
             norm_first: true,
             parallel_blocks: false,
             activation: Activation::Gelu,
+            norm: NormKind::LayerNorm,
             dropout: 0.0,
             bias: true,
             tie_weights: true,
@@ -89,6 +102,11 @@ impl DecoderOnlyConfig {
         self.d_ff.unwrap_or(4 * self.d_model)
     }
 
+    /// Key/value heads: `n_kv_heads`, or `n_heads`.
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
     /// Positional table size: `max_positions`, or `context_len`.
     pub fn max_positions(&self) -> usize {
         self.max_positions.unwrap_or(self.context_len)
@@ -101,6 +119,18 @@ impl DecoderOnlyConfig {
         positive("context_len", self.context_len)?;
         validate_attention(self.d_model, self.n_heads, self.positional)?;
         positive("d_ff", self.d_ff())?;
+        if let Some(groups) = self.n_kv_heads
+            && (groups == 0 || !self.n_heads.is_multiple_of(groups))
+        {
+            return Err(ConfigError::new(
+                "n_kv_heads",
+                format!(
+                    "= {groups} must divide n_heads = {}: each key/value head serves the same \
+                     number of query heads",
+                    self.n_heads
+                ),
+            ));
+        }
         positive("max_positions", self.max_positions())?;
         if self.context_len > self.max_positions() {
             return Err(ConfigError::new(
@@ -157,9 +187,12 @@ impl DecoderOnlyConfig {
         BlockConfig {
             d_model: self.d_model,
             n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads(),
             d_ff: self.d_ff(),
             dropout: self.dropout,
             activation: self.activation,
+            gated_mlp: self.gated_mlp,
+            norm: self.norm,
             norm_first: self.norm_first,
             bias: self.bias,
             layer_norm_eps: self.layer_norm_eps,

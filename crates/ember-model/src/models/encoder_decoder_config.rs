@@ -118,9 +118,12 @@ impl EncoderDecoderConfig {
         BlockConfig {
             d_model: self.d_model,
             n_heads: self.n_heads,
+            n_kv_heads: self.n_heads,
             d_ff: self.d_ff(),
             dropout: self.dropout,
             activation: self.activation,
+            gated_mlp: false,
+            norm: crate::NormKind::LayerNorm,
             norm_first: self.norm_first,
             bias: self.bias,
             layer_norm_eps: self.layer_norm_eps,
