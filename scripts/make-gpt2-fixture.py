@@ -8,12 +8,15 @@ and greedy continuation transformers computes for a fixed prompt. With `--neox`,
 instead in the layout ember reads (rotary positions over whole heads, attention then MLP, an
 untied head): the fused projection's per-head grouping and the `[out, in]` weights are what its
 test checks. With `--pythia`, a GPT-NeoX as Pythia's models are: attention and MLP side by side
-(`use_parallel_residual`) and a quarter of each head rotated (`rotary_pct = 0.25`).
+(`use_parallel_residual`) and a quarter of each head rotated (`rotary_pct = 0.25`). With
+`--llama`, a Llama: RMSNorm, a gated SiLU MLP, 4 query heads sharing 2 key/value heads, an
+untied head.
 
     python3 -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers tokenizers safetensors
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py crates/ember-train/tests/fixtures/tiny-gpt2
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --neox crates/ember-train/tests/fixtures/tiny-neox
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --pythia crates/ember-train/tests/fixtures/tiny-pythia
+    /tmp/hf/bin/python scripts/make-gpt2-fixture.py --llama crates/ember-train/tests/fixtures/tiny-llama
 
 The output is committed, so the tests need no Python.
 """
@@ -26,7 +29,14 @@ import tokenizers
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 PROMPT = "ROMEO: What light through yonder window"
 GREEDY_TOKENS = 16
@@ -49,7 +59,24 @@ def main(out: Path, kind: str) -> None:
     tok.save(str(out / "tokenizer.json"))
 
     torch.manual_seed(0)
-    if kind in ("neox", "pythia"):
+    if kind == "llama":
+        config = LlamaConfig(
+            vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            hidden_act="silu",
+            rms_norm_eps=1e-5,
+            rope_theta=500.0,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = LlamaForCausalLM(config)
+    elif kind in ("neox", "pythia"):
         pythia = kind == "pythia"
         config = GPTNeoXConfig(
             vocab_size=tok.get_vocab_size(),
@@ -82,7 +109,7 @@ def main(out: Path, kind: str) -> None:
         model = GPT2LMHeadModel(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(n in name for n in ("ln", "layernorm", "layer_norm")) and name.endswith("weight"):
+            if any(n in name for n in ("ln", "norm")) and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.2 * torch.randn_like(p))
@@ -117,6 +144,6 @@ def main(out: Path, kind: str) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    kind = next((a[2:] for a in sys.argv[1:] if a in ("--neox", "--pythia")), "gpt2")
+    kind = next((a[2:] for a in sys.argv[1:] if a in ("--neox", "--pythia", "--llama")), "gpt2")
     default = f"crates/ember-train/tests/fixtures/tiny-{kind}"
     main(Path(args[0] if args else default), kind)

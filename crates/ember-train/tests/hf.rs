@@ -24,6 +24,12 @@ fn pythia() -> PathBuf {
     fixture_named("tiny-pythia")
 }
 
+/// A Llama made by transformers: RMSNorm, a gated SiLU MLP, 4 query heads sharing 2 key/value
+/// heads, an untied head, no biases.
+fn llama() -> PathBuf {
+    fixture_named("tiny-llama")
+}
+
 fn fixture_named(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
@@ -139,6 +145,18 @@ fn transformers_pythia_logits_and_greedy_tokens_are_reproduced() {
     assert_eq!((model.rotary_dims, model.parallel_blocks), (Some(4), true));
 }
 
+#[test]
+fn transformers_llama_logits_and_greedy_tokens_are_reproduced() {
+    reproduces_transformers(&llama());
+    let lm = load_lm(&llama(), &Device::flex()).unwrap();
+    let model = &lm.config.model;
+    assert_eq!(model.n_kv_heads, Some(2));
+    assert_eq!(model.norm, ember_model::NormKind::RmsNorm);
+    assert_eq!(model.activation, ember_model::Activation::Silu);
+    assert!(model.gated_mlp && !model.tie_weights && !model.bias);
+    assert_eq!((model.rotary_base, model.layer_norm_eps), (500.0, 1e-5));
+}
+
 /// Export, then import: the same logits, and the layout the fixture came in.
 fn round_trip(fixture: &Path, architecture: &str) {
     let want = expected_of(fixture);
@@ -165,7 +183,7 @@ fn round_trip(fixture: &Path, architecture: &str) {
         names.sort();
         names
     };
-    if architecture == "GPTNeoXForCausalLM" {
+    if architecture != "GPT2LMHeadModel" {
         assert_eq!(names(&out), names(fixture));
     }
     let _ = std::fs::remove_dir_all(out);
@@ -176,22 +194,37 @@ fn export_then_import_gives_identical_logits() {
     round_trip(&fixture(), "GPT2LMHeadModel");
     round_trip(&neox(), "GPTNeoXForCausalLM");
     round_trip(&pythia(), "GPTNeoXForCausalLM");
+    round_trip(&llama(), "LlamaForCausalLM");
 }
 
 /// An ember model with no biases and a character vocabulary, the given positions, exported
 /// and read back: the same tokens and logits.
 fn bias_free_char_model_round_trip(positional: ember_model::PositionalKind) {
-    let device = Device::flex();
-    let config = ember_model::DecoderOnlyConfig {
+    char_model_round_trip(ember_model::DecoderOnlyConfig {
+        bias: false,
+        positional,
+        ..char_model_config()
+    });
+}
+
+/// The model of the character round trips: 2 blocks of width 16, 2 heads, 12 characters.
+fn char_model_config() -> ember_model::DecoderOnlyConfig {
+    ember_model::DecoderOnlyConfig {
         vocab_size: 12,
         d_model: 16,
         n_heads: 2,
         n_layers: 2,
         context_len: 16,
-        bias: false,
-        positional,
         ..Default::default()
-    };
+    }
+}
+
+/// An ember model of `config` with a character vocabulary, exported and read back: the same
+/// tokens, logits and config.
+fn char_model_round_trip(config: ember_model::DecoderOnlyConfig) {
+    let device = Device::flex();
+    let positional = config.positional;
+    let name = format!("char-{positional:?}-{:?}-{}", config.norm, config.bias);
     let chars = ember_data::CharTokenizer::from_text("abc def\nghi");
     assert_eq!(chars.vocab_size(), 12);
     let lm = LoadedLm {
@@ -204,7 +237,7 @@ fn bias_free_char_model_round_trip(positional: ember_model::PositionalKind) {
         dir: PathBuf::from("in-memory"),
         step: 0,
     };
-    let out = temp(&format!("char-{positional:?}"));
+    let out = temp(&name);
     lm.export_hf(&out).unwrap();
     let again = load_lm(&out, &device).unwrap();
     let text = "bad cab\nfig";
@@ -214,7 +247,33 @@ fn bias_free_char_model_round_trip(positional: ember_model::PositionalKind) {
     let diff = max_diff(&logits(&lm, &ids), &logits(&again, &ids));
     assert!(diff == 0.0, "logits differ by {diff}");
     assert_eq!(again.config.model.positional, positional);
+    let (a, b) = (&lm.config.model, &again.config.model);
+    assert_eq!(
+        (a.norm, a.gated_mlp, a.n_kv_heads(), a.tie_weights),
+        (b.norm, b.gated_mlp, b.n_kv_heads(), b.tie_weights)
+    );
+    // GPT-2 and GPT-NeoX have every bias (zeros where ember has none); Llama none or all.
+    if a.norm == ember_model::NormKind::RmsNorm {
+        assert_eq!(a.bias, b.bias);
+    }
     let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
+fn llama_shaped_char_models_export_as_llama_and_back() {
+    // SmolLM's: a tied head; with biases everywhere; and grouped keys and values.
+    for (bias, tie_weights, n_kv_heads) in [(false, true, None), (true, false, Some(1))] {
+        char_model_round_trip(ember_model::DecoderOnlyConfig {
+            positional: ember_model::PositionalKind::Rotary,
+            norm: ember_model::NormKind::RmsNorm,
+            gated_mlp: true,
+            activation: ember_model::Activation::Silu,
+            bias,
+            tie_weights,
+            n_kv_heads,
+            ..char_model_config()
+        });
+    }
 }
 
 #[test]
@@ -267,10 +326,10 @@ fn missing_and_misshaped_tensors_are_named() {
             && err.contains("[300, 64]"),
         "{err}"
     );
-    let other = with_config("other", |c| c["activation_function"] = "swish".into());
+    let other = with_config("other", |c| c["activation_function"] = "mish".into());
     let err = load_error(&other);
     assert!(
-        err.contains("activation_function") && err.contains("swish"),
+        err.contains("activation_function") && err.contains("mish"),
         "{err}"
     );
     for dir in [deeper, wider, other] {
@@ -304,9 +363,9 @@ fn gpt_neox_variants_ember_lacks_are_named() {
             &["rope_parameters", "linear"],
         ),
         (
-            "llama",
-            |c| c["model_type"] = "llama".into(),
-            &["model_type", "llama"],
+            "mistral",
+            |c| c["model_type"] = "mistral".into(),
+            &["model_type", "mistral"],
         ),
         (
             "deeper",
@@ -344,6 +403,63 @@ fn gpt_neox_variants_ember_lacks_are_named() {
 }
 
 #[test]
+fn llama_variants_ember_lacks_are_named() {
+    /// A name, an edit of config.json, and what the error must say.
+    type Case = (
+        &'static str,
+        fn(&mut serde_json::Value),
+        &'static [&'static str],
+    );
+    let cases: [Case; 5] = [
+        (
+            "scaled",
+            |c| c["rope_parameters"]["rope_type"] = "llama3".into(),
+            &["rope_parameters", "llama3"],
+        ),
+        (
+            "head-dim",
+            |c| c["head_dim"] = 16.into(),
+            &["head_dim", "16", "8 wide"],
+        ),
+        (
+            "attention-bias",
+            |c| c["attention_bias"] = true.into(),
+            &["attention_bias", "mlp_bias"],
+        ),
+        (
+            "groups",
+            |c| c["num_key_value_heads"] = 3.into(),
+            &["n_kv_heads", "3"],
+        ),
+        (
+            "fewer-groups",
+            |c| c["num_key_value_heads"] = 1.into(),
+            &["self_attn.k_proj.weight", "[16, 32]", "[8, 32]"],
+        ),
+    ];
+    for (name, edit, needles) in cases {
+        let dir = with_config_of(&llama(), &format!("llama-{name}"), edit);
+        let err = load_error(&dir);
+        for needle in needles {
+            assert!(
+                err.contains(needle),
+                "{name}: {needle:?} missing from {err}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    // The older key of the rotation's base (transformers 4).
+    let older = with_config_of(&llama(), "llama-older", |c| {
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = 500.0.into();
+    });
+    let want = expected_of(&llama());
+    let lm = load_lm(&older, &Device::flex()).unwrap();
+    assert!(max_diff(&logits(&lm, &want.input_ids), &want.logits) < 1e-4);
+    let _ = std::fs::remove_dir_all(older);
+}
+
+#[test]
 fn models_without_a_hugging_face_layout_are_refused() {
     let base = ember_model::DecoderOnlyConfig {
         vocab_size: 12,
@@ -361,9 +477,29 @@ fn models_without_a_hugging_face_layout_are_refused() {
     // Learned positions are GPT-2's, whose blocks are sequential.
     let parallel = ember_model::DecoderOnlyConfig {
         parallel_blocks: true,
-        ..base
+        ..base.clone()
     };
     refused(parallel, &["GPT-2", "parallel_blocks"]);
+    // Llama's parts go with rotary positions, and all of them together.
+    let rms_learned = ember_model::DecoderOnlyConfig {
+        norm: ember_model::NormKind::RmsNorm,
+        ..base.clone()
+    };
+    refused(rms_learned, &["GPT-2", "RMSNorm", "rotary"]);
+    let rms_rotary_plain_mlp = ember_model::DecoderOnlyConfig {
+        norm: ember_model::NormKind::RmsNorm,
+        positional: ember_model::PositionalKind::Rotary,
+        ..base.clone()
+    };
+    refused(rms_rotary_plain_mlp, &["Llama", "gated_mlp"]);
+    let partial = ember_model::DecoderOnlyConfig {
+        norm: ember_model::NormKind::RmsNorm,
+        gated_mlp: true,
+        positional: ember_model::PositionalKind::Rotary,
+        rotary_dims: Some(4),
+        ..base
+    };
+    refused(partial, &["Llama", "rotary_dims"]);
 }
 
 /// The export of a model of `config` fails, its message holding `needles`.

@@ -125,6 +125,7 @@ impl Gpt2Config {
         if !config.norm_first {
             return Err("GPT-2 is pre-norm; this model is post-norm (norm_first = false)".into());
         }
+        super::classic_block(config, "GPT-2")?;
         if !config.tie_weights {
             return Err("GPT-2 ties its head to the embedding; this model does not".into());
         }

@@ -1,9 +1,11 @@
 //! Hugging Face model folders in and out: `config.json`, `model.safetensors`, `tokenizer.json`,
-//! of two layouts that are ember's decoder-only model: GPT-2 (`"gpt2"`, learned positions,
-//! [`gpt2`]) and GPT-NeoX (`"gpt_neox"`, rotary positions, [`neox`]). Here: which a folder
-//! holds, and what both share (the tokenizer, the config's common keys, biases).
+//! of three layouts that are ember's decoder-only model: GPT-2 (`"gpt2"`, learned positions,
+//! [`gpt2`]), GPT-NeoX (`"gpt_neox"`, rotary positions, [`neox`]) and Llama (`"llama"`, rotary
+//! positions, RMSNorm, a gated MLP, grouped keys and values, [`llama`]). Here: which a folder
+//! holds, and what they share (the tokenizer, the config's common keys, biases).
 
 pub mod gpt2;
+pub mod llama;
 pub mod neox;
 mod neox_layout;
 mod tensors;
@@ -14,9 +16,10 @@ use burn::module::Param;
 use burn::tensor::Tensor;
 use ember_data::Tokenizer;
 use ember_data::hf_tokenizer::char_tokenizer_json;
-use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, PositionalKind};
+use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind};
 
 pub use gpt2::Gpt2Config;
+pub use llama::LlamaConfig;
 pub use neox::NeoxConfig;
 
 use crate::error::{Result, TrainError, write_err};
@@ -88,9 +91,10 @@ fn activation(name: &str, key: &str, path: &Path) -> Result<Activation> {
         "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Activation::GeluTanh),
         "gelu" => Ok(Activation::Gelu),
         "relu" => Ok(Activation::Relu),
+        "silu" | "swish" => Ok(Activation::Silu),
         other => Err(TrainError::ConfigFile {
             path: path.to_path_buf(),
-            message: format!("`{key}` is {other:?}; ember supports gelu_new, gelu and relu"),
+            message: format!("`{key}` is {other:?}; ember supports gelu_new, gelu, relu and silu"),
         }),
     }
 }
@@ -101,6 +105,32 @@ fn activation_name(activation: Activation) -> &'static str {
         Activation::GeluTanh => "gelu_new",
         Activation::Gelu => "gelu",
         Activation::Relu => "relu",
+        Activation::Silu => "silu",
+    }
+}
+
+/// GPT-2's and GPT-NeoX's block: LayerNorm, a plain MLP, a key and value per head. A model with
+/// Llama's parts (RMSNorm, a gated MLP, grouped keys and values) would be written as another
+/// model, and is refused naming the part.
+fn classic_block(config: &DecoderOnlyConfig, layout: &str) -> std::result::Result<(), String> {
+    let part = if config.norm != NormKind::LayerNorm {
+        Some("RMSNorm (norm = \"rms_norm\")")
+    } else if config.gated_mlp {
+        Some("a gated MLP (gated_mlp = true)")
+    } else if config.n_kv_heads() != config.n_heads {
+        Some("grouped keys and values (n_kv_heads)")
+    } else {
+        None
+    };
+    match part {
+        Some(part) => Err(format!(
+            "{layout} has none of Llama's parts, and this model has {part}{}",
+            match config.positional {
+                PositionalKind::Rotary => "",
+                _ => "; Llama's layout takes rotary positions",
+            }
+        )),
+        None => Ok(()),
     }
 }
 
@@ -120,6 +150,8 @@ pub enum HfConfig {
     Gpt2(Gpt2Config),
     /// `"gpt_neox"`.
     Neox(NeoxConfig),
+    /// `"llama"`.
+    Llama(LlamaConfig),
 }
 
 fn read_config(dir: &Path) -> Result<HfConfig> {
@@ -137,15 +169,19 @@ fn read_config(dir: &Path) -> Result<HfConfig> {
         Some(neox::MODEL_TYPE) => serde_json::from_value(json)
             .map(HfConfig::Neox)
             .map_err(|e| bad("GPT-NeoX", e)),
+        Some(llama::MODEL_TYPE) => serde_json::from_value(json)
+            .map(HfConfig::Llama)
+            .map_err(|e| bad("Llama", e)),
         Some("gpt2") | None => serde_json::from_value(json)
             .map(HfConfig::Gpt2)
             .map_err(|e| bad("GPT-2", e)),
         Some(other) => Err(TrainError::ConfigFile {
             path: path.clone(),
             message: format!(
-                "`model_type` is {other:?}; ember reads GPT-2 (\"gpt2\") and GPT-NeoX \
-                 (\"{}\") models",
-                neox::MODEL_TYPE
+                "`model_type` is {other:?}; ember reads GPT-2 (\"gpt2\"), GPT-NeoX \
+                 (\"{}\") and Llama (\"{}\") models",
+                neox::MODEL_TYPE,
+                llama::MODEL_TYPE
             ),
         }),
     }
@@ -156,11 +192,12 @@ impl HfConfig {
         match self {
             HfConfig::Gpt2(gpt2) => gpt2.to_ember(path),
             HfConfig::Neox(neox) => neox.to_ember(path),
+            HfConfig::Llama(llama) => llama.to_ember(path),
         }
     }
 }
 
-/// The config, architecture and tokenizer of a GPT-2 or GPT-NeoX folder.
+/// The config, architecture and tokenizer of a GPT-2, GPT-NeoX or Llama folder.
 pub fn open_hf(dir: &Path) -> Result<(HfConfig, DecoderOnlyConfig, Tokenizer)> {
     let hf_config = read_config(dir)?;
     let model_config = hf_config.to_ember(&dir.join(HF_CONFIG))?;
@@ -188,11 +225,13 @@ pub(crate) fn load_weights(
     match hf_config {
         HfConfig::Gpt2(_) => gpt2::load_weights(model, &path),
         HfConfig::Neox(neox) => neox::load_weights(model, config, neox, &path),
+        HfConfig::Llama(_) => llama::load_weights(model, config, &path),
     }
 }
 
 /// Writes `model` (of architecture `config`, with `tokenizer`, read from checkpoint `source`) as
-/// a Hugging Face folder in `out`, GPT-2 for learned positions and GPT-NeoX for rotary ones:
+/// a Hugging Face folder in `out`, GPT-2 for learned positions, GPT-NeoX for rotary ones, Llama
+/// for rotary ones with any of Llama's parts (RMSNorm, a gated MLP, grouped keys and values):
 /// `config.json`, `model.safetensors` (biases of a bias-free model written as zeros),
 /// `tokenizer.json` (a char vocabulary becomes a word-level tokenizer over single characters)
 /// and `tokenizer_config.json`. [`LoadedLm::export_hf`] is the usual door.
@@ -209,7 +248,17 @@ pub fn export_hf(
         path: source.to_path_buf(),
         message: format!("cannot be exported as {layout}: {message}"),
     };
+    let llama = config.positional == PositionalKind::Rotary
+        && (config.norm != NormKind::LayerNorm
+            || config.gated_mlp
+            || config.n_kv_heads() != config.n_heads);
     let (hf_config, architecture) = match config.positional {
+        PositionalKind::Rotary if llama => (
+            LlamaConfig::from_ember(config)
+                .map(|c| serde_json::to_value(c).expect("the config serializes"))
+                .map_err(|m| unsupported("Llama", m))?,
+            "LlamaForCausalLM",
+        ),
         PositionalKind::Rotary => (
             NeoxConfig::from_ember(config)
                 .map(|c| serde_json::to_value(c).expect("the config serializes"))
@@ -243,11 +292,14 @@ pub fn export_hf(
     }
     std::fs::create_dir_all(out).map_err(|e| write_err(out, e))?;
 
-    let model = with_biases(model.clone());
     let weights = out.join(HF_WEIGHTS);
     match config.positional {
-        PositionalKind::Rotary => neox::write_weights(&model, config, &weights)?,
-        _ => gpt2::write_weights(&model, &weights)?,
+        // Llama's biases are all there or all absent, as ember's are.
+        PositionalKind::Rotary if llama => llama::write_weights(model, config, &weights)?,
+        PositionalKind::Rotary => {
+            neox::write_weights(&with_biases(model.clone()), config, &weights)?
+        }
+        _ => gpt2::write_weights(&with_biases(model.clone()), &weights)?,
     }
 
     // GPT2Config's defaults name token 50256 as BOS/EOS; say which token is, if any.

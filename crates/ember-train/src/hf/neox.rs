@@ -167,6 +167,7 @@ impl NeoxConfig {
                 "GPT-NeoX is pre-norm; this model is post-norm (norm_first = false)".into(),
             );
         }
+        super::classic_block(config, "GPT-NeoX")?;
         let hidden_act = super::activation_name(config.activation);
         let base = config.rotary_base;
         let head = config.d_model / config.n_heads;

@@ -1,0 +1,476 @@
+//! Hugging Face Llama folders (`LlamaForCausalLM`: Meta's Llama, SmolLM, TinyLlama and the
+//! many models in its layout): ember's decoder-only model with rotary positions over whole heads,
+//! RMSNorm (`[model] norm = "rms_norm"`), a gated MLP (`gated_mlp`, SiLU: SwiGLU) and perhaps
+//! fewer key/value heads than query heads (`n_kv_heads`, grouped-query attention).
+//!
+//! The rotation pairs dimension `i` with `i + K/2` ("rotate half") in both. What differs in the
+//! files: names; PyTorch's `nn.Linear` storing weights `[out, in]` where Burn's `Linear` stores
+//! `[in, out]`; and separate matrices where ember fuses them: `q_proj`, `k_proj`, `v_proj` are
+//! ember's `c_attn` (columns `[Q | K | V]`), `gate_proj` and `up_proj` its `c_fc` (`[gate |
+//! up]`). [`entries`] says which parts make each of ember's tensors.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::store::{ApplyError, ModuleSnapshot, SafetensorsStore};
+use ember_model::{DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind};
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::tensors::{Array, read_array, serialize};
+use crate::error::{Result, TrainError, write_err};
+
+/// `config.json`'s `model_type` of a Llama folder.
+pub const MODEL_TYPE: &str = "llama";
+
+/// The fields of a Llama `config.json` that ember reads and writes; others are ignored.
+/// Defaults are transformers' `LlamaConfig`'s.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// `"llama"`.
+    pub model_type: String,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Width.
+    pub hidden_size: usize,
+    /// The gated MLP's width.
+    pub intermediate_size: usize,
+    /// Blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention); `null` means as many as query heads.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// A head's width, if the config says it (ember's is `hidden_size / num_attention_heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// The gate's activation: `silu` in every Llama.
+    #[serde(default = "silu")]
+    pub hidden_act: String,
+    /// The longest context.
+    #[serde(default = "positions")]
+    pub max_position_embeddings: usize,
+    /// RMSNorm epsilon.
+    #[serde(default = "rms_norm_eps")]
+    pub rms_norm_eps: f64,
+    /// The head shares the token embedding (SmolLM's do; Llama's do not).
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// The attention's projections have biases.
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// The MLP's projections have biases.
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// The rotation's base (older transformers' key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// Newer transformers' rotary settings: `rope_type`, `rope_theta`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_parameters: Option<Value>,
+    /// Older transformers' scaled rotations (Llama 3.1's `llama3`; ember has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<Value>,
+    /// Dropout on the attention weights (training only).
+    #[serde(default)]
+    pub attention_dropout: f64,
+}
+
+fn silu() -> String {
+    "silu".into()
+}
+
+fn positions() -> usize {
+    2048
+}
+
+fn rms_norm_eps() -> f64 {
+    1e-6
+}
+
+impl LlamaConfig {
+    /// The rotation's base and kind, from either generation of keys.
+    fn rotary(&self) -> (f64, String) {
+        let newer = |key: &str| self.rope_parameters.as_ref().and_then(|p| p.get(key));
+        let base = newer("rope_theta")
+            .and_then(Value::as_f64)
+            .or(self.rope_theta)
+            .unwrap_or(10000.0);
+        let older = self.rope_scaling.as_ref().filter(|v| !v.is_null());
+        let kind = newer("rope_type")
+            .or_else(|| older.and_then(|v| v.get("rope_type").or_else(|| v.get("type"))))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        (base, kind.to_string())
+    }
+
+    /// The matching ember model: rotary positions over whole heads, RMSNorm before each
+    /// sub-layer, a gated MLP, grouped keys and values where there are fewer of them.
+    pub fn to_ember(&self, path: &Path) -> Result<DecoderOnlyConfig> {
+        let bad = |key: &str, message: String| TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: format!("`{key}` {message}"),
+        };
+        let activation = super::activation(&self.hidden_act, "hidden_act", path)?;
+        let (base, kind) = self.rotary();
+        if kind != "default" {
+            return Err(bad(
+                "rope_parameters",
+                format!("asks for {kind:?} rotary scaling; ember has the default rotation only"),
+            ));
+        }
+        let head = self.hidden_size / self.num_attention_heads.max(1);
+        if let Some(dim) = self.head_dim.filter(|&d| d != head) {
+            return Err(bad(
+                "head_dim",
+                format!(
+                    "is {dim}, where ember's heads are hidden_size / num_attention_heads = {head} \
+                     wide"
+                ),
+            ));
+        }
+        if self.attention_bias != self.mlp_bias {
+            return Err(bad(
+                "attention_bias",
+                format!(
+                    "is {} and `mlp_bias` {}; ember's `bias` gives biases to attention and MLP \
+                     alike",
+                    self.attention_bias, self.mlp_bias
+                ),
+            ));
+        }
+        let config = DecoderOnlyConfig {
+            vocab_size: self.vocab_size,
+            d_model: self.hidden_size,
+            n_heads: self.num_attention_heads,
+            n_kv_heads: self
+                .num_key_value_heads
+                .filter(|&g| g != self.num_attention_heads),
+            n_layers: self.num_hidden_layers,
+            d_ff: Some(self.intermediate_size),
+            gated_mlp: true,
+            context_len: self.max_position_embeddings,
+            max_positions: Some(self.max_position_embeddings),
+            positional: PositionalKind::Rotary,
+            rotary_base: base,
+            norm_first: true,
+            norm: NormKind::RmsNorm,
+            activation,
+            dropout: 0.0,
+            bias: self.attention_bias,
+            tie_weights: self.tie_word_embeddings,
+            layer_norm_eps: self.rms_norm_eps,
+            ..DecoderOnlyConfig::default()
+        };
+        super::validated(config, path)
+    }
+
+    /// The Llama config of an ember model with rotary positions (the caller checks that).
+    pub fn from_ember(config: &DecoderOnlyConfig) -> std::result::Result<Self, String> {
+        let head = config.d_model / config.n_heads;
+        let refusal = if config.norm != NormKind::RmsNorm {
+            Some("Llama's norms are RMSNorm; this model's are LayerNorm (norm = \"layer_norm\")")
+        } else if !config.gated_mlp {
+            Some("Llama's MLP is gated; this model's is not (gated_mlp = false)")
+        } else if !config.norm_first {
+            Some("Llama is pre-norm; this model is post-norm (norm_first = false)")
+        } else if config.parallel_blocks {
+            Some("Llama's blocks run attention, then the MLP; this model's run them side by side")
+        } else if config.rotary_dims.is_some_and(|d| d < head) {
+            Some("Llama rotates whole heads; this model a part of each (rotary_dims)")
+        } else {
+            None
+        };
+        if let Some(refusal) = refusal {
+            return Err(refusal.into());
+        }
+        let base = config.rotary_base;
+        Ok(Self {
+            model_type: MODEL_TYPE.into(),
+            vocab_size: config.vocab_size,
+            hidden_size: config.d_model,
+            intermediate_size: config.d_ff(),
+            num_hidden_layers: config.n_layers,
+            num_attention_heads: config.n_heads,
+            num_key_value_heads: Some(config.n_kv_heads()),
+            head_dim: Some(head),
+            hidden_act: super::activation_name(config.activation).into(),
+            max_position_embeddings: config.max_positions(),
+            rms_norm_eps: config.layer_norm_eps,
+            tie_word_embeddings: config.tie_weights,
+            attention_bias: config.bias,
+            mlp_bias: config.bias,
+            // Both generations of transformers' keys, so that either reads the rotation.
+            rope_theta: Some(base),
+            rope_parameters: Some(serde_json::json!({"rope_type": "default", "rope_theta": base})),
+            rope_scaling: None,
+            attention_dropout: config.dropout,
+        })
+    }
+}
+
+/// One of ember's tensors and the Llama tensors it is made of, stacked along their first axis
+/// (`[out, in]` weights, or biases), each with its shape there.
+#[derive(Debug, Clone)]
+struct Entry {
+    ember: String,
+    parts: Vec<(String, Vec<usize>)>,
+    /// A linear layer's weight: `[in, out]` in ember, the parts' `[out, in]` stacked.
+    transposed: bool,
+}
+
+/// Every tensor of the model `config` describes.
+fn entries(config: &DecoderOnlyConfig) -> Vec<Entry> {
+    let (d, f, v) = (config.d_model, config.d_ff(), config.vocab_size);
+    let kv = d / config.n_heads * config.n_kv_heads();
+    let one = |ember: String, llama: String, shape: &[usize], transposed| Entry {
+        ember,
+        parts: vec![(llama, shape.to_vec())],
+        transposed,
+    };
+    let mut all = vec![one(
+        "wte.weight".into(),
+        "model.embed_tokens.weight".into(),
+        &[v, d],
+        false,
+    )];
+    for i in 0..config.n_layers {
+        let (e, l) = (format!("blocks.{i}."), format!("model.layers.{i}."));
+        for (ours, theirs) in [
+            ("ln_1", "input_layernorm"),
+            ("ln_2", "post_attention_layernorm"),
+        ] {
+            let (ember, llama) = (
+                format!("{e}{ours}.norm.gamma"),
+                format!("{l}{theirs}.weight"),
+            );
+            all.push(one(ember, llama, &[d], false));
+        }
+        // ember's layer, the Llama layers stacked into it with their outputs, and its inputs.
+        let linears: [(&str, &[(&str, usize)], usize); 4] = [
+            (
+                "attn.c_attn",
+                &[
+                    ("self_attn.q_proj", d),
+                    ("self_attn.k_proj", kv),
+                    ("self_attn.v_proj", kv),
+                ],
+                d,
+            ),
+            ("attn.c_proj", &[("self_attn.o_proj", d)], d),
+            ("mlp.c_fc", &[("mlp.gate_proj", f), ("mlp.up_proj", f)], d),
+            ("mlp.c_proj", &[("mlp.down_proj", d)], f),
+        ];
+        for (ours, theirs, inputs) in linears {
+            let part = |suffix: &str, shape: &dyn Fn(usize) -> Vec<usize>| {
+                theirs
+                    .iter()
+                    .map(|(name, outputs)| (format!("{l}{name}.{suffix}"), shape(*outputs)))
+                    .collect()
+            };
+            all.push(Entry {
+                ember: format!("{e}{ours}.weight"),
+                parts: part("weight", &|outputs| vec![outputs, inputs]),
+                transposed: true,
+            });
+            if config.bias {
+                all.push(Entry {
+                    ember: format!("{e}{ours}.bias"),
+                    parts: part("bias", &|outputs| vec![outputs]),
+                    transposed: false,
+                });
+            }
+        }
+    }
+    all.push(one(
+        "ln_f.gamma".into(),
+        "model.norm.weight".into(),
+        &[d],
+        false,
+    ));
+    if !config.tie_weights {
+        all.push(one(
+            "lm_head.weight".into(),
+            "lm_head.weight".into(),
+            &[v, d],
+            true,
+        ));
+    }
+    all
+}
+
+/// ember's tensor from its parts (stacked along the first axis, then transposed for a weight).
+fn join(entry: &Entry, parts: Vec<Array>) -> Array {
+    let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+    let mut shape = parts[0].shape.clone();
+    shape[0] = rows;
+    let values = parts.into_iter().flat_map(|p| p.values).collect();
+    let stacked = Array { shape, values };
+    match entry.transposed {
+        true => stacked.transposed(),
+        false => stacked,
+    }
+}
+
+/// The parts of ember's tensor `array`, in Llama's layout: the inverse of [`join`].
+fn split(entry: &Entry, array: &Array) -> Vec<Array> {
+    let stacked = match entry.transposed {
+        true => array.transposed(),
+        false => array.clone(),
+    };
+    let width: usize = stacked.shape[1..].iter().product();
+    let mut at = 0;
+    entry
+        .parts
+        .iter()
+        .map(|(_, shape)| {
+            let len = shape.iter().product::<usize>();
+            let part = Array {
+                shape: shape.clone(),
+                values: stacked.values[at..at + len].to_vec(),
+            };
+            at += len;
+            debug_assert_eq!(len % width.max(1), 0);
+            part
+        })
+        .collect()
+}
+
+/// Writes `model` in Llama's layout to `path`.
+pub(super) fn write_weights(
+    model: &DecoderOnly,
+    config: &DecoderOnlyConfig,
+    path: &Path,
+) -> Result<()> {
+    let failed = |e: String| write_err(path, e);
+    let mut store = SafetensorsStore::from_bytes(None);
+    model
+        .save_into(&mut store)
+        .map_err(|e| failed(e.to_string()))?;
+    let bytes = store.get_bytes().map_err(|e| failed(e.to_string()))?;
+    let ours = SafeTensors::deserialize(&bytes).map_err(|e| failed(e.to_string()))?;
+    let mut theirs = BTreeMap::new();
+    for entry in entries(config) {
+        let view = ours
+            .tensor(&entry.ember)
+            .map_err(|e| failed(format!("{}: {e}", entry.ember)))?;
+        let array = read_array(&view).map_err(|e| failed(format!("{}: {e}", entry.ember)))?;
+        for ((name, _), part) in entry.parts.iter().zip(split(&entry, &array)) {
+            theirs.insert(name.clone(), part);
+        }
+    }
+    let bytes = serialize(&theirs).map_err(failed)?;
+    std::fs::write(path, bytes).map_err(|e| write_err(path, e))
+}
+
+/// Reads Llama weights from `path` into `model` (built from `llama.to_ember`); every tensor must
+/// be there with its shape.
+pub(super) fn load_weights(
+    model: DecoderOnly,
+    config: &DecoderOnlyConfig,
+    path: &Path,
+) -> Result<DecoderOnly> {
+    let bad = |message: String| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mapped = super::tensors::map(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let file = SafeTensors::deserialize(&mapped).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let mut ours = BTreeMap::new();
+    for entry in entries(config) {
+        let mut parts = Vec::with_capacity(entry.parts.len());
+        for (name, shape) in &entry.parts {
+            let view = file
+                .tensor(name)
+                .map_err(|_| bad(format!("tensor `{name}` is missing")))?;
+            let array = read_array(&view).map_err(|e| bad(format!("tensor `{name}` {e}")))?;
+            if &array.shape != shape {
+                return Err(bad(format!(
+                    "tensor `{name}` has shape {:?}, but config.json asks for {shape:?}",
+                    array.shape
+                )));
+            }
+            parts.push(array);
+        }
+        ours.insert(entry.ember.clone(), join(&entry, parts));
+    }
+    let bytes = serialize(&ours).map_err(|e| bad(format!("cannot convert: {e}")))?;
+    drop(ours);
+    let mut model = model;
+    let mut store = SafetensorsStore::from_bytes(Some(bytes)).validate(false);
+    let result = model
+        .load_from(&mut store)
+        .map_err(|e| bad(format!("cannot read: {e}")))?;
+    // Every tensor was checked above: what is left is ember's side.
+    let left = result.errors.first().map(|e| match e {
+        ApplyError::ShapeMismatch { path, .. } => path.clone(),
+        other => other.to_string(),
+    });
+    if let Some(what) = left.or_else(|| result.missing.first().map(|(p, _)| p.clone())) {
+        return Err(bad(format!(
+            "does not fit the model config.json describes: {what}"
+        )));
+    }
+    Ok(model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Grouped-query attention's fused projection from three Llama matrices and back: width 4,
+    /// 2 query heads of 2, 1 key/value head: `q_proj` `[4, 4]`, `k_proj` and `v_proj` `[2, 4]`,
+    /// ember's `c_attn` `[4, 8]` with columns `[Q | K | V]`.
+    #[test]
+    fn the_fused_projections_stack_and_split() {
+        let config = DecoderOnlyConfig {
+            vocab_size: 5,
+            d_model: 4,
+            n_heads: 2,
+            n_kv_heads: Some(1),
+            n_layers: 1,
+            d_ff: Some(3),
+            gated_mlp: true,
+            bias: false,
+            ..Default::default()
+        };
+        let all = entries(&config);
+        let c_attn = all
+            .iter()
+            .find(|e| e.ember == "blocks.0.attn.c_attn.weight")
+            .unwrap();
+        let shapes: Vec<_> = c_attn.parts.iter().map(|(_, s)| s.clone()).collect();
+        assert_eq!(shapes, [vec![4, 4], vec![2, 4], vec![2, 4]]);
+        let parts: Vec<Array> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| Array {
+                shape: shape.clone(),
+                values: (0..shape[0] * 4).map(|v| (100 * i + v) as f32).collect(),
+            })
+            .collect();
+        let ours = join(c_attn, parts.clone());
+        assert_eq!(ours.shape, [4, 8]);
+        // Column 5 is the key head's second output: row 1 of k_proj, whose input 2 weight is
+        // k_proj[1, 2] = 100 + 1 * 4 + 2.
+        assert_eq!(ours.values[2 * 8 + 5], 106.0);
+        assert_eq!(split(c_attn, &ours), parts);
+        // The gated MLP: gate then up, each [3, 4], into ember's [4, 6].
+        let c_fc = all
+            .iter()
+            .find(|e| e.ember == "blocks.0.mlp.c_fc.weight")
+            .unwrap();
+        let names: Vec<_> = c_fc.parts.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.0.mlp.gate_proj.weight",
+                "model.layers.0.mlp.up_proj.weight"
+            ]
+        );
+        // No biases and a tied head: norms, 4 linear layers, embedding, final norm.
+        assert_eq!(all.len(), 2 + 4 + 2);
+    }
+}
