@@ -56,7 +56,7 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 
 /// `reference(x)` for an `f32` `x`; otherwise `op(x)` computed in `f32` (its kernels included)
 /// and given back in `x`'s float type.
-fn in_f32<const D: usize>(
+pub(crate) fn in_f32<const D: usize>(
     x: Tensor<D>,
     op: impl FnOnce(Tensor<D>) -> Tensor<D>,
     reference: impl FnOnce(Tensor<D>) -> Tensor<D>,

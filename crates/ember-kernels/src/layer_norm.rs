@@ -1,4 +1,4 @@
-//! The LayerNorm op.
+//! The LayerNorm and RMSNorm ops.
 //!
 //! Reference: Burn's `LayerNorm::forward`. Kernels (flex `f32` tensors, and on the GPU
 //! backends `f32` tensors on a CubeCL device, tracked by autodiff or not): the normalisation and
@@ -7,6 +7,10 @@
 //! LayerNorm under autodiff from nine tensor ops, each with a buffer and a backward: a tenth of
 //! a baby-GPT training step on flex. Burn's `LayerNorm` keeps its epsilon private, so the
 //! caller passes the one the module was built with.
+//!
+//! RMSNorm (LLaMA's, `x / sqrt(mean(x^2) + eps) * gamma`): reference in Burn's tensor ops (six
+//! under autodiff); kernel on flex the same pass as LayerNorm's without the centring; on GPUs the
+//! reference.
 
 use burn::nn::LayerNorm;
 use burn::tensor::Tensor;
@@ -43,6 +47,27 @@ pub fn layer_norm<const N: usize>(norm: &LayerNorm, x: Tensor<N>, eps: f64) -> T
     layer_norm_reference(norm, x)
 }
 
+/// RMSNorm of `x` over the last axis: `x / sqrt(mean(x^2) + eps) * gamma`.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - gamma: `[D]`
+/// - output: `[..., D]`
+pub fn rms_norm<const N: usize>(x: Tensor<N>, gamma: Tensor<1>, eps: f64) -> Tensor<N> {
+    #[cfg(feature = "flex")]
+    let (x, gamma) = match super::flex::layer_norm::rms_scale(x, gamma, eps) {
+        Ok(y) => return y,
+        Err(back) => back,
+    };
+    rms_norm_reference(x, gamma, eps)
+}
+
+/// [`rms_norm`] in Burn's tensor ops, on every backend.
+pub fn rms_norm_reference<const N: usize>(x: Tensor<N>, gamma: Tensor<1>, eps: f64) -> Tensor<N> {
+    let mean_square = x.clone().powi_scalar(2).mean_dim(N - 1); // [..., 1]
+    x * mean_square.add_scalar(eps).sqrt().recip() * gamma.unsqueeze::<N>()
+}
+
 /// [`layer_norm`] in Burn's tensor ops, on every backend.
 pub fn layer_norm_reference<const N: usize>(norm: &LayerNorm, x: Tensor<N>) -> Tensor<N> {
     norm.forward(x)
@@ -60,14 +85,24 @@ mod tests {
     /// a bias, for a row count that splits over threads and one that does not.
     #[test]
     fn layer_norm_equals_burns() {
-        equals_burns_on(Device::flex(), 2e-5);
+        equals_burns_on(Device::flex(), 2e-5, false);
+    }
+
+    /// RMSNorm's kernel against its reference, the same cases (gamma alone).
+    #[test]
+    fn rms_norm_equals_its_reference() {
+        equals_burns_on(Device::flex(), 2e-5, true);
     }
 
     /// The same on wgpu (the GPU kernels; lavapipe in CI): one cube per row.
     #[cfg(feature = "wgpu")]
     #[test]
     fn layer_norm_equals_burns_on_wgpu() {
-        equals_burns_on(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice), 2e-5);
+        equals_burns_on(
+            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+            2e-5,
+            false,
+        );
     }
 
     /// Whether flex's or (GPU builds) the CubeCL kernels take `x`.
@@ -79,7 +114,8 @@ mod tests {
         crate::kernels_take(x)
     }
 
-    fn equals_burns_on(base: Device, tolerance: f32) {
+    /// LayerNorm, or with `rms` RMSNorm (whose cases with a bias run without one).
+    fn equals_burns_on(base: Device, tolerance: f32, rms: bool) {
         let devices = [
             (base.clone(), false),
             (base.clone().autodiff(), true),
@@ -95,6 +131,7 @@ mod tests {
                 (false, 700, 200),
                 (true, 300, 7),
             ] {
+                let bias = bias && !rms;
                 let normal = Distribution::Normal(0.5, 2.0);
                 let mut norm = LayerNormConfig::new(d)
                     .with_epsilon(1e-3)
@@ -113,10 +150,12 @@ mod tests {
                     };
                     let input = x.clone().swap_dims(1, 2); // not contiguous
                     assert!(kernel_takes(&input), "a kernel takes the input");
-                    let y = if ours {
-                        layer_norm(&norm, input, 1e-3)
-                    } else {
-                        layer_norm_reference(&norm, input)
+                    let gamma = norm.gamma.val();
+                    let y = match (rms, ours) {
+                        (false, true) => layer_norm(&norm, input, 1e-3),
+                        (false, false) => layer_norm_reference(&norm, input),
+                        (true, true) => rms_norm(input, gamma, 1e-3),
+                        (true, false) => rms_norm_reference(input, gamma, 1e-3),
                     };
                     let mut out = vec![y.clone().reshape([-1])];
                     if tracked {

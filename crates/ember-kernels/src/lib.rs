@@ -18,7 +18,9 @@
 //! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`products::flex`); on CUDA cuBLAS's products (forward and backward, transposed operands read in place: `products::cube`, `products::cublas`, [`blas`]); on other GPUs all rows as one product in Burn's `matmul` (in training, chunks of rows as one batched product, so that the weight's gradient is a sum of partial products: [`matmul_split_rows`]), and a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
 //! | [`linear_gelu`] | Burn's `module::linear`, then `gelu` | [`linear`] then [`gelu`]; on GPUs a plain input of up to eight rows takes one kernel for the product, the bias and the GELU (`cube::linear`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
+//! | [`silu`] | Burn's `silu` | the GELUs' vectorised loops ([`kernels::gelu`]); on GPUs the reference |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row, the bias in the same pass (`cube::layer_norm`) |
+//! | [`rms_norm`] | RMSNorm in Burn's tensor ops | LayerNorm's pass without the centring ([`kernels::layer_norm`]); on GPUs the reference |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
 //! | [`causal_self_attention`] | split heads, causal attention, merge | one task per sequence and head (`flex::attention`), from 256 positions in blocks of 64 query rows over the keys they see, the weights recomputed in the backward pass instead of kept (`flex::attention_blocks`); on GPUs one unit per query row, keys and values tiled through shared memory, online softmax, dropout inside, FlashAttention-2 backward (`cube::attention`); on CUDA with cuBLAS, cuBLAS's batched products over one head's stored scores and small kernels between them (`cube::attention_products`) |
 //! | [`rotate_qk`] | split, [`crate::rotation::apply_rotary`], merge | in place on the fused projection (`flex::rotary`); [`rotate_qk_by`] (a replayed decoding step's rows of `cos`/`sin` tables) is its reference alone |
@@ -74,6 +76,7 @@ pub mod recording;
 pub use products::blas;
 mod rotary;
 pub mod rotation;
+mod silu;
 mod softmax;
 mod step_inputs;
 mod sum_of_squares;
@@ -109,7 +112,7 @@ pub use dropout::{add_dropout, dropout, dropout_reference};
 pub use embedding::{embed, embed_range, embed_reference};
 pub use gelu::{gelu, gelu_reference, gelu_tanh, gelu_tanh_reference};
 pub use gpu_kernels::{AttentionTuning, GpuKernel, GpuKernels, GpuPolicy, GpuStrategy};
-pub use layer_norm::{layer_norm, layer_norm_reference};
+pub use layer_norm::{layer_norm, layer_norm_reference, rms_norm, rms_norm_reference};
 pub use log_softmax::{log_softmax, log_softmax_reference};
 pub use products::{
     affine, affine_reference, linear, linear_gelu, linear_gelu_reference, linear_in_products,
@@ -119,6 +122,7 @@ pub use recording::LibraryCallsRecorded;
 pub use rotary::{
     RotaryAt, rotate_qk, rotate_qk_at, rotate_qk_by, rotate_qk_reference, rotate_qk_rows,
 };
+pub use silu::{silu, silu_reference};
 pub use softmax::{causal_softmax, causal_softmax_reference};
 pub use step_inputs::{write_in_place, write_token, write_token_reference};
 pub use sum_of_squares::{

@@ -1,5 +1,5 @@
-//! LayerNorm's normalisation and scale on flex through [`crate::kernels::layer_norm`], with its
-//! own autodiff op. Under autodiff Burn 0.22.1 builds LayerNorm from nine tensor ops (mean,
+//! LayerNorm's normalisation and scale (or RMSNorm's) on flex through
+//! [`crate::kernels::layer_norm`], with its own autodiff op. Under autodiff Burn 0.22.1 builds LayerNorm from nine tensor ops (mean,
 //! subtraction, square, mean, `+ eps`, square root, division, scale, shift), each with its own
 //! buffer and backward; here it is one pass forward and one backward.
 
@@ -29,22 +29,53 @@ pub(crate) fn normalize_and_scale<const N: usize>(
     gamma: Tensor<1>,
     eps: f64,
 ) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
-    op::binary(x, gamma, ScaledNorm { eps: eps as f32 })
+    let centred = true;
+    op::binary(
+        x,
+        gamma,
+        ScaledNorm {
+            eps: eps as f32,
+            centred,
+        },
+    )
+}
+
+/// RMSNorm, `x * rstd * gamma` with `rstd = 1 / sqrt(mean(x^2) + eps)` over the last axis,
+/// where `x` and `gamma` are flex `f32` and both tracked by autodiff or both not; otherwise both
+/// back.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - gamma: `[D]`
+/// - output: `[..., D]`
+pub(crate) fn rms_scale<const N: usize>(
+    x: Tensor<N>,
+    gamma: Tensor<1>,
+    eps: f64,
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
+    let centred = false;
+    op::binary(
+        x,
+        gamma,
+        ScaledNorm {
+            eps: eps as f32,
+            centred,
+        },
+    )
 }
 
 impl op::Binary for ScaledNorm {
     fn plain(self, x: FlexTensor, gamma: FlexTensor) -> FlexTensor {
-        forward(x, &gamma, self.eps).0
+        forward(x, &gamma, self).0
     }
 
     fn tracked<C: CheckpointStrategy>(self, x: Tracked, gamma: Tracked) -> Tracked {
-        tracked::<C>(x, gamma, self.eps)
+        tracked::<C>(x, gamma, self)
     }
 }
 
 /// The autodiff op; its backward needs the input, gamma and each row's mean and `rstd`.
-fn tracked<C: CheckpointStrategy>(x: Tracked, gamma: Tracked, eps: f32) -> Tracked {
-    let op = ScaledNorm { eps };
+fn tracked<C: CheckpointStrategy>(x: Tracked, gamma: Tracked, op: ScaledNorm) -> Tracked {
     match op
         .prepare::<C>([x.node(), gamma.node()])
         .compute_bound()
@@ -52,18 +83,20 @@ fn tracked<C: CheckpointStrategy>(x: Tracked, gamma: Tracked, eps: f32) -> Track
     {
         OpsKind::Tracked(prep) => {
             let (x, gamma) = (contiguous(x.primitive().clone()), gamma.primitive().clone());
-            let (y, stats) = forward(x.clone(), &gamma, eps);
+            let (y, stats) = forward(x.clone(), &gamma, op);
             prep.finish((x, gamma, stats), y)
         }
         OpsKind::UnTracked(prep) => {
-            prep.finish(forward(x.into_primitive(), gamma.primitive(), eps).0)
+            prep.finish(forward(x.into_primitive(), gamma.primitive(), op).0)
         }
     }
 }
 
-#[derive(Debug)]
+/// The norm: epsilon, and LayerNorm's centring (RMSNorm without).
+#[derive(Debug, Clone, Copy)]
 struct ScaledNorm {
     eps: f32,
+    centred: bool,
 }
 
 impl Backward<Flex, 2> for ScaledNorm {
@@ -73,7 +106,7 @@ impl Backward<Flex, 2> for ScaledNorm {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (x, gamma, stats) = ops.state;
         let grad = grads.consume::<Flex>(&ops.node);
-        let (dx, dgamma) = backward(&x, &gamma, &stats, grad);
+        let (dx, dgamma) = backward(&x, &gamma, &stats, self.centred, grad);
         let [x_node, gamma_node] = ops.parents;
         if let Some(node) = x_node {
             grads.register::<Flex>(node.id, dx);
@@ -85,7 +118,8 @@ impl Backward<Flex, 2> for ScaledNorm {
 }
 
 /// The output and `[mean, rstd]` per row.
-fn forward(x: FlexTensor, gamma: &FlexTensor, eps: f32) -> (FlexTensor, Vec<f32>) {
+fn forward(x: FlexTensor, gamma: &FlexTensor, op: ScaledNorm) -> (FlexTensor, Vec<f32>) {
+    let (eps, centred) = (op.eps, op.centred);
     let x = contiguous(x);
     let gamma = contiguous(gamma.clone());
     let (xs, gs) = (values(&x), values(&gamma));
@@ -100,14 +134,14 @@ fn forward(x: FlexTensor, gamma: &FlexTensor, eps: f32) -> (FlexTensor, Vec<f32>
     let mut stats = vec![0.0; 2 * rows];
     let task = rows_per_task(d);
     if rows < 2 * task {
-        layer_norm_kernel::forward(xs, gs, eps, &mut y, &mut stats);
+        layer_norm_kernel::forward(xs, gs, eps, centred, &mut y, &mut stats);
     } else {
         y.par_chunks_mut(task * d)
             .zip(stats.par_chunks_mut(task * 2))
             .enumerate()
             .for_each(|(i, (ys, st))| {
                 let at = i * task * d;
-                layer_norm_kernel::forward(&xs[at..at + ys.len()], gs, eps, ys, st)
+                layer_norm_kernel::forward(&xs[at..at + ys.len()], gs, eps, centred, ys, st)
             });
     }
     (from_values(y, x.shape()), stats)
@@ -118,6 +152,7 @@ fn backward(
     x: &FlexTensor,
     gamma: &FlexTensor,
     stats: &[f32],
+    centred: bool,
     grad: FlexTensor,
 ) -> (FlexTensor, FlexTensor) {
     let gamma = contiguous(gamma.clone());
@@ -132,7 +167,7 @@ fn backward(
     let run = |at: usize, g: &mut [f32], st: &[f32]| {
         let (mut dgamma, mut scratch) = (vec![0.0; d], vec![0.0; 2 * d]);
         let xs = &xs[at..at + g.len()];
-        layer_norm_kernel::backward(xs, gs, st, g, &mut dgamma, &mut scratch);
+        layer_norm_kernel::backward(xs, gs, st, centred, g, &mut dgamma, &mut scratch);
         dgamma
     };
     let dgamma = if rows < 2 * task {

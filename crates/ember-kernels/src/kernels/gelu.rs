@@ -7,6 +7,7 @@
 //!   accuracy.
 //! - [`Tanh`]: `x/2 * (1 + tanh(u))`, `u = sqrt(2/pi) (x + 0.044715 x^3)` (GPT-2's `gelu_new`),
 //!   computed as the equal `x * sigmoid(2u)`.
+//! - [`Silu`]: `x * sigmoid(x)` (SiLU, LLaMA's gate), the same family: `x` times a sigmoid.
 //!
 //! The tests bound the error against `f64` references.
 
@@ -109,6 +110,33 @@ impl GeluKind for Tanh {
         let (s, e) = Self::sigmoid_2u::<F>(x);
         let du = 2.0 * SQRT_2_OVER_PI * madd::<F>(3.0 * CUBIC * x, x, 1.0);
         madd::<F>(x * s * (e * s), du, s)
+    }
+}
+
+/// SiLU, `x * sigmoid(x)`.
+#[derive(Debug, Clone, Copy)]
+pub struct Silu;
+
+impl Silu {
+    /// `(s, e)` with `e = e^(-x)` and `s = sigmoid(x) = 1 / (1 + e)`; `1 - s = e s`.
+    #[inline(always)]
+    fn sigmoid<const F: bool>(x: f32) -> (f32, f32) {
+        let e = exp::<F>(-x);
+        (1.0 / (1.0 + e), e)
+    }
+}
+
+impl GeluKind for Silu {
+    #[inline(always)]
+    fn value<const F: bool>(x: f32) -> f32 {
+        x * Self::sigmoid::<F>(x).0
+    }
+
+    /// `s + x s (1 - s)`.
+    #[inline(always)]
+    fn derivative<const F: bool>(x: f32) -> f32 {
+        let (s, e) = Self::sigmoid::<F>(x);
+        madd::<F>(x * s, e * s, s)
     }
 }
 
@@ -298,5 +326,46 @@ mod tests {
     fn slices_agree_with_the_scalar_functions() {
         slices_agree::<Exact>();
         slices_agree::<Tanh>();
+    }
+
+    fn silu64(x: f64) -> f64 {
+        x / (1.0 + (-x).exp())
+    }
+
+    fn silu_derivative64(x: f64) -> f64 {
+        let s = 1.0 / (1.0 + (-x).exp());
+        s + x * s * (1.0 - s)
+    }
+
+    /// SiLU and its derivative against `f64`, over the grid and far out (`-100` and `100`,
+    /// where `e^(-x)` leaves `f32`'s range), and its slices against the scalar function.
+    #[test]
+    fn silu_matches_f64_references() {
+        for f in [Silu::value::<false>, Silu::value::<true>] {
+            assert!(worst(f, silu64) < 1.0);
+            assert_eq!(f(100.0), 100.0);
+            assert!(f(-100.0).abs() < 1e-30);
+            assert!(f(f32::NAN).is_nan());
+        }
+        for f in [Silu::derivative::<false>, Silu::derivative::<true>] {
+            let worst = grid()
+                .map(|x| (f(x) as f64 - silu_derivative64(x as f64)).abs())
+                .fold(0.0, f64::max);
+            assert!(worst < 3e-7, "largest absolute error {worst:e}");
+            assert_eq!(f(100.0), 1.0);
+            assert!(f(-100.0).abs() < 1e-30);
+        }
+        let xs: Vec<f32> = grid().step_by(7).collect();
+        let grads: Vec<f32> = xs.iter().map(|x| (x * 3.1).sin()).collect();
+        let mut a = xs.clone();
+        forward_in_place::<Silu>(&mut a);
+        let mut c = grads.clone();
+        backward_in_place::<Silu>(&xs, &mut c);
+        for i in 0..xs.len() {
+            let want = Silu::value::<false>(xs[i]);
+            assert!((a[i] - want).abs() <= 2e-6 * want.abs() + 1e-8, "{}", xs[i]);
+            let want = grads[i] * Silu::derivative::<false>(xs[i]);
+            assert!((c[i] - want).abs() <= 3e-7 * grads[i].abs(), "{}", xs[i]);
+        }
     }
 }

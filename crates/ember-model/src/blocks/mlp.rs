@@ -5,7 +5,7 @@
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::serde::{Deserialize, Serialize};
-use burn::tensor::activation::{relu, silu};
+use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use crate::ops::linear;
@@ -32,7 +32,7 @@ impl Activation {
             Activation::Gelu => crate::ops::gelu(x),
             Activation::GeluTanh => crate::ops::gelu_tanh(x),
             Activation::Relu => relu(x),
-            Activation::Silu => silu(x),
+            Activation::Silu => crate::ops::silu(x),
         }
     }
 
@@ -43,7 +43,7 @@ impl Activation {
             Activation::Gelu => crate::ops::linear_gelu(layer, x, false),
             Activation::GeluTanh => crate::ops::linear_gelu(layer, x, true),
             Activation::Relu => relu(linear(layer, x)),
-            Activation::Silu => silu(linear(layer, x)),
+            Activation::Silu => crate::ops::silu(linear(layer, x)),
         }
     }
 }

@@ -35,7 +35,7 @@ impl NormKind {
     pub fn forward<const N: usize>(self, norm: &LayerNorm, x: Tensor<N>, eps: f64) -> Tensor<N> {
         match self {
             NormKind::LayerNorm => crate::ops::layer_norm(norm, x, eps),
-            NormKind::RmsNorm => rms_norm(x, norm.gamma.val(), eps),
+            NormKind::RmsNorm => crate::ops::rms_norm(x, norm.gamma.val(), eps),
         }
     }
 }
@@ -53,16 +53,6 @@ impl std::fmt::Display for NormKind {
 use burn::empty;
 empty!(NormKind);
 
-/// RMSNorm: `x / sqrt(mean(x^2) + eps) * gamma` over the last dimension.
-///
-/// # Shapes
-/// - x, output: `[..., D]`
-/// - gamma: `[D]`
-pub fn rms_norm<const N: usize>(x: Tensor<N>, gamma: Tensor<1>, eps: f64) -> Tensor<N> {
-    let mean_square = x.clone().powi_scalar(2).mean_dim(N - 1); // [..., 1]
-    x * mean_square.add_scalar(eps).sqrt().recip() * gamma.unsqueeze::<N>()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,7 +65,9 @@ mod tests {
         let device = Device::flex();
         let x = Tensor::<2>::from_floats([[3.0, 4.0], [0.0, -2.0]], &device);
         let gamma = Tensor::<1>::from_floats([1.0, 2.0], &device);
-        let got: Vec<f32> = rms_norm(x, gamma, 0.0).try_into_vec_as::<f32>().unwrap();
+        let got: Vec<f32> = crate::ops::rms_norm(x, gamma, 0.0)
+            .try_into_vec_as::<f32>()
+            .unwrap();
         let r = 12.5f32.sqrt();
         let want = [3.0 / r, 8.0 / r, 0.0, -2.0 * 2.0 / 2f32.sqrt()];
         for (g, w) in got.iter().zip(want) {
