@@ -18,7 +18,7 @@
 //! | [`linear`], [`affine`], [`matmul`] | Burn's `module::linear`, `matmul` | `gemm` into a new buffer, own backward (`products::flex`); on CUDA cuBLAS's products (forward and backward, transposed operands read in place: `products::cube`, `products::cublas`, [`blas`]); on other GPUs all rows as one product in Burn's `matmul` (in training, chunks of rows as one batched product, so that the weight's gradient is a sum of partial products: [`matmul_split_rows`]), and a plain input of up to eight rows (a decoding step) takes one kernel for the product and the bias (`cube::linear`) |
 //! | [`linear_gelu`] | Burn's `module::linear`, then `gelu` | [`linear`] then [`gelu`]; on GPUs a plain input of up to eight rows takes one kernel for the product, the bias and the GELU (`cube::linear`) |
 //! | [`gelu`], [`gelu_tanh`] | Burn's `gelu`, `gelu_approximate` | vectorised loops ([`kernels::gelu`]); on GPUs one kernel each way, the exact derivative (`cube::gelu`) |
-//! | [`silu`] | Burn's `silu` | the GELUs' vectorised loops ([`kernels::gelu`]); on GPUs the reference |
+//! | [`silu`], [`gated_silu`] | Burn's `silu`; for the gate two slices, `silu`, a product | the GELUs' vectorised loops ([`kernels::gelu`]; the gate in one pass each way, `flex::gated`); on GPUs the reference |
 //! | [`layer_norm`] | Burn's `LayerNorm::forward` | one pass each way ([`kernels::layer_norm`]); on GPUs one kernel each way, one cube per row, the bias in the same pass (`cube::layer_norm`) |
 //! | [`rms_norm`] | RMSNorm in Burn's tensor ops | LayerNorm's pass without the centring ([`kernels::layer_norm`]); on GPUs the reference |
 //! | [`causal_softmax`] | scale, mask, softmax | one pass each way ([`kernels::softmax`]) |
@@ -122,7 +122,7 @@ pub use recording::LibraryCallsRecorded;
 pub use rotary::{
     RotaryAt, rotate_qk, rotate_qk_at, rotate_qk_by, rotate_qk_reference, rotate_qk_rows,
 };
-pub use silu::{silu, silu_reference};
+pub use silu::{gated_silu, gated_silu_reference, silu, silu_reference};
 pub use softmax::{causal_softmax, causal_softmax_reference};
 pub use step_inputs::{write_in_place, write_token, write_token_reference};
 pub use sum_of_squares::{

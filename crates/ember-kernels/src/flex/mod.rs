@@ -7,6 +7,7 @@ mod attention_blocks;
 pub(crate) mod cross_entropy;
 pub(crate) mod decode_attention;
 pub(crate) mod dropout;
+pub(crate) mod gated;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
 pub(crate) mod op;

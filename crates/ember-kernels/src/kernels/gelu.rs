@@ -176,6 +176,33 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// `out[i] = act(gate[i]) * up[i]`: a gated MLP's hidden value (SwiGLU with [`Silu`]).
+    pub fn gated_forward<K: GeluKind>(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = K::value::<F>(g) * u;
+        }
+    }
+}
+
+multiversion! {
+    /// The gradients of [`gated_forward`]'s inputs from its output's, `grad`:
+    /// `d_gate = grad * up * act'(gate)`, `d_up = grad * act(gate)`.
+    pub fn gated_backward<K: GeluKind>(
+        gate: &[f32],
+        up: &[f32],
+        grad: &[f32],
+        d_gate: &mut [f32],
+        d_up: &mut [f32]
+    ) {
+        let outs = d_gate.iter_mut().zip(d_up.iter_mut());
+        for ((((dg, du), &g), &u), &dy) in outs.zip(gate).zip(up).zip(grad) {
+            *du = dy * K::value::<F>(g);
+            *dg = dy * u * K::derivative::<F>(g);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

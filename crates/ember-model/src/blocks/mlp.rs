@@ -128,11 +128,16 @@ impl Mlp {
         let h = match self.gated {
             false => self.activation.after_linear(&self.c_fc, x),
             true => {
-                let both = linear(&self.c_fc, x); // [B, T, 2F]
-                let [b, t, f2] = both.dims();
-                let gate = both.clone().slice([0..b, 0..t, 0..f2 / 2]);
-                let up = both.slice([0..b, 0..t, f2 / 2..f2]);
-                self.activation.forward(gate) * up
+                let both = linear(&self.c_fc, x); // [B, T, 2F]: [gate | up]
+                if self.activation == Activation::Silu {
+                    // SwiGLU in one op: one pass each way on flex.
+                    crate::ops::gated_silu(both)
+                } else {
+                    let [b, t, f2] = both.dims();
+                    let gate = both.clone().slice([0..b, 0..t, 0..f2 / 2]);
+                    let up = both.slice([0..b, 0..t, f2 / 2..f2]);
+                    self.activation.forward(gate) * up
+                }
             }
         };
         crate::ops::linear_into(&self.c_proj, h, dtype)
