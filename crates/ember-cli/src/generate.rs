@@ -231,7 +231,7 @@ struct Row<'a> {
 /// The prompt's ids, with a note on stderr for unknown characters or a prompt longer than the
 /// context.
 fn encode(tokenizer: &ember_data::Tokenizer, prompt: &str, context: usize) -> Result<Vec<u32>> {
-    let encoded = tokenizer.encode(prompt)?;
+    let encoded = tokenizer.encode_prompt(prompt)?;
     if encoded.ids.is_empty() {
         bail!("the prompt {prompt:?} encodes to no tokens");
     }

@@ -500,6 +500,20 @@ const CASES: &[Case] = &[
     ),
     case(
         "run folder",
+        "`--set` of key/value heads that do not divide the heads",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/new-run",
+            "--set",
+            "model.n_kv_heads=3",
+        ],
+        &["n_kv_heads", "= 3", "n_heads = 2"],
+    ),
+    case(
+        "run folder",
         "`--set` of a precision ember does not have",
         &[
             "train",
@@ -679,6 +693,23 @@ const CASES: &[Case] = &[
             "A",
         ],
         &["model.safetensors", "transformer.h.2.", "missing"],
+    ),
+    case(
+        "checkpoint",
+        "Hugging Face Llama folder asking for Llama 3's scaled rotation",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/hf-llama3",
+            "--prompt",
+            "A",
+        ],
+        &[
+            "config.json",
+            "rope_parameters",
+            "llama3",
+            "default rotation",
+        ],
     ),
     case(
         "checkpoint",
@@ -1201,6 +1232,15 @@ fn fixtures(dir: &Path) {
         assert!(text.contains(from));
         std::fs::write(&config, text.replace(from, to)).unwrap();
     }
+
+    // A Llama whose config asks for Llama 3's scaled rotation.
+    let llama = repo().join("crates/ember-train/tests/fixtures/tiny-llama");
+    copy_dir(&llama, &dir.join("hf-llama3"));
+    let config = dir.join("hf-llama3").join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let from = "\"rope_type\": \"default\"";
+    assert!(text.contains(from));
+    std::fs::write(&config, text.replace(from, "\"rope_type\": \"llama3\"")).unwrap();
 
     // A Hugging Face model saved in PyTorch's pickle format.
     let bin = dir.join("hf-bin");

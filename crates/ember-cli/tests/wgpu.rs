@@ -184,8 +184,21 @@ fn wgpu_trains_and_generates_like_the_cpu() {
 /// steps as on the CPU.
 #[test]
 fn a_pythia_model_scores_decodes_and_trains_on_wgpu_as_on_the_cpu() {
-    let fixture = repo().join("crates/ember-train/tests/fixtures/tiny-pythia");
-    let dir = temp("wgpu-pythia");
+    scores_decodes_and_trains_as_on_the_cpu("tiny-pythia");
+}
+
+/// LLaMA's block (RMSNorm, SwiGLU, 4 query heads sharing 2 key/value heads) on the GPU path, the
+/// `tiny-llama` fixture, the same way.
+#[test]
+fn a_llama_model_scores_decodes_and_trains_on_wgpu_as_on_the_cpu() {
+    scores_decodes_and_trains_as_on_the_cpu("tiny-llama");
+}
+
+/// The Hugging Face fixture `name` scores a text, decodes greedily and trains 10 steps on wgpu
+/// as on flex.
+fn scores_decodes_and_trains_as_on_the_cpu(name: &str) {
+    let fixture = repo().join("crates/ember-train/tests/fixtures").join(name);
+    let dir = temp(&format!("wgpu-{name}"));
     let text = dir.join("text.txt");
     std::fs::write(&text, "ROMEO:\nWhat light through yonder window breaks?\n").unwrap();
     let (x, y) = (

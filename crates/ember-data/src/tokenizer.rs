@@ -32,11 +32,22 @@ impl Tokenizer {
 
     /// Ids of `text` and the count of pieces outside the vocabulary.
     pub fn encode(&self, text: &str) -> Result<Encoded> {
+        self.encode_with(text, false)
+    }
+
+    /// [`Tokenizer::encode`] of a prompt, with the special tokens the tokenizer's post-processor
+    /// puts around one (Llama's and TinyLlama's `<s>` before it; nothing for GPT-2's, Pythia's
+    /// or ember's own), as transformers' tokenizers encode a prompt for `generate`.
+    pub fn encode_prompt(&self, text: &str) -> Result<Encoded> {
+        self.encode_with(text, true)
+    }
+
+    fn encode_with(&self, text: &str, special: bool) -> Result<Encoded> {
         match self {
             Tokenizer::Char(t) => Ok(t.encode(text)),
             Tokenizer::Bpe(t) => {
                 let enc = t
-                    .encode(text, false)
+                    .encode(text, special)
                     .map_err(|e| DataError::Tokenizer(e.to_string()))?;
                 let ids = enc.get_ids().to_vec();
                 let unknown = self.unknown_count(&ids);
@@ -172,6 +183,36 @@ mod tests {
 
     const TEXT: &str =
         "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n";
+
+    /// A prompt gets what the tokenizer's post-processor adds (here Llama's `<s>` template);
+    /// a text to train on or score does not; ember's own BPE adds nothing to either.
+    #[test]
+    fn prompts_get_the_post_processor_s_special_tokens() {
+        let dir = temp_dir("prompt");
+        let corpus = dir.join("corpus.txt");
+        std::fs::write(&corpus, TEXT.repeat(20)).unwrap();
+        let ours = train_bpe(&[&corpus], 300, &["<s>"]).unwrap();
+        let plain = Tokenizer::Bpe(Box::new(ours.clone()));
+        assert_eq!(
+            plain.encode_prompt("Speak").unwrap().ids,
+            plain.encode("Speak").unwrap().ids
+        );
+        let bos = ours.token_to_id("<s>").unwrap();
+        let template = tokenizers::processors::template::TemplateProcessing::builder()
+            .try_single("<s> $A")
+            .unwrap()
+            .special_tokens(vec![("<s>", bos)])
+            .build()
+            .unwrap();
+        let mut llama_like = ours;
+        llama_like.with_post_processor(Some(template));
+        let tok = Tokenizer::Bpe(Box::new(llama_like));
+        let text = tok.encode("Speak").unwrap().ids;
+        let prompt = tok.encode_prompt("Speak").unwrap().ids;
+        assert_eq!(prompt[0], bos);
+        assert_eq!(&prompt[1..], text.as_slice());
+        let _ = std::fs::remove_dir_all(dir);
+    }
 
     #[test]
     fn bpe_trains_round_trips_and_reloads() {

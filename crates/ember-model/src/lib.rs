@@ -4,7 +4,9 @@
 //! 0.22: scaled dot-product attention with padding and causal masks, multi-head self- and
 //! cross-attention with a KV cache, sinusoidal / learned / rotary positions, pre- or
 //! post-norm encoder and decoder blocks, a GPT-style [`DecoderOnly`] language model and an
-//! [`EncoderDecoder`] translation model.
+//! [`EncoderDecoder`] translation model; and the parts later decoders changed (LLaMA's RMSNorm,
+//! gated MLP and grouped-query attention; GPT-NeoX's partial rotation and parallel blocks),
+//! each a config field of [`DecoderOnlyConfig`].
 //!
 //! Shape letters used everywhere: `B` batch, `T` target length, `S` source (key) length,
 //! `D` model width, `H` heads, `K` head size, `F` MLP width, `V` vocabulary.

@@ -798,10 +798,9 @@ fn grouped_keys_and_values_are_heads_sharing_them() {
             0 => c,
             part => {
                 let (head, e) = ((c % d) / k, c % k);
-                (d + (part - 1) * 2 * k + (head / 2) * k + e) as i32
+                d + (part - 1) * 2 * k + (head / 2) * k + e
             }
         })
-        .map(|c| c as i32)
         .collect();
     let index = Tensor::<1, Int>::from_ints(from.as_slice(), &device);
     let mut expanded = grouped.clone();

@@ -329,7 +329,8 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
             (t.batch_size as u64).saturating_mul(m.context_len as u64),
             m.n_layers,
             m.d_model,
-            m.d_ff(),
+            // A gated MLP keeps its double-width expansion and the gated product.
+            if m.gated_mlp { 3 * m.d_ff() } else { m.d_ff() },
             m.vocab_size,
             t.precision.product_bytes(),
         ),

@@ -221,6 +221,9 @@ struct Entry {
     transposed: bool,
 }
 
+/// An ember linear layer, the Llama layers stacked into it (name and outputs), its inputs.
+type Stacked<'a> = (&'a str, &'a [(&'a str, usize)], usize);
+
 /// Every tensor of the model `config` describes.
 fn entries(config: &DecoderOnlyConfig) -> Vec<Entry> {
     let (d, f, v) = (config.d_model, config.d_ff(), config.vocab_size);
@@ -249,7 +252,7 @@ fn entries(config: &DecoderOnlyConfig) -> Vec<Entry> {
             all.push(one(ember, llama, &[d], false));
         }
         // ember's layer, the Llama layers stacked into it with their outputs, and its inputs.
-        let linears: [(&str, &[(&str, usize)], usize); 4] = [
+        let linears: [Stacked; 4] = [
             (
                 "attn.c_attn",
                 &[
