@@ -756,12 +756,18 @@ fn llama_config() -> DecoderOnlyConfig {
 }
 
 /// Its transformers twin is checked in ember-train's tests (`tiny-llama`); here, that a model of
-/// LLaMA's parts decodes as it computes, and that each part changes what it computes.
+/// LLaMA's parts decodes as it computes (its cache one head per group), and that its gate's
+/// activation changes what it computes.
 #[test]
 fn llama_blocks_decode_as_they_compute() {
     let device = Device::flex();
     let model = unit_scale(llama_config().init(&device).unwrap());
     decodes_as_it_computes(&model, &device);
+    // The cache keeps one key and value head per group: 2 of the 4 heads' width.
+    let mut cache = model.new_cache();
+    let _ = model.forward_with(long_rows(&device), None, Some(&mut cache), false);
+    let (k, v) = cache.self_attn[0].get().unwrap();
+    assert_eq!((k.dims(), v.dims()), ([2, 2, 70, 4], [2, 2, 70, 4]));
     // The same weights with another activation for the gate compute something else.
     let seq = long_rows(&device);
     let twin = DecoderOnlyConfig {

@@ -5,11 +5,13 @@
 //! - [`multi_head`]: `H` heads over one fused `[Q | K | V]` projection, merged and projected back.
 //! - [`self_attention`]: masked (causal) self-attention, with positions `start..` when a KV
 //!   cache holds the past.
+//! - [`grouped`]: grouped-query attention, key/value heads shared by groups of query heads.
 //! - [`cross_attention`]: encoder-decoder attention, queries from the decoder, keys and values
 //!   from the encoder output.
 //! - [`kv_cache`]: the keys and values of tokens already seen, for autoregressive decoding.
 
 pub mod cross_attention;
+pub mod grouped;
 pub mod kv_cache;
 pub mod masks;
 pub mod multi_head;

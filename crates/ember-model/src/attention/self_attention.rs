@@ -2,10 +2,6 @@
 //! positions before it, through every head of a [`MultiHeadAttention`]. With a [`KvCache`], the
 //! new positions also see the cached past: the decoding step of autoregressive generation.
 
-use std::borrow::Cow;
-
-use burn::module::Param;
-use burn::nn::Linear;
 use burn::tensor::{Bool, Tensor};
 
 use super::kv_cache::{Keys, KvCache};
@@ -34,9 +30,6 @@ impl MultiHeadAttention {
         cache: Option<&mut KvCache>,
         return_weights: bool,
     ) -> AttentionResult {
-        // Grouped keys and values are repeated for the heads that share them, in the weights:
-        // from here on every head has its own, as in multi-head attention.
-        let c_attn = self.every_head_projection();
         // The training attention, the sequence on itself under the causal mask alone, is one
         // op from the input to the output projection where a kernel takes it.
         let one_op = cache.is_none() && causal && pad.is_none() && !return_weights;
@@ -44,7 +37,8 @@ impl MultiHeadAttention {
         let qkv = match one_op && self.partial_rotary().is_none() {
             true => match ops::fused_causal_self_attention(
                 x,
-                &c_attn,
+                // Grouped keys and values repeated for their heads in the weights.
+                &self.every_head_projection(),
                 &self.c_proj,
                 self.n_heads,
                 self.rotary_base,
@@ -53,9 +47,9 @@ impl MultiHeadAttention {
                 Ok(y) => return (y, None),
                 Err(qkv) => qkv,
             },
-            // Project: every head's query, key and value; rotate the queries and keys by
-            // their positions.
-            false => self.rotate(linear(&c_attn, x), cache.as_deref()),
+            // Project: every head's query, key and value (grouped ones repeated for their
+            // heads); rotate the queries and keys by their positions.
+            false => self.rotate(self.every_head(linear(&self.c_attn, x)), cache.as_deref()),
         }; // [B, T, 3D]
         // Split the heads: [B, H, T, K] each.
         let [b, t, d3] = qkv.dims();
@@ -63,66 +57,18 @@ impl MultiHeadAttention {
         let q = self.split_heads(qkv.clone().slice([0..b, 0..t, 0..d]));
         let k = self.split_heads(qkv.clone().slice([0..b, 0..t, d..2 * d]));
         let v = self.split_heads(qkv.slice([0..b, 0..t, 2 * d..3 * d]));
-        // Append to the cache: the queries see the past positions' keys and values too.
+        // Append to the cache (grouped: one head of each group, shared again once read): the
+        // queries see the past positions' keys and values too.
         let keys = match cache {
-            Some(cache) => cache.append_keys(k, v, causal && pad.is_none()),
+            Some(cache) => {
+                let (k, v) = (self.one_per_group(k), self.one_per_group(v));
+                self.shared(cache.append_keys(k, v, causal && pad.is_none()))
+            }
             None => Keys::Seen(k, v),
         };
         // Attend under the masks, merge the heads, project.
         let out = attend_keys(q, keys, causal, pad, &self.attn_dropout, return_weights);
         self.project(out)
-    }
-
-    /// The fused projection with keys and values for every head: `c_attn` itself, or in
-    /// grouped-query attention `[D, D + 2GK] -> [D, 3D]`, each key/value head's columns
-    /// repeated for the `H / G` query heads that share it (head `h` reads key/value head
-    /// `h / (H / G)`, as transformers' `repeat_kv`). The repeat is tracked by autodiff, so a
-    /// shared column's gradient is the sum of its heads'.
-    pub(crate) fn every_head_projection(&self) -> Cow<'_, Linear> {
-        let (h, g) = (self.n_heads, self.n_kv_heads);
-        if g == h {
-            return Cow::Borrowed(&self.c_attn);
-        }
-        let weight = self.c_attn.weight.val(); // [D, D + 2GK]
-        let [rows, width] = weight.dims();
-        let k = (width - rows) / (2 * g);
-        let d = h * k;
-        // [.., G K] -> [.., H K]: key/value head j becomes heads j * H/G .. (j + 1) * H/G.
-        let repeat = |x: Tensor<2>| {
-            let [r, _] = x.dims();
-            x.reshape([r, g, 1, k])
-                .expand([r, g, h / g, k])
-                .reshape([r, d])
-        };
-        let part =
-            |x: &Tensor<2>, from: usize, to: usize| x.clone().slice([0..x.dims()[0], from..to]);
-        let weight = Tensor::cat(
-            vec![
-                part(&weight, 0, d),
-                repeat(part(&weight, d, d + g * k)),
-                repeat(part(&weight, d + g * k, width)),
-            ],
-            1,
-        );
-        let bias = self.c_attn.bias.as_ref().map(|b| {
-            let b = b.val().reshape([1, width]);
-            let b = Tensor::cat(
-                vec![
-                    part(&b, 0, d),
-                    repeat(part(&b, d, d + g * k)),
-                    repeat(part(&b, d + g * k, width)),
-                ],
-                1,
-            );
-            Param::initialized(
-                self.c_attn.bias.as_ref().expect("a bias").id,
-                b.reshape([3 * d]),
-            )
-        });
-        Cow::Owned(Linear {
-            weight: Param::initialized(self.c_attn.weight.id, weight),
-            bias,
-        })
     }
 
     /// `qkv` with its queries and keys rotated by their positions (rotary models), which the
