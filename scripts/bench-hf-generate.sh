@@ -7,6 +7,7 @@
 #   bash scripts/bench-hf-generate.sh                 # 3 rounds, 200 tokens at batch 1, 60 above
 #   ROUNDS=5 BATCHES="1 2 4" THREADS=2 bash scripts/bench-hf-generate.sh
 #   AGAINST=/path/to/older/ember bash scripts/bench-hf-generate.sh   # and check the same text
+#   LLAMA=1 bash scripts/bench-hf-generate.sh         # SmolLM-135M's shape (Llama, 3 of 9 heads' keys)
 #
 # Needs torch, transformers and tokenizers (PYTHON=.venv/bin/python). The model is made once
 # with random weights (scripts/hf_generate.py make) into MODEL (default target/bench-gpt2-124m).
@@ -18,13 +19,14 @@ BATCHES=${BATCHES:-1 4 8}
 THREADS=${THREADS:-2}
 PYTHON=${PYTHON:-python3}
 AGAINST=${AGAINST:-}
-MODEL=${MODEL:-target/bench-gpt2-124m}
+LLAMA=${LLAMA:-}
+MODEL=${MODEL:-target/bench-$([ -n "$LLAMA" ] && echo smollm-135m || echo gpt2-124m)}
 EMBER=./target/release/ember
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 cargo build --release --workspace --locked 2>&1 | tail -1
-[ -e "$MODEL/model.safetensors" ] || $PYTHON scripts/hf_generate.py make "$MODEL"
+[ -e "$MODEL/model.safetensors" ] || $PYTHON scripts/hf_generate.py make "$MODEL" ${LLAMA:+--llama}
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 echo "torch: $($PYTHON -c 'import torch, transformers as t; print(torch.__version__, "transformers", t.__version__)'), threads $THREADS"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -6,6 +6,9 @@
                    both load it, with a byte-level BPE trained on tiny Shakespeare and padded
                    with filler tokens to GPT-2's vocabulary size. Decoding costs what GPT-2's
                    does whatever the weights are (the hub is not reachable from every machine).
+                   With --llama, SmolLM-135M's shape instead (`LlamaForCausalLM`: 30 x 576, 9
+                   query heads sharing 3 key/value heads, SwiGLU of 1536, RMSNorm, a tied
+                   head, 49152 tokens).
     generate DIR   greedy decoding of every line of --prompts as one left-padded batch by
                    transformers' `generate` with its KV cache; prints the new tokens per second.
 """
@@ -17,9 +20,9 @@ from pathlib import Path
 import torch
 
 
-def make(out: Path, layers: int, width: int, heads: int) -> None:
+def make(out: Path, layers: int, width: int, heads: int, llama: bool) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     text = (Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt").read_text()
@@ -32,9 +35,19 @@ def make(out: Path, layers: int, width: int, heads: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([text], trainer)
-    tok.add_tokens([f"<f{i}>" for i in range(50257 - tok.get_vocab_size())])
+    vocab = 49152 if llama else 50257
+    tok.add_tokens([f"<f{i}>" for i in range(vocab - tok.get_vocab_size())])
     tok.save(str(out / "tokenizer.json"))
     torch.manual_seed(0)
+    if llama:
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+            bos_token_id=0, eos_token_id=0,
+        )
+        LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+        return
     config = GPT2Config(
         vocab_size=50257, n_positions=1024, n_embd=width, n_layer=layers, n_head=heads,
         bos_token_id=0, eos_token_id=0,
@@ -43,13 +56,13 @@ def make(out: Path, layers: int, width: int, heads: int) -> None:
 
 
 def generate(folder: str, prompts: str, tokens: int, threads: int) -> None:
-    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.set_num_threads(threads)
     tok = PreTrainedTokenizerFast(
         tokenizer_file=f"{folder}/tokenizer.json", pad_token="<|endoftext|>", padding_side="left"
     )
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
     batch = tok(Path(prompts).read_text().splitlines(), return_tensors="pt", padding=True)
     args = dict(do_sample=False, pad_token_id=0)
     with torch.inference_mode():
@@ -68,12 +81,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--llama", action="store_true")
     p.add_argument("--prompts")
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     if a.mode == "make":
-        make(Path(a.folder), a.layers, a.width, a.heads)
+        make(Path(a.folder), a.layers, a.width, a.heads, a.llama)
     else:
         generate(a.folder, a.prompts, a.tokens, a.threads)
 
