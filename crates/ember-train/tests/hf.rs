@@ -363,9 +363,9 @@ fn gpt_neox_variants_ember_lacks_are_named() {
             &["rope_parameters", "linear"],
         ),
         (
-            "mistral",
-            |c| c["model_type"] = "mistral".into(),
-            &["model_type", "mistral"],
+            "falcon",
+            |c| c["model_type"] = "falcon".into(),
+            &["model_type", "falcon", "mistral"],
         ),
         (
             "deeper",
@@ -448,12 +448,24 @@ fn llama_variants_ember_lacks_are_named() {
         }
         let _ = std::fs::remove_dir_all(dir);
     }
+    // Mistral's layout is Llama's; its sliding window bounds the positions the model takes,
+    // within which the logits are transformers'.
+    let mistral = with_config_of(&llama(), "mistral", |c| {
+        c["model_type"] = "mistral".into();
+        c["sliding_window"] = 16.into();
+    });
+    let lm = load_lm(&mistral, &Device::flex()).unwrap();
+    assert_eq!(lm.config.model.max_positions(), 16);
+    let want = expected_of(&llama());
+    let vocab = want.logits.len() / want.input_ids.len();
+    let first = logits(&lm, &want.input_ids[..16]);
+    assert!(max_diff(&first, &want.logits[..16 * vocab]) < 1e-4);
+    let _ = std::fs::remove_dir_all(mistral);
     // The older key of the rotation's base (transformers 4).
     let older = with_config_of(&llama(), "llama-older", |c| {
         c.as_object_mut().unwrap().remove("rope_parameters");
         c["rope_theta"] = 500.0.into();
     });
-    let want = expected_of(&llama());
     let lm = load_lm(&older, &Device::flex()).unwrap();
     assert!(max_diff(&logits(&lm, &want.input_ids), &want.logits) < 1e-4);
     let _ = std::fs::remove_dir_all(older);

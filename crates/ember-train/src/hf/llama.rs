@@ -1,5 +1,5 @@
 //! Hugging Face Llama folders (`LlamaForCausalLM`: Meta's Llama, SmolLM, TinyLlama and the
-//! many models in its layout): ember's decoder-only model with rotary positions over whole heads,
+//! many models in its layout; Mistral's too, up to its sliding window): ember's decoder-only model with rotary positions over whole heads,
 //! RMSNorm (`[model] norm = "rms_norm"`), a gated MLP (`gated_mlp`, SiLU: SwiGLU) and perhaps
 //! fewer key/value heads than query heads (`n_kv_heads`, grouped-query attention).
 //!
@@ -23,6 +23,9 @@ use crate::error::{Result, TrainError, write_err};
 
 /// `config.json`'s `model_type` of a Llama folder.
 pub const MODEL_TYPE: &str = "llama";
+/// `config.json`'s `model_type` of a Mistral folder: Llama's layout, attention perhaps within a
+/// sliding window.
+pub const MISTRAL: &str = "mistral";
 
 /// The fields of a Llama `config.json` that ember reads and writes; others are ignored.
 /// Defaults are transformers' `LlamaConfig`'s.
@@ -76,6 +79,9 @@ pub struct LlamaConfig {
     /// Dropout on the attention weights (training only).
     #[serde(default)]
     pub attention_dropout: f64,
+    /// Mistral's: each position attends to at most this many (`null`: all before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
 }
 
 fn silu() -> String {
@@ -141,6 +147,12 @@ impl LlamaConfig {
                 ),
             ));
         }
+        // Within its window, sliding-window attention is the causal attention ember computes:
+        // the model takes no more positions than the window.
+        let positions = match self.sliding_window {
+            Some(window) => window.min(self.max_position_embeddings),
+            None => self.max_position_embeddings,
+        };
         let config = DecoderOnlyConfig {
             vocab_size: self.vocab_size,
             d_model: self.hidden_size,
@@ -151,8 +163,8 @@ impl LlamaConfig {
             n_layers: self.num_hidden_layers,
             d_ff: Some(self.intermediate_size),
             gated_mlp: true,
-            context_len: self.max_position_embeddings,
-            max_positions: Some(self.max_position_embeddings),
+            context_len: positions,
+            max_positions: Some(positions),
             positional: PositionalKind::Rotary,
             rotary_base: base,
             norm_first: true,
@@ -207,6 +219,7 @@ impl LlamaConfig {
             rope_parameters: Some(serde_json::json!({"rope_type": "default", "rope_theta": base})),
             rope_scaling: None,
             attention_dropout: config.dropout,
+            sliding_window: None,
         })
     }
 }

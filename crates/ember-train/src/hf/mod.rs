@@ -150,7 +150,7 @@ pub enum HfConfig {
     Gpt2(Gpt2Config),
     /// `"gpt_neox"`.
     Neox(NeoxConfig),
-    /// `"llama"`.
+    /// `"llama"` or `"mistral"`.
     Llama(LlamaConfig),
 }
 
@@ -169,7 +169,7 @@ fn read_config(dir: &Path) -> Result<HfConfig> {
         Some(neox::MODEL_TYPE) => serde_json::from_value(json)
             .map(HfConfig::Neox)
             .map_err(|e| bad("GPT-NeoX", e)),
-        Some(llama::MODEL_TYPE) => serde_json::from_value(json)
+        Some(llama::MODEL_TYPE | llama::MISTRAL) => serde_json::from_value(json)
             .map(HfConfig::Llama)
             .map_err(|e| bad("Llama", e)),
         Some("gpt2") | None => serde_json::from_value(json)
@@ -179,9 +179,10 @@ fn read_config(dir: &Path) -> Result<HfConfig> {
             path: path.clone(),
             message: format!(
                 "`model_type` is {other:?}; ember reads GPT-2 (\"gpt2\"), GPT-NeoX \
-                 (\"{}\") and Llama (\"{}\") models",
+                 (\"{}\"), Llama (\"{}\") and Mistral (\"{}\") models",
                 neox::MODEL_TYPE,
-                llama::MODEL_TYPE
+                llama::MODEL_TYPE,
+                llama::MISTRAL
             ),
         }),
     }
