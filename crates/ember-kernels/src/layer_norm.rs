@@ -9,8 +9,7 @@
 //! caller passes the one the module was built with.
 //!
 //! RMSNorm (LLaMA's, `x / sqrt(mean(x^2) + eps) * gamma`): reference in Burn's tensor ops (six
-//! under autodiff); kernel on flex the same pass as LayerNorm's without the centring; on GPUs the
-//! reference.
+//! under autodiff); kernels LayerNorm's without the centring, on flex and on GPUs.
 
 use burn::nn::LayerNorm;
 use burn::tensor::Tensor;
@@ -59,6 +58,11 @@ pub fn rms_norm<const N: usize>(x: Tensor<N>, gamma: Tensor<1>, eps: f64) -> Ten
         Ok(y) => return y,
         Err(back) => back,
     };
+    #[cfg(feature = "cube")]
+    let (x, gamma) = match super::cube::layer_norm::rms_norm(x, gamma, eps) {
+        Ok(y) => return y,
+        Err(back) => back,
+    };
     rms_norm_reference(x, gamma, eps)
 }
 
@@ -102,6 +106,17 @@ mod tests {
             Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
             2e-5,
             false,
+        );
+    }
+
+    /// RMSNorm's GPU kernels (LayerNorm's, not centred) against its reference on wgpu.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn rms_norm_equals_its_reference_on_wgpu() {
+        equals_burns_on(
+            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+            2e-5,
+            true,
         );
     }
 

@@ -16,6 +16,9 @@
 //! launch each. The expressions of flex's kernel ([`crate::kernels::layer_norm`]); the
 //! reference is Burn's `LayerNorm`.
 //!
+//! RMSNorm is the same kernels with `centred` off: the mean taken as 0 (no first reduction
+//! forward), `mean(h)` left out of `dx`.
+//!
 //! The units of a row's cube split its columns (unit `u` takes `u`, `u + units`, ...:
 //! neighbouring units read neighbouring columns, one memory transaction per warp) and reduce
 //! their sums through shared memory ([`super::reduce_cube`]).
@@ -75,6 +78,41 @@ pub(crate) fn layer_norm<const N: usize>(
         beta.into_dispatch(),
         eps as f32,
         bias,
+        true,
+    );
+    Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
+}
+
+/// RMSNorm, `x * rstd * gamma` with `rstd = 1 / sqrt(mean(x^2) + eps)` over the last axis, where
+/// `x` and `gamma` are `f32` tensors on a CubeCL device, both tracked by autodiff or neither;
+/// otherwise both back.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - gamma: `[D]`
+/// - output: `[..., D]`
+pub(crate) fn rms_norm<const N: usize>(
+    x: Tensor<N>,
+    gamma: Tensor<1>,
+    eps: f64,
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
+    let dims = x.dims();
+    let d = dims[N - 1];
+    let take = super::gpu_kernel_takes(GpuKernel::LayerNorm, &x)
+        && super::gpu_kernel_takes(GpuKernel::LayerNorm, &gamma)
+        && gamma.device().is_autodiff() == x.device().is_autodiff()
+        && gamma.dims()[0] == d;
+    if !take || d == 0 || x.shape().num_elements() == 0 {
+        return Err((x, gamma));
+    }
+    let rows = x.shape().num_elements() / d;
+    let y = <Dispatch as LayerNormKernels>::layer_norm(
+        x.reshape([rows, d]).into_dispatch(),
+        gamma.clone().into_dispatch(),
+        gamma.into_dispatch(),
+        eps as f32,
+        false,
+        false,
     );
     Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
 }
@@ -83,7 +121,8 @@ pub(crate) fn layer_norm<const N: usize>(
 /// autodiff over either.
 #[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
 pub trait LayerNormKernels: Backend {
-    /// `(x - mean) rstd gamma (+ beta with bias)` of the rows of `x` `[R, D]`.
+    /// `(x - mean) rstd gamma (+ beta with bias)` of the rows of `x` `[R, D]` (mean 0 unless
+    /// `centred`: RMSNorm).
     #[fusion(default)]
     fn layer_norm(
         x: FloatTensor<Self>,
@@ -91,8 +130,9 @@ pub trait LayerNormKernels: Backend {
         beta: FloatTensor<Self>,
         eps: f32,
         bias: bool,
+        centred: bool,
     ) -> FloatTensor<Self> {
-        Self::layer_norm_forward(x, gamma, beta, eps, bias).0
+        Self::layer_norm_forward(x, gamma, beta, eps, bias, centred).0
     }
 
     /// The output `[R, D]` and each row's `[mean, rstd]` (`[R, 2]`).
@@ -103,6 +143,7 @@ pub trait LayerNormKernels: Backend {
         beta: FloatTensor<Self>,
         eps: f32,
         bias: bool,
+        centred: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// The gradient of `x` `[R, D]`, and those of `gamma` and `beta` as the rows of `[2, D]`,
@@ -113,6 +154,7 @@ pub trait LayerNormKernels: Backend {
         gamma: FloatTensor<Self>,
         stats: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        centred: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
@@ -127,6 +169,7 @@ fn forward_specs(
     _beta: &TensorSpec,
     _eps: &f32,
     _bias: &bool,
+    _centred: &bool,
 ) -> (TensorSpec, TensorSpec) {
     let [rows, _] = x.shape.dims::<2>();
     (x.clone(), TensorSpec::new(Shape::new([rows, 2]), x.dtype))
@@ -139,6 +182,7 @@ fn backward_specs(
     gamma: &TensorSpec,
     _stats: &TensorSpec,
     _grad: &TensorSpec,
+    _centred: &bool,
 ) -> (TensorSpec, TensorSpec) {
     let [d] = gamma.shape.dims::<1>();
     (x.clone(), TensorSpec::new(Shape::new([2, d]), gamma.dtype))
@@ -156,6 +200,7 @@ impl LayerNormKernels for CubeBackend {
         beta: CubeTensor,
         eps: f32,
         bias: bool,
+        centred: bool,
     ) -> (CubeTensor, CubeTensor) {
         let [x, gamma, beta] = [x, gamma, beta].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
@@ -177,6 +222,7 @@ impl LayerNormKernels for CubeBackend {
             d / w,
             w,
             bias,
+            centred,
         );
         (y, stats)
     }
@@ -186,6 +232,7 @@ impl LayerNormKernels for CubeBackend {
         gamma: CubeTensor,
         stats: CubeTensor,
         grad: CubeTensor,
+        centred: bool,
     ) -> (CubeTensor, CubeTensor) {
         let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(into_contiguous);
         let [rows, d] = x.shape().dims::<2>();
@@ -210,6 +257,7 @@ impl LayerNormKernels for CubeBackend {
             d / w,
             CHUNK,
             w,
+            centred,
         );
         // The chunks' sums added by the backend's reduction: `[gamma's | beta's]`.
         let sums = match chunks {
@@ -237,17 +285,21 @@ impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B
         beta: FloatTensor<Self>,
         eps: f32,
         bias: bool,
+        centred: bool,
     ) -> FloatTensor<Self> {
         if !bias {
             // No shift: `beta` is not an input (the kernel reads `gamma` in its place).
-            return tracked::<B, C, _, _>(ScaledNorm, [x, gamma], |[x, gamma]| {
-                let (y, stats) =
-                    B::layer_norm_forward(x.clone(), gamma.clone(), gamma.clone(), eps, false);
+            let node = ScaledNorm { centred };
+            return tracked::<B, C, _, _>(node, [x, gamma], |[x, gamma]| {
+                let (g, b) = (gamma.clone(), gamma.clone());
+                let (y, stats) = B::layer_norm_forward(x.clone(), g, b, eps, false, centred);
                 (y, (x, gamma, stats))
             });
         }
-        tracked::<B, C, _, _>(ShiftedNorm, [x, gamma, beta], |[x, gamma, beta]| {
-            let (y, stats) = B::layer_norm_forward(x.clone(), gamma.clone(), beta, eps, true);
+        let node = ShiftedNorm { centred };
+        tracked::<B, C, _, _>(node, [x, gamma, beta], |[x, gamma, beta]| {
+            let g = gamma.clone();
+            let (y, stats) = B::layer_norm_forward(x.clone(), g, beta, eps, true, centred);
             (y, (x, gamma, stats))
         })
     }
@@ -259,9 +311,10 @@ impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B
         beta: FloatTensor<Self>,
         eps: f32,
         bias: bool,
+        centred: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let [x, gamma, beta] = [x, gamma, beta].map(Self::inner);
-        let (y, stats) = B::layer_norm_forward(x, gamma, beta, eps, bias);
+        let (y, stats) = B::layer_norm_forward(x, gamma, beta, eps, bias, centred);
         (Self::from_inner(y), Self::from_inner(stats))
     }
 
@@ -270,20 +323,25 @@ impl<B: LayerNormKernels, C: CheckpointStrategy> LayerNormKernels for Autodiff<B
         gamma: FloatTensor<Self>,
         stats: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        centred: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let [x, gamma, stats, grad] = [x, gamma, stats, grad].map(Self::inner);
-        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad);
+        let (dx, dgamma) = B::layer_norm_backward(x, gamma, stats, grad, centred);
         (Self::from_inner(dx), Self::from_inner(dgamma))
     }
 }
 
-/// The autodiff node of the LayerNorm kernels without a bias.
+/// The autodiff node of the LayerNorm kernels without a bias (RMSNorm's when not `centred`).
 #[derive(Debug)]
-struct ScaledNorm;
+struct ScaledNorm {
+    centred: bool,
+}
 
 /// The autodiff node of the LayerNorm kernels with a bias.
 #[derive(Debug)]
-struct ShiftedNorm;
+struct ShiftedNorm {
+    centred: bool,
+}
 
 /// The input, gamma and each row's `[mean, rstd]`.
 type NormState<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
@@ -294,7 +352,7 @@ impl<B: LayerNormKernels> Backward<B, 2> for ScaledNorm {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (x, gamma, stats) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
-        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad);
+        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad, self.centred);
         let [x_node, gamma_node] = ops.parents;
         for (node, grad) in [(x_node, dx), (gamma_node, param_row::<B>(&params, 0))] {
             if let Some(node) = node {
@@ -319,7 +377,7 @@ impl<B: LayerNormKernels> Backward<B, 3> for ShiftedNorm {
         let (x, gamma, stats) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let [x_node, gamma_node, beta_node] = ops.parents;
-        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad);
+        let (dx, params) = B::layer_norm_backward(x, gamma, stats, grad, self.centred);
         let (dgamma, dbeta) = (param_row::<B>(&params, 0), param_row::<B>(&params, 1));
         for (node, grad) in [(x_node, dx), (gamma_node, dgamma), (beta_node, dbeta)] {
             if let Some(node) = node {
@@ -336,7 +394,7 @@ mod kernels {
     use crate::cube::{ROW_UNITS, cube_row, reduce_cube};
 
     /// One cube per row `r` of `x` `[R, D]` (`vectors` vectors of `w` values a row): `y` (with
-    /// `beta` added when `bias`) and `stats[r] = [mean, rstd]`.
+    /// `beta` added when `bias`) and `stats[r] = [mean, rstd]` (mean 0 unless `centred`).
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn layer_norm_forward<F: Float, N: Size>(
@@ -349,6 +407,7 @@ mod kernels {
         vectors: usize,
         #[comptime] w: usize,
         #[comptime] bias: bool,
+        #[comptime] centred: bool,
     ) {
         let r = cube_row();
         if r >= stats.shape(0) {
@@ -358,15 +417,18 @@ mod kernels {
         let at = r * vectors;
         let n = F::cast_from(vectors * w);
         let mut scratch = Shared::<[F]>::new_slice(ROW_UNITS);
-        let mut sum = F::new(0.0);
-        for j in range_stepped(u, vectors, units) {
-            let v = x[at + j];
-            #[unroll]
-            for l in 0..w {
-                sum += v.extract(l);
+        let mut mean = F::new(0.0);
+        if centred {
+            let mut sum = F::new(0.0);
+            for j in range_stepped(u, vectors, units) {
+                let v = x[at + j];
+                #[unroll]
+                for l in 0..w {
+                    sum += v.extract(l);
+                }
             }
+            mean = reduce_cube::<F>(&mut scratch, sum, false) / n;
         }
-        let mean = reduce_cube::<F>(&mut scratch, sum, false) / n;
         let mut squares = F::new(0.0);
         for j in range_stepped(u, vectors, units) {
             let v = x[at + j];
@@ -398,8 +460,8 @@ mod kernels {
     }
 
     /// One cube per `chunk` rows (fewer in the last; `vectors` vectors of `w` values a row):
-    /// `dx` of each row, and in row `c` of `sums` `[chunks, 2 D]` the chunk's column sums of
-    /// `dy xhat` (`0..D`) and `dy` (`D..2 D`).
+    /// `dx` of each row (without its `mean(h)` term unless `centred`), and in row `c` of `sums`
+    /// `[chunks, 2 D]` the chunk's column sums of `dy xhat` (`0..D`) and `dy` (`D..2 D`).
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn layer_norm_backward<F: Float, N: Size>(
@@ -412,6 +474,7 @@ mod kernels {
         vectors: usize,
         #[comptime] chunk: usize,
         #[comptime] w: usize,
+        #[comptime] centred: bool,
     ) {
         let c = cube_row();
         if c >= sums.shape(0) {
@@ -443,7 +506,10 @@ mod kernels {
                     b += h * xhat;
                 }
             }
-            let a = reduce_cube::<F>(&mut scratch, a, false) / n;
+            let mut a = reduce_cube::<F>(&mut scratch, a, false) / n;
+            if !centred {
+                a = F::new(0.0);
+            }
             let b = reduce_cube::<F>(&mut scratch, b, false) / n;
             if u == 0 {
                 means[2 * (r - first)] = a;
