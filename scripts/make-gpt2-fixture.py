@@ -10,13 +10,15 @@ untied head): the fused projection's per-head grouping and the `[out, in]` weigh
 test checks. With `--pythia`, a GPT-NeoX as Pythia's models are: attention and MLP side by side
 (`use_parallel_residual`) and a quarter of each head rotated (`rotary_pct = 0.25`). With
 `--llama`, a Llama: RMSNorm, a gated SiLU MLP, 4 query heads sharing 2 key/value heads, an
-untied head.
+untied head. With `--qwen2`, a Qwen2: Llama's layout with biases on Q, K and V alone, a tied
+head, and a sliding window it does not use (`use_sliding_window = false`).
 
     python3 -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers tokenizers safetensors
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py crates/ember-train/tests/fixtures/tiny-gpt2
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --neox crates/ember-train/tests/fixtures/tiny-neox
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --pythia crates/ember-train/tests/fixtures/tiny-pythia
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --llama crates/ember-train/tests/fixtures/tiny-llama
+    /tmp/hf/bin/python scripts/make-gpt2-fixture.py --qwen2 crates/ember-train/tests/fixtures/tiny-qwen2
 
 The output is committed, so the tests need no Python.
 """
@@ -36,6 +38,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 PROMPT = "ROMEO: What light through yonder window"
@@ -76,6 +80,25 @@ def main(out: Path, kind: str) -> None:
             eos_token_id=0,
         )
         model = LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = Qwen2Config(
+            vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            rope_theta=500.0,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=16,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = Qwen2ForCausalLM(config)
     elif kind in ("neox", "pythia"):
         pythia = kind == "pythia"
         config = GPTNeoXConfig(
@@ -144,6 +167,7 @@ def main(out: Path, kind: str) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    kind = next((a[2:] for a in sys.argv[1:] if a in ("--neox", "--pythia", "--llama")), "gpt2")
+    kinds = ("--neox", "--pythia", "--llama", "--qwen2")
+    kind = next((a[2:] for a in sys.argv[1:] if a in kinds), "gpt2")
     default = f"crates/ember-train/tests/fixtures/tiny-{kind}"
     main(Path(args[0] if args else default), kind)

@@ -30,6 +30,11 @@ fn llama() -> PathBuf {
     fixture_named("tiny-llama")
 }
 
+/// A Qwen2 made by transformers: Llama's layout with biases on Q, K and V alone, a tied head.
+fn qwen2() -> PathBuf {
+    fixture_named("tiny-qwen2")
+}
+
 fn fixture_named(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
@@ -157,8 +162,19 @@ fn transformers_llama_logits_and_greedy_tokens_are_reproduced() {
     assert_eq!((model.rotary_base, model.layer_norm_eps), (500.0, 1e-5));
 }
 
-/// Export, then import: the same logits, and the layout the fixture came in.
-fn round_trip(fixture: &Path, architecture: &str) {
+#[test]
+fn transformers_qwen2_logits_and_greedy_tokens_are_reproduced() {
+    reproduces_transformers(&qwen2());
+    let lm = load_lm(&qwen2(), &Device::flex()).unwrap();
+    let model = &lm.config.model;
+    // Every layer gets a bias (zeros where Qwen2 has none); the unused window bounds nothing.
+    assert!(model.bias && model.tie_weights && model.gated_mlp);
+    assert_eq!((model.n_kv_heads, model.max_positions()), (Some(2), 64));
+}
+
+/// Export, then import: the same logits, and the layout the fixture came in (Qwen2's exports as
+/// Llama's, with every bias).
+fn round_trip(fixture: &Path, architecture: &str, same_tensors: bool) {
     let want = expected_of(fixture);
     let lm = load_lm(fixture, &Device::flex()).unwrap();
     let out = temp(&format!("roundtrip-{architecture}"));
@@ -183,7 +199,7 @@ fn round_trip(fixture: &Path, architecture: &str) {
         names.sort();
         names
     };
-    if architecture != "GPT2LMHeadModel" {
+    if same_tensors {
         assert_eq!(names(&out), names(fixture));
     }
     let _ = std::fs::remove_dir_all(out);
@@ -191,10 +207,11 @@ fn round_trip(fixture: &Path, architecture: &str) {
 
 #[test]
 fn export_then_import_gives_identical_logits() {
-    round_trip(&fixture(), "GPT2LMHeadModel");
-    round_trip(&neox(), "GPTNeoXForCausalLM");
-    round_trip(&pythia(), "GPTNeoXForCausalLM");
-    round_trip(&llama(), "LlamaForCausalLM");
+    round_trip(&fixture(), "GPT2LMHeadModel", false);
+    round_trip(&neox(), "GPTNeoXForCausalLM", true);
+    round_trip(&pythia(), "GPTNeoXForCausalLM", true);
+    round_trip(&llama(), "LlamaForCausalLM", true);
+    round_trip(&qwen2(), "LlamaForCausalLM", false);
 }
 
 /// An ember model with no biases and a character vocabulary, the given positions, exported
@@ -424,7 +441,7 @@ fn llama_variants_ember_lacks_are_named() {
         (
             "attention-bias",
             |c| c["attention_bias"] = true.into(),
-            &["attention_bias", "mlp_bias"],
+            &["`model.layers.0.self_attn.q_proj.bias`", "missing"],
         ),
         (
             "groups",

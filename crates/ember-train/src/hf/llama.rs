@@ -1,5 +1,6 @@
 //! Hugging Face Llama folders (`LlamaForCausalLM`: Meta's Llama, SmolLM, TinyLlama and the
-//! many models in its layout; Mistral's too, up to its sliding window): ember's decoder-only model with rotary positions over whole heads,
+//! many models in its layout; Mistral's up to its sliding window; Qwen2's, whose biases on Q, K
+//! and V alone ember holds with zeros for the other layers'): ember's decoder-only model with rotary positions over whole heads,
 //! RMSNorm (`[model] norm = "rms_norm"`), a gated MLP (`gated_mlp`, SiLU: SwiGLU) and perhaps
 //! fewer key/value heads than query heads (`n_kv_heads`, grouped-query attention).
 //!
@@ -26,6 +27,9 @@ pub const MODEL_TYPE: &str = "llama";
 /// `config.json`'s `model_type` of a Mistral folder: Llama's layout, attention perhaps within a
 /// sliding window.
 pub const MISTRAL: &str = "mistral";
+/// `config.json`'s `model_type` of a Qwen2 folder (Qwen2 and Qwen2.5): Llama's layout with
+/// biases on the query, key and value projections alone.
+pub const QWEN2: &str = "qwen2";
 
 /// The fields of a Llama `config.json` that ember reads and writes; others are ignored.
 /// Defaults are transformers' `LlamaConfig`'s.
@@ -82,6 +86,34 @@ pub struct LlamaConfig {
     /// Mistral's: each position attends to at most this many (`null`: all before it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// Qwen2's: whether `sliding_window` applies (Qwen2 configs carry a window they do not use).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_sliding_window: Option<bool>,
+}
+
+/// Which of a Llama-layout model's projections have biases in its file; ember gives all of them
+/// one if any has (zeros for the others, which compute the same).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StoredBiases {
+    /// `q_proj`, `k_proj`, `v_proj`.
+    qkv: bool,
+    /// `o_proj`.
+    out: bool,
+    /// `gate_proj`, `up_proj`, `down_proj`.
+    mlp: bool,
+}
+
+impl StoredBiases {
+    /// Whether the file holds the bias of tensor `name` (`model.layers.N.<layer>.bias`).
+    fn holds(&self, name: &str) -> bool {
+        if name.contains(".mlp.") {
+            self.mlp
+        } else if name.contains(".o_proj.") {
+            self.out
+        } else {
+            self.qkv
+        }
+    }
 }
 
 fn silu() -> String {
@@ -97,6 +129,32 @@ fn rms_norm_eps() -> f64 {
 }
 
 impl LlamaConfig {
+    /// The biases the file holds: Qwen2's on Q, K and V; Llama's and Mistral's on the attention
+    /// (`attention_bias`) and on the MLP (`mlp_bias`).
+    fn stored_biases(&self) -> StoredBiases {
+        match self.model_type.as_str() {
+            QWEN2 => StoredBiases {
+                qkv: true,
+                out: false,
+                mlp: false,
+            },
+            _ => StoredBiases {
+                qkv: self.attention_bias,
+                out: self.attention_bias,
+                mlp: self.mlp_bias,
+            },
+        }
+    }
+
+    /// The sliding window that applies, if any.
+    fn window(&self) -> Option<usize> {
+        let applies = match self.model_type.as_str() {
+            QWEN2 => self.use_sliding_window == Some(true),
+            _ => true,
+        };
+        self.sliding_window.filter(|_| applies)
+    }
+
     /// The rotation's base and kind, from either generation of keys.
     fn rotary(&self) -> (f64, String) {
         let newer = |key: &str| self.rope_parameters.as_ref().and_then(|p| p.get(key));
@@ -137,19 +195,10 @@ impl LlamaConfig {
                 ),
             ));
         }
-        if self.attention_bias != self.mlp_bias {
-            return Err(bad(
-                "attention_bias",
-                format!(
-                    "is {} and `mlp_bias` {}; ember's `bias` gives biases to attention and MLP \
-                     alike",
-                    self.attention_bias, self.mlp_bias
-                ),
-            ));
-        }
+        let biases = self.stored_biases();
         // Within its window, sliding-window attention is the causal attention ember computes:
         // the model takes no more positions than the window.
-        let positions = match self.sliding_window {
+        let positions = match self.window() {
             Some(window) => window.min(self.max_position_embeddings),
             None => self.max_position_embeddings,
         };
@@ -171,7 +220,7 @@ impl LlamaConfig {
             norm: NormKind::RmsNorm,
             activation,
             dropout: 0.0,
-            bias: self.attention_bias,
+            bias: biases.qkv || biases.out || biases.mlp,
             tie_weights: self.tie_word_embeddings,
             layer_norm_eps: self.rms_norm_eps,
             ..DecoderOnlyConfig::default()
@@ -220,6 +269,7 @@ impl LlamaConfig {
             rope_scaling: None,
             attention_dropout: config.dropout,
             sliding_window: None,
+            use_sliding_window: None,
         })
     }
 }
@@ -382,12 +432,14 @@ pub(super) fn write_weights(
 }
 
 /// Reads Llama weights from `path` into `model` (built from `llama.to_ember`); every tensor must
-/// be there with its shape.
+/// be there with its shape, but for the biases the layout has none of (zeros).
 pub(super) fn load_weights(
     model: DecoderOnly,
     config: &DecoderOnlyConfig,
+    llama: &LlamaConfig,
     path: &Path,
 ) -> Result<DecoderOnly> {
+    let biases = llama.stored_biases();
     let bad = |message: String| TrainError::Checkpoint {
         path: path.to_path_buf(),
         message,
@@ -398,10 +450,14 @@ pub(super) fn load_weights(
     for entry in entries(config) {
         let mut parts = Vec::with_capacity(entry.parts.len());
         for (name, shape) in &entry.parts {
-            let view = file
-                .tensor(name)
-                .map_err(|_| bad(format!("tensor `{name}` is missing")))?;
-            let array = read_array(&view).map_err(|e| bad(format!("tensor `{name}` {e}")))?;
+            let array = match file.tensor(name) {
+                Ok(view) => read_array(&view).map_err(|e| bad(format!("tensor `{name}` {e}")))?,
+                Err(_) if name.ends_with(".bias") && !biases.holds(name) => Array {
+                    shape: shape.clone(),
+                    values: vec![0.0; shape.iter().product()],
+                },
+                Err(_) => return Err(bad(format!("tensor `{name}` is missing"))),
+            };
             if &array.shape != shape {
                 return Err(bad(format!(
                     "tensor `{name}` has shape {:?}, but config.json asks for {shape:?}",

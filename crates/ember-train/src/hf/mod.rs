@@ -150,7 +150,7 @@ pub enum HfConfig {
     Gpt2(Gpt2Config),
     /// `"gpt_neox"`.
     Neox(NeoxConfig),
-    /// `"llama"` or `"mistral"`.
+    /// `"llama"`, `"mistral"` or `"qwen2"`.
     Llama(LlamaConfig),
 }
 
@@ -169,7 +169,7 @@ fn read_config(dir: &Path) -> Result<HfConfig> {
         Some(neox::MODEL_TYPE) => serde_json::from_value(json)
             .map(HfConfig::Neox)
             .map_err(|e| bad("GPT-NeoX", e)),
-        Some(llama::MODEL_TYPE | llama::MISTRAL) => serde_json::from_value(json)
+        Some(llama::MODEL_TYPE | llama::MISTRAL | llama::QWEN2) => serde_json::from_value(json)
             .map(HfConfig::Llama)
             .map_err(|e| bad("Llama", e)),
         Some("gpt2") | None => serde_json::from_value(json)
@@ -179,10 +179,11 @@ fn read_config(dir: &Path) -> Result<HfConfig> {
             path: path.clone(),
             message: format!(
                 "`model_type` is {other:?}; ember reads GPT-2 (\"gpt2\"), GPT-NeoX \
-                 (\"{}\"), Llama (\"{}\") and Mistral (\"{}\") models",
+                 (\"{}\"), Llama (\"{}\"), Mistral (\"{}\") and Qwen2 (\"{}\") models",
                 neox::MODEL_TYPE,
                 llama::MODEL_TYPE,
-                llama::MISTRAL
+                llama::MISTRAL,
+                llama::QWEN2
             ),
         }),
     }
@@ -226,7 +227,7 @@ pub(crate) fn load_weights(
     match hf_config {
         HfConfig::Gpt2(_) => gpt2::load_weights(model, &path),
         HfConfig::Neox(neox) => neox::load_weights(model, config, neox, &path),
-        HfConfig::Llama(_) => llama::load_weights(model, config, &path),
+        HfConfig::Llama(llama) => llama::load_weights(model, config, llama, &path),
     }
 }
 
