@@ -262,7 +262,7 @@ fn stream_one(
     if !args.no_echo {
         print!("{}", row.prompt);
     }
-    let mut stream = Stream::new(&lm.tokenizer, &args.stop);
+    let mut stream = Stream::new(&lm.tokenizer, &args.stop).after(&row.ids);
     let opts = GenerateOptions {
         seed: row.seed,
         ..*options
@@ -286,7 +286,7 @@ fn print_batch(
 ) -> usize {
     let mut streams: Vec<Stream> = rows
         .iter()
-        .map(|_| Stream::silent(&lm.tokenizer, &args.stop))
+        .map(|row| Stream::silent(&lm.tokenizer, &args.stop).after(&row.ids))
         .collect();
     let prompts: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
     let seeds: Vec<u64> = rows.iter().map(|r| r.seed).collect();

@@ -51,6 +51,16 @@ impl<'a> Stream<'a> {
         }
     }
 
+    /// The stream of a continuation of `prompt`: its last few tokens are the first decoding's
+    /// context, so that the first generated token reads as it does after them (a SentencePiece
+    /// decoder, Llama's, drops the leading space of a text's first word).
+    pub fn after(mut self, prompt: &[u32]) -> Self {
+        let context = &prompt[prompt.len().saturating_sub(4)..];
+        self.ids = context.to_vec();
+        self.read = context.len();
+        self
+    }
+
     /// Adds a token; returns `false` once a stop string has appeared.
     pub fn push(&mut self, id: u32) -> bool {
         self.ids.push(id);
@@ -177,6 +187,32 @@ mod tests {
         stream.finish();
         assert_eq!(stream.text, tokenizer.decode(&ids));
         assert_eq!(stream.text, text);
+    }
+
+    /// Llama's SentencePiece decoding drops the leading space of a text's first word: a
+    /// continuation decoded alone would glue its first word to the prompt.
+    #[test]
+    fn a_continuation_keeps_the_space_before_its_first_word() {
+        let json = r#"{
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true},
+            "post_processor": null,
+            "decoder": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true},
+            "model": {"type": "WordLevel", "vocab": {"▁the": 0, "▁cat": 1, "▁sat": 2, "<unk>": 3}, "unk_token": "<unk>"}
+        }"#;
+        let tokenizer = Tokenizer::Bpe(Box::new(json.parse().unwrap()));
+        let ids = tokenizer.encode("the cat sat").unwrap().ids;
+        assert_eq!(ids, [0, 1, 2]);
+        assert_eq!(
+            tokenizer.decode(&ids[2..]),
+            "sat",
+            "the decoder drops the space"
+        );
+        let mut stream = Stream::new(&tokenizer, &[]).after(&ids[..2]);
+        assert!(stream.push(ids[2]));
+        stream.finish();
+        assert_eq!(stream.text, " sat");
     }
 
     #[test]
