@@ -11,6 +11,8 @@ matrices only, global-norm clipping 1.0), on tiny Shakespeare characters, with n
         --heads 6 --layers 6 --context 256 --batch 64 --dropout 0.2 --eval-batches 200
     python3 scripts/torch_reference.py train --device cuda --d-model 384 --heads 6 --layers 6 \
         --context 256 --batch 64 --dropout 0.2                 # nanoGPT's GPU config
+    python3 scripts/torch_reference.py train --llama --kv-heads 2 --d-ff 344
+        # configs/small-llama.toml's model: RMSNorm, rotary positions, SwiGLU, grouped keys
 
 Used by scripts/bench-compare.sh; not part of CI.
 """
@@ -58,14 +60,69 @@ class Block(nn.Module):
         return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)))))
 
 
+def rotate(x, start):
+    """Rotary positions, "rotate half" (LLaMA's and ember's), base 10000, positions `start..`."""
+    t, k = x.shape[-2], x.shape[-1]
+    freq = 10000.0 ** (-torch.arange(0, k, 2, dtype=torch.float32, device=x.device) / k)
+    angles = torch.arange(start, start + t, dtype=torch.float32, device=x.device)[:, None] * freq
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., : k // 2], x[..., k // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """LLaMA's block: RMSNorm, rotary positions, `kv` key/value heads shared by the `h` query
+    heads, a SwiGLU MLP of width `f`; no biases."""
+
+    def __init__(self, d, h, kv, f, dropout):
+        super().__init__()
+        self.h, self.kv, self.p = h, kv, dropout
+        self.drop = nn.Dropout(dropout)
+        self.ln_1 = nn.RMSNorm(d, eps=1e-5)
+        self.c_attn = nn.Linear(d, d + 2 * (d // h) * kv, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+        self.ln_2 = nn.RMSNorm(d, eps=1e-5)
+        self.c_fc = nn.Linear(d, 2 * f, bias=False)
+        self.mlp_proj = nn.Linear(f, d, bias=False)
+
+    def attn(self, x, cache, start):
+        b, t, d = x.shape
+        k_size = d // self.h
+        q, k, v = self.c_attn(x).split([d, self.kv * k_size, self.kv * k_size], dim=2)
+        q = rotate(q.view(b, t, self.h, k_size).transpose(1, 2), start)
+        k = rotate(k.view(b, t, self.kv, k_size).transpose(1, 2), start)
+        v = v.view(b, t, self.kv, k_size).transpose(1, 2)
+        if cache is not None:
+            if "k" in cache:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        p = self.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, dropout_p=p, enable_gqa=True)
+        return self.drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d)))
+
+    def forward(self, x, cache=None, start=0):
+        x = x + self.attn(self.ln_1(x), cache, start)
+        gate, up = self.c_fc(self.ln_2(x)).chunk(2, dim=-1)
+        return x + self.drop(self.mlp_proj(F.silu(gate) * up))
+
+
 class GPT(nn.Module):
-    def __init__(self, vocab, d, h, layers, context, dropout=0.0, position_init="normal"):
+    def __init__(self, vocab, d, h, layers, context, dropout=0.0, position_init="normal",
+                 llama=None):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(context, d)
+        # `llama`: (key/value heads, MLP width) of LLaMA's blocks, whose positions are rotary.
+        self.llama = llama
+        self.wpe = None if llama else nn.Embedding(context, d)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList([Block(d, h, dropout) for _ in range(layers)])
-        self.ln_f = nn.LayerNorm(d, bias=False)
+        if llama:
+            kv, f = llama
+            self.blocks = nn.ModuleList([LlamaBlock(d, h, kv, f, dropout) for _ in range(layers)])
+            self.ln_f = nn.RMSNorm(d, eps=1e-5)
+        else:
+            self.blocks = nn.ModuleList([Block(d, h, dropout) for _ in range(layers)])
+            self.ln_f = nn.LayerNorm(d, bias=False)
         self.apply(self._init)
         # nanoGPT's scaled init of the projections into the residual stream ("c_proj.weight").
         for block in self.blocks:
@@ -87,10 +144,13 @@ class GPT(nn.Module):
 
     def forward(self, idx, caches=None, start=0):
         t = idx.shape[1]
-        pos = torch.arange(start, start + t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + t, device=idx.device))
+        x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[i])
+            cache = None if caches is None else caches[i]
+            x = block(x, cache, start) if self.llama else block(x, cache)
         return self.ln_f(x) @ self.wte.weight.T
 
 
@@ -151,7 +211,9 @@ def adamw(model):
 
 def train(args):
     torch.manual_seed(1337)
-    model = GPT(66, args.d_model, args.heads, args.layers, args.context, args.dropout)
+    llama = (args.kv_heads or args.heads, args.d_ff) if args.llama else None
+    model = GPT(66, args.d_model, args.heads, args.layers, args.context, args.dropout,
+                llama=llama)
     model = model.to(args.device)
     set_precision(args)
     opt = adamw(model)
@@ -314,6 +376,9 @@ def main():
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--llama", action="store_true", help="train mode: LLaMA's blocks")
+    p.add_argument("--kv-heads", type=int, default=0, help="--llama: key/value heads")
+    p.add_argument("--d-ff", type=int, default=344, help="--llama: the SwiGLU's width")
     p.add_argument("--eval-batches", type=int, default=20, help="quality mode's estimate")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32",
