@@ -9,6 +9,7 @@ pub mod llama;
 pub mod neox;
 mod neox_layout;
 mod tensors;
+mod weights;
 
 use std::path::{Path, PathBuf};
 

@@ -14,7 +14,6 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use burn::store::{ApplyError, ModuleSnapshot, SafetensorsStore};
 use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
@@ -216,21 +215,17 @@ pub(super) fn write_weights(
     config: &DecoderOnlyConfig,
     path: &Path,
 ) -> Result<()> {
-    let failed = |e: String| write_err(path, e);
-    let mut store = SafetensorsStore::from_bytes(None);
-    model
-        .save_into(&mut store)
-        .map_err(|e| failed(e.to_string()))?;
-    let bytes = store.get_bytes().map_err(|e| failed(e.to_string()))?;
-    let ours = SafeTensors::deserialize(&bytes).map_err(|e| failed(e.to_string()))?;
+    let all = entries(config);
     let mut theirs = BTreeMap::new();
-    for entry in entries(config) {
-        let view = ours
-            .tensor(&entry.ember)
-            .map_err(|e| failed(format!("{}: {e}", entry.ember)))?;
-        let array = read_array(&view).map_err(|e| failed(format!("{}: {e}", entry.ember)))?;
-        theirs.insert(entry.neox, to_neox(&array, entry.how, config));
-    }
+    let names = all.iter().map(|e| e.ember.as_str());
+    super::weights::each_tensor(model, names, path, |name, array| {
+        let entry = all
+            .iter()
+            .find(|e| e.ember == name)
+            .expect("an entry's name");
+        theirs.insert(entry.neox.clone(), to_neox(&array, entry.how, config));
+    })?;
+    let failed = |e: String| write_err(path, e);
     let bytes = serialize(&theirs).map_err(failed)?;
     std::fs::write(path, bytes).map_err(|e| write_err(path, e))
 }
@@ -282,22 +277,5 @@ pub(super) fn load_weights(
         }
         ours.insert(entry.ember, from_neox(&array, entry.how, config));
     }
-    let bytes = serialize(&ours).map_err(|e| bad(format!("cannot convert: {e}")))?;
-    drop(ours);
-    let mut model = model;
-    let mut store = SafetensorsStore::from_bytes(Some(bytes)).validate(false);
-    let result = model
-        .load_from(&mut store)
-        .map_err(|e| bad(format!("cannot read: {e}")))?;
-    // Every tensor was checked above: what is left is ember's side.
-    let left = result.errors.first().map(|e| match e {
-        ApplyError::ShapeMismatch { path, .. } => path.clone(),
-        other => other.to_string(),
-    });
-    if let Some(what) = left.or_else(|| result.missing.first().map(|(p, _)| p.clone())) {
-        return Err(bad(format!(
-            "does not fit the model config.json describes: {what}"
-        )));
-    }
-    Ok(model)
+    super::weights::load_arrays(model, ours, path)
 }
