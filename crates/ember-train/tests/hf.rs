@@ -354,14 +354,32 @@ fn missing_and_misshaped_tensors_are_named() {
     }
 }
 
+/// A name, an edit of config.json, and what the error must say.
+type Case = (
+    &'static str,
+    fn(&mut serde_json::Value),
+    &'static [&'static str],
+);
+
+/// Each case's edit of `fixture`'s config.json fails to load, its message holding the needles.
+fn each_is_refused(fixture: &Path, cases: &[Case]) {
+    // The fixture's folder in the name: tests run in parallel threads of one process.
+    let of = fixture.file_name().unwrap().to_string_lossy();
+    for (name, edit, needles) in cases {
+        let dir = with_config_of(fixture, &format!("refused-{of}-{name}"), edit);
+        let err = load_error(&dir);
+        for needle in needles.iter() {
+            assert!(
+                err.contains(needle),
+                "{name}: {needle:?} missing from {err}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 #[test]
 fn gpt_neox_variants_ember_lacks_are_named() {
-    /// A name, an edit of config.json, and what the error must say.
-    type Case = (
-        &'static str,
-        fn(&mut serde_json::Value),
-        &'static [&'static str],
-    );
     let cases: [Case; 6] = [
         (
             "odd",
@@ -395,17 +413,7 @@ fn gpt_neox_variants_ember_lacks_are_named() {
             &["dense_h_to_4h.weight", "[96, 32]", "[128, 32]"],
         ),
     ];
-    for (name, edit, needles) in cases {
-        let dir = with_config_of(&neox(), &format!("neox-{name}"), edit);
-        let err = load_error(&dir);
-        for needle in needles {
-            assert!(
-                err.contains(needle),
-                "{name}: {needle:?} missing from {err}"
-            );
-        }
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    each_is_refused(&neox(), &cases);
     // The older keys (transformers 4) are read too.
     let older = with_config_of(&neox(), "neox-older", |c| {
         let base = c["rope_parameters"]["rope_theta"].clone();
@@ -421,12 +429,6 @@ fn gpt_neox_variants_ember_lacks_are_named() {
 
 #[test]
 fn llama_variants_ember_lacks_are_named() {
-    /// A name, an edit of config.json, and what the error must say.
-    type Case = (
-        &'static str,
-        fn(&mut serde_json::Value),
-        &'static [&'static str],
-    );
     let cases: [Case; 5] = [
         (
             "scaled",
@@ -454,17 +456,7 @@ fn llama_variants_ember_lacks_are_named() {
             &["self_attn.k_proj.weight", "[16, 32]", "[8, 32]"],
         ),
     ];
-    for (name, edit, needles) in cases {
-        let dir = with_config_of(&llama(), &format!("llama-{name}"), edit);
-        let err = load_error(&dir);
-        for needle in needles {
-            assert!(
-                err.contains(needle),
-                "{name}: {needle:?} missing from {err}"
-            );
-        }
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    each_is_refused(&llama(), &cases);
     // Mistral's layout is Llama's; its sliding window bounds the positions the model takes,
     // within which the logits are transformers'.
     let mistral = with_config_of(&llama(), "mistral", |c| {
