@@ -36,7 +36,7 @@ pub enum GpuKernel {
     CachedAttention,
     /// LayerNorm, forward and backward.
     LayerNorm,
-    /// GELU (exact and tanh), forward and backward.
+    /// GELU (exact and tanh), forward and backward; also the gated MLP's `silu(gate) * up`.
     Gelu,
     /// Dropout in training, forward and backward.
     Dropout,

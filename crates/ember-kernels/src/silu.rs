@@ -3,7 +3,8 @@
 //! Reference: Burn's `silu`, a sigmoid and a product (under autodiff each with its own backward
 //! pass, its intermediate kept); gated, two slices of the fused expansion besides. Kernels (flex
 //! `f32` tensors): [`crate::kernels::gelu`]'s vectorised loops, one pass each way, as the
-//! GELUs' (`flex::gated` for the gate). On GPU backends the reference runs.
+//! GELUs' (`flex::gated` for the gate); on GPUs one kernel each way for the gate
+//! (`cube::gated`), SiLU alone the reference.
 
 use burn::tensor::Tensor;
 
@@ -33,6 +34,11 @@ pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 pub fn gated_silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "flex")]
     let x = match super::flex::gated::gated::<super::kernels::gelu::Silu, D>(x) {
+        Ok(y) => return y,
+        Err(x) => x,
+    };
+    #[cfg(feature = "cube")]
+    let x = match super::cube::gated::gated_silu(x) {
         Ok(y) => return y,
         Err(x) => x,
     };

@@ -20,6 +20,7 @@ pub(crate) mod cudnn_attention;
 pub(crate) mod draw;
 pub(crate) mod dropout;
 pub(crate) mod embedding;
+pub(crate) mod gated;
 pub(crate) mod gelu;
 pub(crate) mod hashed_mask;
 pub(crate) mod layer_norm;
