@@ -28,6 +28,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def cached(cache, k, v):
+    """Keys and values `[B, H, T, K]` appended to the KV cache `cache` (a dict), if one, and all
+    of them returned."""
+    if cache is None:
+        return k, v
+    if "k" in cache:
+        k = torch.cat([cache["k"], k], dim=2)
+        v = torch.cat([cache["v"], v], dim=2)
+    cache["k"], cache["v"] = k, v
+    return k, v
+
+
 class Block(nn.Module):
     def __init__(self, d, h, dropout):
         super().__init__()
@@ -45,11 +57,7 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
-        if cache is not None:
-            if "k" in cache:
-                k = torch.cat([cache["k"], k], dim=2)
-                v = torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+        k, v = cached(cache, k, v)
         # Causal when the queries are the whole sequence; one new query sees every key.
         p = self.p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, dropout_p=p)
@@ -92,11 +100,7 @@ class LlamaBlock(nn.Module):
         q = rotate(q.view(b, t, self.h, k_size).transpose(1, 2), start)
         k = rotate(k.view(b, t, self.kv, k_size).transpose(1, 2), start)
         v = v.view(b, t, self.kv, k_size).transpose(1, 2)
-        if cache is not None:
-            if "k" in cache:
-                k = torch.cat([cache["k"], k], dim=2)
-                v = torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+        k, v = cached(cache, k, v)
         p = self.p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, dropout_p=p, enable_gqa=True)
         return self.drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d)))

@@ -67,7 +67,7 @@ fn forward<K: GeluKind>(x: &FlexTensor) -> FlexTensor {
     let f = shape[last] / 2;
     shape[last] = f;
     let mut out = vec![0.0; xs.len() / 2];
-    let task = rows_per_task(2 * f).max(1);
+    let task = rows_per_task(2 * f);
     out.par_chunks_mut((task * f).max(1))
         .zip(xs.par_chunks((2 * task * f).max(1)))
         .for_each(|(ys, xs)| {
@@ -86,7 +86,7 @@ fn backward<K: GeluKind>(x: &FlexTensor, grad: FlexTensor) -> FlexTensor {
     let f = shape[shape.num_dims() - 1] / 2;
     assert_eq!(xs.len(), 2 * gs.len(), "gated backward: sizes differ");
     let mut dx = vec![0.0; xs.len()];
-    let task = rows_per_task(2 * f).max(1);
+    let task = rows_per_task(2 * f);
     dx.par_chunks_mut((2 * task * f).max(1))
         .zip(xs.par_chunks((2 * task * f).max(1)))
         .zip(gs.par_chunks((task * f).max(1)))

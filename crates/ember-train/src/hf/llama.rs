@@ -154,21 +154,6 @@ impl LlamaConfig {
         self.sliding_window.filter(|_| applies)
     }
 
-    /// The rotation's base and kind, from either generation of keys.
-    fn rotary(&self) -> (f64, String) {
-        let newer = |key: &str| self.rope_parameters.as_ref().and_then(|p| p.get(key));
-        let base = newer("rope_theta")
-            .and_then(Value::as_f64)
-            .or(self.rope_theta)
-            .unwrap_or(10000.0);
-        let older = self.rope_scaling.as_ref().filter(|v| !v.is_null());
-        let kind = newer("rope_type")
-            .or_else(|| older.and_then(|v| v.get("rope_type").or_else(|| v.get("type"))))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        (base, kind.to_string())
-    }
-
     /// The matching ember model: rotary positions over whole heads, RMSNorm before each
     /// sub-layer, a gated MLP, grouped keys and values where there are fewer of them.
     pub fn to_ember(&self, path: &Path) -> Result<DecoderOnlyConfig> {
@@ -177,13 +162,12 @@ impl LlamaConfig {
             message: format!("`{key}` {message}"),
         };
         let activation = super::activation(&self.hidden_act, "hidden_act", path)?;
-        let (base, kind) = self.rotary();
-        if kind != "default" {
-            return Err(bad(
-                "rope_parameters",
-                format!("asks for {kind:?} rotary scaling; ember has the default rotation only"),
-            ));
-        }
+        let base = super::default_rotation(
+            self.rope_parameters.as_ref(),
+            self.rope_theta,
+            self.rope_scaling.as_ref(),
+            path,
+        )?;
         let head = self.hidden_size / self.num_attention_heads.max(1);
         if let Some(dim) = self.head_dim.filter(|&d| d != head) {
             return Err(bad(
@@ -385,7 +369,6 @@ fn split(entry: &Entry, array: &Array) -> Vec<Array> {
         true => array.transposed(),
         false => array.clone(),
     };
-    let width: usize = stacked.shape[1..].iter().product();
     let mut at = 0;
     entry
         .parts
@@ -397,7 +380,6 @@ fn split(entry: &Entry, array: &Array) -> Vec<Array> {
                 values: stacked.values[at..at + len].to_vec(),
             };
             at += len;
-            debug_assert_eq!(len % width.max(1), 0);
             part
         })
         .collect()
@@ -412,11 +394,8 @@ pub(super) fn write_weights(
     let all = entries(config);
     let mut theirs = BTreeMap::new();
     let names = all.iter().map(|e| e.ember.as_str());
-    super::weights::each_tensor(model, names, path, |name, array| {
-        let entry = all
-            .iter()
-            .find(|e| e.ember == name)
-            .expect("an entry's name");
+    super::weights::each_tensor(model, names, path, |i, array| {
+        let entry = &all[i];
         for ((part, _), values) in entry.parts.iter().zip(split(entry, &array)) {
             theirs.insert(part.clone(), values);
         }

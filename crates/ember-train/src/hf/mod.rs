@@ -135,6 +135,39 @@ fn classic_block(config: &DecoderOnlyConfig, layout: &str) -> std::result::Resul
     }
 }
 
+/// The rotation's base from either generation of transformers' keys (`rope_parameters`'
+/// `rope_theta`, else the older key's `older_base`, else 10000); a scaled rotation (a
+/// `rope_type` other than `default`, or an older `rope_scaling`) is refused naming the config
+/// file `path`: ember has the default rotation only.
+fn default_rotation(
+    parameters: Option<&serde_json::Value>,
+    older_base: Option<f64>,
+    older_scaling: Option<&serde_json::Value>,
+    path: &Path,
+) -> Result<f64> {
+    use serde_json::Value;
+    let newer = |key: &str| parameters.and_then(|p| p.get(key));
+    let base = newer("rope_theta")
+        .and_then(Value::as_f64)
+        .or(older_base)
+        .unwrap_or(10000.0);
+    let older = older_scaling.filter(|v| !v.is_null());
+    let kind = newer("rope_type")
+        .or_else(|| older.and_then(|v| v.get("rope_type").or_else(|| v.get("type"))))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    if kind != "default" || older.is_some() {
+        return Err(TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: format!(
+                "`rope_parameters` asks for {kind:?} rotary scaling; ember has the default \
+                 rotation only"
+            ),
+        });
+    }
+    Ok(base)
+}
+
 /// `config`, read from the config file `path`, if it describes a valid model.
 fn validated(config: DecoderOnlyConfig, path: &Path) -> Result<DecoderOnlyConfig> {
     config.validate().map_err(|e| TrainError::ConfigFile {

@@ -91,21 +91,14 @@ fn positions() -> usize {
 }
 
 impl NeoxConfig {
-    /// The rotation's share of a head, its base and its kind, from either generation of keys.
-    fn rotary(&self) -> (f64, f64, String) {
-        let newer = |key: &str| self.rope_parameters.as_ref().and_then(|p| p.get(key));
-        let share = newer("partial_rotary_factor")
+    /// The share of each head the rotation turns, from either generation of keys.
+    fn turned_share(&self) -> f64 {
+        let newer = self.rope_parameters.as_ref();
+        newer
+            .and_then(|p| p.get("partial_rotary_factor"))
             .and_then(Value::as_f64)
             .or(self.rotary_pct)
-            .unwrap_or(0.25);
-        let base = newer("rope_theta")
-            .and_then(Value::as_f64)
-            .or(self.rotary_emb_base)
-            .unwrap_or(10000.0);
-        let kind = newer("rope_type")
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        (share, base, kind.to_string())
+            .unwrap_or(0.25)
     }
 
     /// The matching ember model: rotary positions (over the share of each head the config
@@ -116,7 +109,7 @@ impl NeoxConfig {
             message: format!("`{key}` {message}"),
         };
         let activation = super::activation(&self.hidden_act, "hidden_act", path)?;
-        let (share, base, kind) = self.rotary();
+        let share = self.turned_share();
         // As transformers sizes it: `int(head_size * partial_rotary_factor)`.
         let head = self.hidden_size / self.num_attention_heads.max(1);
         let turned = (head as f64 * share) as usize;
@@ -129,13 +122,12 @@ impl NeoxConfig {
                 ),
             ));
         }
-        let scaled = self.rope_scaling.as_ref().is_some_and(|v| !v.is_null());
-        if kind != "default" || scaled {
-            return Err(bad(
-                "rope_parameters",
-                format!("asks for {kind:?} rotary scaling; ember has the default rotation only"),
-            ));
-        }
+        let base = super::default_rotation(
+            self.rope_parameters.as_ref(),
+            self.rotary_emb_base,
+            self.rope_scaling.as_ref(),
+            path,
+        )?;
         let config = DecoderOnlyConfig {
             vocab_size: self.vocab_size,
             d_model: self.hidden_size,
@@ -218,11 +210,8 @@ pub(super) fn write_weights(
     let all = entries(config);
     let mut theirs = BTreeMap::new();
     let names = all.iter().map(|e| e.ember.as_str());
-    super::weights::each_tensor(model, names, path, |name, array| {
-        let entry = all
-            .iter()
-            .find(|e| e.ember == name)
-            .expect("an entry's name");
+    super::weights::each_tensor(model, names, path, |i, array| {
+        let entry = &all[i];
         theirs.insert(entry.neox.clone(), to_neox(&array, entry.how, config));
     })?;
     let failed = |e: String| write_err(path, e);

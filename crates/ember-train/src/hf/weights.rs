@@ -12,13 +12,13 @@ use safetensors::SafeTensors;
 use super::tensors::{Array, read_array, serialize};
 use crate::error::{Result, TrainError, write_err};
 
-/// Calls `each(name, array)` for every tensor of `model` in `names` (ember's names), read as an
-/// `f32` array one at a time; `path` is the file being written, for errors.
+/// Calls `each(i, array)` for the `i`-th of `names` (tensors of `model`, ember's names), read
+/// as an `f32` array one at a time; `path` is the file being written, for errors.
 pub(super) fn each_tensor<'a>(
     model: &DecoderOnly,
     names: impl IntoIterator<Item = &'a str>,
     path: &Path,
-    mut each: impl FnMut(&'a str, Array),
+    mut each: impl FnMut(usize, Array),
 ) -> Result<()> {
     let failed = |e: String| write_err(path, e);
     let mut store = SafetensorsStore::from_bytes(None);
@@ -27,12 +27,12 @@ pub(super) fn each_tensor<'a>(
         .map_err(|e| failed(e.to_string()))?;
     let bytes = store.get_bytes().map_err(|e| failed(e.to_string()))?;
     let ours = SafeTensors::deserialize(&bytes).map_err(|e| failed(e.to_string()))?;
-    for name in names {
+    for (i, name) in names.into_iter().enumerate() {
         let view = ours
             .tensor(name)
             .map_err(|e| failed(format!("{name}: {e}")))?;
         each(
-            name,
+            i,
             read_array(&view).map_err(|e| failed(format!("{name}: {e}")))?,
         );
     }
