@@ -68,7 +68,7 @@ fn flex_attention(qkv: Tensor<3>, heads: usize, drop: f64) -> Result<Tensor<3>, 
 /// The training attention of `x` on itself under the causal mask alone, from the block's input
 /// to its output projection, as one op where a kernel takes it: the `[Q | K | V]` projection by
 /// `c_attn` (left in mixed precision's product type where it is not rotated, as the kernels
-/// read it), the queries and keys rotated at positions `0..` where `rotary_base > 0`,
+/// read it), the queries and keys rotated at positions `0..` by `rope` where there is one,
 /// [`causal_self_attention`] with `dropout` on the weights, and the projection by `c_proj`,
 /// given back in `x`'s type. `Err` is the projection, rotated, in `x`'s type, for the caller's
 /// own path (see [`causal_self_attention`]).
@@ -81,13 +81,13 @@ pub fn fused_causal_self_attention(
     c_attn: &Linear,
     c_proj: &Linear,
     heads: usize,
-    rotary_base: f64,
+    rope: Option<crate::rotation::Rope>,
     dropout: &Dropout,
 ) -> Result<Tensor<3>, Tensor<3>> {
     let dtype = x.dtype();
-    let qkv = match rotary_base > 0.0 {
-        true => crate::rotate_qk(crate::linear(c_attn, x), heads, 0, rotary_base),
-        false => crate::linear_in_products(c_attn, x),
+    let qkv = match rope {
+        Some(rope) => crate::rotate_qk(crate::linear(c_attn, x), heads, 0, rope),
+        None => crate::linear_in_products(c_attn, x),
     }; // [B, T, 3D]
     match causal_self_attention(qkv, heads, dropout) {
         // In the projection's type; the residual stream's after the projection.

@@ -8,26 +8,33 @@
 
 use burn::tensor::Tensor;
 
-use crate::rotation::{apply_rotary, apply_rotary_from, rotate_by};
+use crate::rotation::{Rope, apply_rotary, apply_rotary_from, rotate_by};
 
 /// `qkv` with every head's query and key rotated as [`apply_rotary`] rotates them (row `p` at
-/// position `start + p`, RoPE base `base`).
+/// position `start + p`, rotation `rope`: a [`Rope`], or the base of the plain one).
 ///
 /// # Shapes
 /// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head size `D / heads` even
 /// - output: `[B, T, 3D]`
-pub fn rotate_qk(qkv: Tensor<3>, heads: usize, start: usize, base: f64) -> Tensor<3> {
+pub fn rotate_qk(qkv: Tensor<3>, heads: usize, start: usize, rope: impl Into<Rope>) -> Tensor<3> {
+    let rope = rope.into();
     #[cfg(feature = "flex")]
-    let qkv = match super::flex::rotary::rotate_qk(qkv, heads, start, base) {
+    let qkv = match super::flex::rotary::rotate_qk(qkv, heads, start, rope) {
         Ok(turned) => return turned,
         Err(qkv) => qkv,
     };
-    rotate_qk_reference(qkv, heads, start, base)
+    rotate_qk_reference(qkv, heads, start, rope)
 }
 
 /// [`rotate_qk`] in Burn's tensor ops, on every backend.
-pub fn rotate_qk_reference(qkv: Tensor<3>, heads: usize, start: usize, base: f64) -> Tensor<3> {
-    turn_qk(qkv, heads, |x| apply_rotary(x, start, base))
+pub fn rotate_qk_reference(
+    qkv: Tensor<3>,
+    heads: usize,
+    start: usize,
+    rope: impl Into<Rope>,
+) -> Tensor<3> {
+    let rope = rope.into();
+    turn_qk(qkv, heads, |x| apply_rotary(x, start, rope))
 }
 
 /// [`rotate_qk`] with row `b` of the batch at positions `starts[b]..` (a left-padded batch,
@@ -37,12 +44,18 @@ pub fn rotate_qk_reference(qkv: Tensor<3>, heads: usize, start: usize, base: f64
 /// # Shapes
 /// - qkv: `[B, T, 3D]` with `B = starts.len()`
 /// - output: `[B, T, 3D]`
-pub fn rotate_qk_rows(qkv: Tensor<3>, heads: usize, starts: &[i64], base: f64) -> Tensor<3> {
+pub fn rotate_qk_rows(
+    qkv: Tensor<3>,
+    heads: usize,
+    starts: &[i64],
+    rope: impl Into<Rope>,
+) -> Tensor<3> {
+    let rope = rope.into();
     let [b, t, d3] = qkv.dims();
     assert_eq!(b, starts.len(), "one start position per batch row");
     let rows = starts.iter().enumerate().map(|(row, &start)| {
         let one = qkv.clone().slice([row..row + 1, 0..t, 0..d3]);
-        turn_qk(one, heads, |x| apply_rotary_from(x, start, base))
+        turn_qk(one, heads, |x| apply_rotary_from(x, start, rope))
     });
     Tensor::cat(rows.collect(), 0)
 }
@@ -73,16 +86,22 @@ pub enum RotaryAt {
     Tables(Tensor<2>, Tensor<2>),
 }
 
-/// `qkv` with every head's query and key rotated at the positions `at` names (RoPE base
-/// `base`): [`rotate_qk`], [`rotate_qk_rows`] or [`rotate_qk_by`].
+/// `qkv` with every head's query and key rotated at the positions `at` names (rotation
+/// `rope`): [`rotate_qk`], [`rotate_qk_rows`] or [`rotate_qk_by`] (whose tables were made with
+/// the rotation).
 ///
 /// # Shapes
 /// - qkv: `[B, T, 3D]`, columns `[Q | K | V]`, head size `D / heads` even
 /// - output: `[B, T, 3D]`
-pub fn rotate_qk_at(qkv: Tensor<3>, heads: usize, at: RotaryAt, base: f64) -> Tensor<3> {
+pub fn rotate_qk_at(
+    qkv: Tensor<3>,
+    heads: usize,
+    at: RotaryAt,
+    rope: impl Into<Rope>,
+) -> Tensor<3> {
     match at {
-        RotaryAt::From(start) => rotate_qk(qkv, heads, start, base),
-        RotaryAt::Rows(starts) => rotate_qk_rows(qkv, heads, &starts, base),
+        RotaryAt::From(start) => rotate_qk(qkv, heads, start, rope),
+        RotaryAt::Rows(starts) => rotate_qk_rows(qkv, heads, &starts, rope),
         RotaryAt::Tables(cos, sin) => rotate_qk_by(qkv, heads, cos, sin),
     }
 }
@@ -120,6 +139,24 @@ mod tests {
             |qkv| rotate_qk_reference(qkv, 3, 4, 10000.0),
             2e-6,
             "3 heads of 4 from position 4",
+        );
+        let stretched = crate::rotation::Rope {
+            base: 500.0,
+            scaling: Some(crate::rotation::RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_positions: 16,
+            }),
+        };
+        agrees_on(
+            &Device::flex(),
+            &x,
+            &g,
+            |qkv| rotate_qk(qkv, 3, 4, stretched),
+            |qkv| rotate_qk_reference(qkv, 3, 4, stretched),
+            2e-6,
+            "3 heads of 4 from position 4, frequencies stretched",
         );
     }
 }

@@ -51,7 +51,7 @@ pub use error::ConfigError;
 pub use models::{
     DecoderOnly, DecoderOnlyConfig, DecoderOutput, EncoderDecoder, EncoderDecoderConfig,
 };
-pub use positions::{PositionInit, PositionalKind};
+pub use positions::{PositionInit, PositionalKind, Rope, RopeScaling};
 
 /// The README's code, compiled and run as doc tests.
 #[cfg(doctest)]

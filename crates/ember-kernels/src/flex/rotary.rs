@@ -18,13 +18,14 @@ use rayon::prelude::*;
 
 use super::op;
 use super::tensor::{Tracked, contiguous, from_values};
+use crate::rotation::Rope;
 
-/// One rotation: the heads of the projection, the position of its first row, the RoPE base.
+/// One rotation: the heads of the projection, the position of its first row, the frequencies.
 #[derive(Debug, Clone, Copy)]
 struct Rotation {
     heads: usize,
     start: usize,
-    base: f64,
+    rope: Rope,
 }
 
 /// `qkv` with each head's query and key rotated as [`crate::rotation::apply_rotary`] rotates
@@ -38,7 +39,7 @@ pub(crate) fn rotate_qk(
     qkv: Tensor<3>,
     heads: usize,
     start: usize,
-    base: f64,
+    rope: Rope,
 ) -> Result<Tensor<3>, Tensor<3>> {
     let d3 = qkv.dims()[2];
     assert!(
@@ -47,7 +48,7 @@ pub(crate) fn rotate_qk(
             && (d3 / 3 / heads).is_multiple_of(2),
         "rotary: {d3} columns do not split into Q, K, V of {heads} heads of even size"
     );
-    let rot = Rotation { heads, start, base };
+    let rot = Rotation { heads, start, rope };
     op::unary(qkv, rot)
 }
 
@@ -84,7 +85,7 @@ impl Backward<Flex, 1> for RotateQk {
 /// `cos` and `sin` of every (row, pair) angle, `[T * K/2]` each, as `positional::angles`
 /// computes them (`f32` position times `f32` frequency).
 fn tables(rot: Rotation, t: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
-    let freqs = crate::rotation::frequencies(k / 2, rot.base, k as f64);
+    let freqs = rot.rope.frequencies(k / 2, k as f64);
     let angles = (0..t).flat_map(|p| freqs.iter().map(move |&f| (rot.start + p) as f32 * f));
     angles.map(|a| (a.cos(), a.sin())).unzip()
 }
@@ -165,7 +166,7 @@ mod tests {
                 &Device::flex(),
                 &x,
                 &g,
-                |qkv| rotate_qk(qkv, heads, start, 10000.0).expect("a flex tensor"),
+                |qkv| rotate_qk(qkv, heads, start, 10000.0.into()).expect("a flex tensor"),
                 |qkv| crate::rotate_qk_reference(qkv, heads, start, 10000.0),
                 2e-6,
                 &format!("{b}x{t}, {heads} heads of {k}, from {start}"),
@@ -182,7 +183,7 @@ mod tests {
         let rot = Rotation {
             heads: 2,
             start: 3,
-            base: 10000.0,
+            rope: 10000.0.into(),
         };
         let there = rotate(flex.clone(), rot, false);
         let back = rotate(there.clone(), rot, true);

@@ -10,6 +10,7 @@ use burn::tensor::{Bool, Device, Tensor};
 
 use super::scaled_dot_product::{AttentionOutput, scaled_dot_product_attention};
 use crate::ops::linear;
+use crate::ops::rotation::Rope;
 
 /// Configuration of a [`MultiHeadAttention`].
 #[derive(Debug, Clone)]
@@ -25,8 +26,8 @@ pub struct MultiHeadAttentionConfig {
     pub dropout: f64,
     /// Whether the projections have biases.
     pub bias: bool,
-    /// Rotate queries and keys with RoPE of this base (`None`: no rotation).
-    pub rotary_base: Option<f64>,
+    /// Rotate queries and keys with this rotation (`None`: no rotation).
+    pub rotary: Option<Rope>,
     /// How many leading dimensions of each head the rotation turns (`None`: all; GPT-NeoX's
     /// `rotary_pct`, a quarter in Pythia); the rest pass unturned.
     pub rotary_dims: Option<usize>,
@@ -44,7 +45,7 @@ impl MultiHeadAttentionConfig {
             n_kv_heads: n_heads,
             dropout: 0.0,
             bias: true,
-            rotary_base: None,
+            rotary: None,
             rotary_dims: None,
             proj_std: 0.02,
         }
@@ -65,7 +66,7 @@ impl MultiHeadAttentionConfig {
             attn_dropout: DropoutConfig::new(self.dropout).init(),
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads,
-            rotary_base: self.rotary_base.unwrap_or(0.0),
+            rotary: self.rotary,
             rotary_dims: self.rotary_dims.unwrap_or(0),
         }
     }
@@ -89,8 +90,9 @@ pub struct MultiHeadAttention {
     pub n_heads: usize,
     /// Key/value heads `G` (`H` but in grouped-query attention).
     pub n_kv_heads: usize,
-    /// RoPE base; 0 when queries and keys are not rotated.
-    pub rotary_base: f64,
+    /// How queries and keys are rotated; `None` when they are not.
+    #[module(skip)]
+    pub rotary: Option<Rope>,
     /// Leading dimensions of each head the rotation turns; 0 for the whole head.
     pub rotary_dims: usize,
 }
@@ -249,7 +251,7 @@ mod tests {
     fn self_attention_with_rotary_positions_is_not_permutation_equivariant() {
         let device = Device::flex();
         let mut config = MultiHeadAttentionConfig::new(8, 2);
-        config.rotary_base = Some(10000.0);
+        config.rotary = Some(10000.0.into());
         let mut mha = config.init(&device);
         let (a, b) = permuted_pair(&mut mha, &device);
         assert!(max_diff(a, b) > 1e-4);

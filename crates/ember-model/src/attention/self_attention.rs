@@ -41,7 +41,7 @@ impl MultiHeadAttention {
                 &self.every_head_projection(),
                 &self.c_proj,
                 self.n_heads,
-                self.rotary_base,
+                self.rotary,
                 &self.attn_dropout,
             ) {
                 Ok(y) => return (y, None),
@@ -77,20 +77,20 @@ impl MultiHeadAttention {
     /// # Shapes
     /// - qkv: `[B, T, 3D]`
     fn rotate(&self, qkv: Tensor<3>, cache: Option<&KvCache>) -> Tensor<3> {
-        if self.rotary_base == 0.0 {
+        let Some(rope) = self.rotary else {
             return qkv;
-        }
+        };
         let at = KvCache::rotary_at(cache, qkv.dims()[1]);
         match self.partial_rotary() {
-            None => ops::rotate_qk_at(qkv, self.n_heads, at, self.rotary_base),
-            Some(turned) => rotate_leading(qkv, self.n_heads, turned, at, self.rotary_base),
+            None => ops::rotate_qk_at(qkv, self.n_heads, at, rope),
+            Some(turned) => rotate_leading(qkv, self.n_heads, turned, at, rope),
         }
     }
 
     /// The dimensions of each head a partial rotation turns (`None` when the rotation turns
     /// whole heads, or there is none).
     pub(crate) fn partial_rotary(&self) -> Option<usize> {
-        if self.rotary_base == 0.0 || self.rotary_dims == 0 {
+        if self.rotary.is_none() || self.rotary_dims == 0 {
             return None;
         }
         let head = self.c_attn.weight.dims()[0] / self.n_heads;

@@ -6,6 +6,7 @@ use crate::attention::multi_head::{MultiHeadAttention, MultiHeadAttentionConfig}
 use crate::blocks::mlp::{Activation, Mlp};
 use crate::blocks::norm::NormKind;
 use crate::blocks::residual::Residual;
+use crate::ops::rotation::Rope;
 
 /// What every transformer block is made of; filled in by the model configs.
 #[derive(Debug, Clone)]
@@ -32,8 +33,8 @@ pub struct BlockConfig {
     pub bias: bool,
     /// The norms' epsilon.
     pub layer_norm_eps: f64,
-    /// RoPE base for self-attention, when the model uses rotary positions.
-    pub rotary_base: Option<f64>,
+    /// Self-attention's rotation, when the model uses rotary positions.
+    pub rotary: Option<Rope>,
     /// Leading dimensions of each head the rotation turns (`None`: all).
     pub rotary_dims: Option<usize>,
     /// Attention and MLP side by side on the block's input (decoder blocks).
@@ -55,7 +56,7 @@ impl BlockConfig {
             },
             dropout: self.dropout,
             bias: self.bias,
-            rotary_base: if rotary { self.rotary_base } else { None },
+            rotary: if rotary { self.rotary } else { None },
             rotary_dims: if rotary { self.rotary_dims } else { None },
             proj_std: self.proj_std,
         }

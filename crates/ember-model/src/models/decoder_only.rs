@@ -166,12 +166,12 @@ impl DecoderOnly {
             step = step.with_sinusoids(self.max_positions, wpe.sinusoidal_width, &device);
         }
         if let Some(attn) = self.blocks.first().map(|b| &b.attn)
-            && attn.rotary_base > 0.0
+            && let Some(rope) = attn.rotary
         {
             // The tables' width: the part of each head the rotation turns.
             let head = attn.c_attn.weight.dims()[0] / attn.n_heads;
             let turned = attn.partial_rotary().unwrap_or(head);
-            step = step.with_rotary(self.max_positions, turned, attn.rotary_base, &device);
+            step = step.with_rotary(self.max_positions, turned, rope, &device);
         }
         step
     }

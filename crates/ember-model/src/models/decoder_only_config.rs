@@ -8,7 +8,7 @@ use crate::blocks::mlp::Activation;
 use crate::blocks::norm::NormKind;
 use crate::error::{ConfigError, epsilon, positive, probability};
 use crate::models::decoder_only::DecoderOnly;
-use crate::positions::{PositionInit, PositionalKind};
+use crate::positions::{PositionInit, PositionalKind, Rope, RopeScaling};
 
 /// Every setting of a [`DecoderOnly`] model. Missing TOML keys take the defaults shown; unknown
 /// keys are rejected.
@@ -43,6 +43,11 @@ pub struct DecoderOnlyConfig {
     pub position_init: PositionInit,
     /// Base of the rotary angles. Default 10000.
     pub rotary_base: f64,
+    /// The rotary frequencies stretched for a longer context: `{ kind = "linear", factor = F }`
+    /// or Llama 3.1's `{ kind = "llama3", factor = 32.0, low_freq_factor = 1.0,
+    /// high_freq_factor = 4.0, original_max_positions = 8192 }`. Default none (RoPE's own).
+    /// Only for `positional = "rotary"`.
+    pub rotary_scaling: Option<RopeScaling>,
     /// How many leading dimensions of each head the rotation turns (even, at most the head
     /// size), the rest passing unturned: GPT-NeoX's `rotary_pct` (Pythia turns a quarter).
     /// Default the whole head. Only for `positional = "rotary"`.
@@ -83,6 +88,7 @@ impl Default for DecoderOnlyConfig {
             positional: PositionalKind::Learned,
             position_init: PositionInit::Normal,
             rotary_base: 10000.0,
+            rotary_scaling: None,
             rotary_dims: None,
             norm_first: true,
             parallel_blocks: false,
@@ -165,6 +171,18 @@ impl DecoderOnlyConfig {
                 ));
             }
         }
+        if let Some(scaling) = self.rotary_scaling {
+            if self.positional != PositionalKind::Rotary {
+                return Err(ConfigError::new(
+                    "rotary_scaling",
+                    "stretches the frequencies of rotary positions: it needs positional = \
+                     \"rotary\"",
+                ));
+            }
+            if let Some(message) = scaling.invalid() {
+                return Err(ConfigError::new("rotary_scaling", message));
+            }
+        }
         if self.parallel_blocks && !self.norm_first {
             return Err(ConfigError::new(
                 "parallel_blocks",
@@ -196,7 +214,10 @@ impl DecoderOnlyConfig {
             norm_first: self.norm_first,
             bias: self.bias,
             layer_norm_eps: self.layer_norm_eps,
-            rotary_base: (self.positional == PositionalKind::Rotary).then_some(self.rotary_base),
+            rotary: (self.positional == PositionalKind::Rotary).then_some(Rope {
+                base: self.rotary_base,
+                scaling: self.rotary_scaling,
+            }),
             rotary_dims: self.rotary_dims,
             parallel: self.parallel_blocks,
             proj_std: 0.02 / (2.0 * self.n_layers as f64).sqrt(),

@@ -127,7 +127,7 @@ impl EncoderDecoderConfig {
             norm_first: self.norm_first,
             bias: self.bias,
             layer_norm_eps: self.layer_norm_eps,
-            rotary_base: (self.positional == PositionalKind::Rotary).then_some(self.rotary_base),
+            rotary: (self.positional == PositionalKind::Rotary).then_some(self.rotary_base.into()),
             rotary_dims: None,
             parallel: false,
             proj_std: 0.02 / (2.0 * layers as f64).sqrt(),

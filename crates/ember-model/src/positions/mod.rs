@@ -7,7 +7,7 @@ pub mod rotary;
 pub mod sinusoidal;
 pub mod step_position;
 
-pub use rotary::apply_rotary;
+pub use rotary::{Rope, RopeScaling, apply_rotary};
 pub use sinusoidal::sinusoidal_table;
 pub use step_position::StepPosition;
 

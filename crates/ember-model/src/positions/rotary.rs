@@ -2,7 +2,7 @@
 //! their position, inside attention, so that their dot product depends on the offset alone.
 
 // The rotation itself lives with the rotary op and its kernels, which apply it in place.
-pub use crate::ops::rotation::{apply_rotary, rotate_by};
+pub use crate::ops::rotation::{Rope, RopeScaling, apply_rotary, rotate_by};
 
 use burn::tensor::Tensor;
 
@@ -12,7 +12,8 @@ use crate::ops::{self, RotaryAt};
 /// head rotated by their positions (`at`), the rest of each head and the values as they were:
 /// GPT-NeoX's partial rotation (`rotary_pct`; Pythia turns a quarter of each head). The leading
 /// parts are gathered into a narrower `[Q | K | V]` (its V part a stand-in), rotated by the
-/// rotary op as whole heads of that width (angles `pos * base^(-2i / turned)`), and put back.
+/// rotary op as whole heads of that width (angles `pos * base^(-2i / turned)`, stretched where
+/// `rope` says so), and put back.
 ///
 /// # Shapes
 /// - qkv, output: `[B, T, 3D]`, `H` heads of `K = D / H` each, `turned <= K` and even
@@ -21,7 +22,7 @@ pub fn rotate_leading(
     heads: usize,
     turned: usize,
     at: RotaryAt,
-    base: f64,
+    rope: Rope,
 ) -> Tensor<3> {
     let [b, t, d3] = qkv.dims();
     let (d, h) = (d3 / 3, heads);
@@ -38,7 +39,7 @@ pub fn rotate_leading(
             .reshape([b, t, h * turned])
     };
     let narrow = Tensor::cat(vec![lead(&q), lead(&key), lead(&q)], 2);
-    let rotated = ops::rotate_qk_at(narrow, h, at, base);
+    let rotated = ops::rotate_qk_at(narrow, h, at, rope);
     let back = |i: usize, x: Tensor<4>| {
         let turned_part = rotated
             .clone()

@@ -3,7 +3,7 @@
 
 use burn::tensor::{Device, Tensor};
 
-use crate::ops::rotation::angles;
+use crate::ops::rotation::{angles, frequencies};
 
 /// The sinusoidal table of Vaswani et al. for positions `start..start + T`:
 /// `PE[pos, 2i] = sin(pos / 10000^(2i/D))`, `PE[pos, 2i+1] = cos(pos / 10000^(2i/D))`.
@@ -23,7 +23,8 @@ pub(crate) fn sinusoidal_table_from(
     device: &Device,
 ) -> Tensor<2> {
     let half = d_model.div_ceil(2);
-    let angles = angles(start, t, half, 10000.0, d_model as f64, device); // [T, half]
+    let freqs = frequencies(half, 10000.0, d_model as f64);
+    let angles = angles(start, t, &freqs, device); // [T, half]
     // Interleave: stack sin and cos on a last axis, then flatten pairs into the width.
     let table = Tensor::stack::<3>(vec![angles.clone().sin(), angles.cos()], 2); // [T, half, 2]
     table.reshape([t, 2 * half]).slice([0..t, 0..d_model])

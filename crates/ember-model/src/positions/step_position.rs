@@ -12,7 +12,7 @@
 use burn::tensor::{Device, Int, Tensor};
 
 use super::sinusoidal::sinusoidal_table;
-use crate::ops::rotation::angles;
+use crate::ops::rotation::{Rope, angles};
 
 /// A decoding step's position on the device, with the tables its model's positions read (see
 /// the module's documentation). Made by [`crate::DecoderOnly::step_position`]; handed to a
@@ -44,15 +44,16 @@ impl StepPosition {
     }
 
     /// With the rotary `cos` and `sin` of positions `0..max_positions` for heads of size `head`
-    /// (even) and RoPE base `base`.
+    /// (even) and rotation `rope`.
     pub fn with_rotary(
         mut self,
         max_positions: usize,
         head: usize,
-        base: f64,
+        rope: Rope,
         device: &Device,
     ) -> Self {
-        let angles = angles(0, max_positions, head / 2, base, head as f64, device);
+        let freqs = rope.frequencies(head / 2, head as f64);
+        let angles = angles(0, max_positions, &freqs, device);
         self.rotary = Some((angles.clone().cos(), angles.sin()));
         self
     }
@@ -85,12 +86,12 @@ mod tests {
         for p in [0usize, 17, 39] {
             let step = StepPosition::new(Tensor::from_ints([p as i32], &device))
                 .with_sinusoids(40, 10, &device)
-                .with_rotary(40, 8, 500.0, &device);
+                .with_rotary(40, 8, 500.0.into(), &device);
             let row = step.sinusoid().expect("made with sinusoids");
             let want = sinusoidal_table(p, 1, 10, &device).unsqueeze::<3>();
             row.into_data().assert_eq(&want.into_data(), true);
             let (cos, sin) = step.rotary().expect("made with rotary tables");
-            let angles = angles(p as i64, 1, 4, 500.0, 8.0, &device);
+            let angles = angles(p as i64, 1, &Rope::from(500.0).frequencies(4, 8.0), &device);
             cos.into_data()
                 .assert_eq(&angles.clone().cos().into_data(), true);
             sin.into_data().assert_eq(&angles.sin().into_data(), true);
