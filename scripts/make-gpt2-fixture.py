@@ -11,7 +11,10 @@ test checks. With `--pythia`, a GPT-NeoX as Pythia's models are: attention and M
 (`use_parallel_residual`) and a quarter of each head rotated (`rotary_pct = 0.25`). With
 `--llama`, a Llama: RMSNorm, a gated SiLU MLP, 4 query heads sharing 2 key/value heads, an
 untied head. With `--qwen2`, a Qwen2: Llama's layout with biases on Q, K and V alone, a tied
-head, and a sliding window it does not use (`use_sliding_window = false`).
+head, and a sliding window it does not use (`use_sliding_window = false`). With `--llama3`, a
+Llama as Llama 3.2's are: a tied head, 4 query heads sharing one key/value head, base 500000 and
+the `llama3` stretch of the rotary frequencies (its original context 256, so that within the
+prompt one of each head's four frequencies is kept, one blended and two stretched).
 
     python3 -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers tokenizers safetensors
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py crates/ember-train/tests/fixtures/tiny-gpt2
@@ -19,6 +22,7 @@ head, and a sliding window it does not use (`use_sliding_window = false`).
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --pythia crates/ember-train/tests/fixtures/tiny-pythia
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --llama crates/ember-train/tests/fixtures/tiny-llama
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --qwen2 crates/ember-train/tests/fixtures/tiny-qwen2
+    /tmp/hf/bin/python scripts/make-gpt2-fixture.py --llama3 crates/ember-train/tests/fixtures/tiny-llama3
 
 The output is committed, so the tests need no Python.
 """
@@ -76,6 +80,30 @@ def main(out: Path, kind: str) -> None:
             rms_norm_eps=1e-5,
             rope_theta=500.0,
             tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = LlamaForCausalLM(config)
+    elif kind == "llama3":
+        config = LlamaConfig(
+            vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=2048,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            intermediate_size=48,
+            hidden_act="silu",
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            tie_word_embeddings=True,
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -167,7 +195,7 @@ def main(out: Path, kind: str) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    kinds = ("--neox", "--pythia", "--llama", "--qwen2")
+    kinds = ("--neox", "--pythia", "--llama", "--llama3", "--qwen2")
     kind = next((a[2:] for a in sys.argv[1:] if a in kinds), "gpt2")
     default = f"crates/ember-train/tests/fixtures/tiny-{kind}"
     main(Path(args[0] if args else default), kind)

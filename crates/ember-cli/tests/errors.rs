@@ -514,6 +514,27 @@ const CASES: &[Case] = &[
     ),
     case(
         "run folder",
+        "`--set` of Llama 3's rotary stretch with its frequency bounds reversed",
+        &[
+            "train",
+            "--config",
+            "$TMP/ok.toml",
+            "--out",
+            "$TMP/new-run",
+            "--set",
+            "model.positional=\"rotary\"",
+            "--set",
+            "model.rotary_scaling={kind=\"llama3\",factor=8,low_freq_factor=4,\
+             high_freq_factor=1,original_max_positions=64}",
+        ],
+        &[
+            "rotary_scaling",
+            "`high_freq_factor` (1)",
+            "`low_freq_factor` (4)",
+        ],
+    ),
+    case(
+        "run folder",
         "`--set` of a precision ember does not have",
         &[
             "train",
@@ -696,19 +717,13 @@ const CASES: &[Case] = &[
     ),
     case(
         "checkpoint",
-        "Hugging Face Llama folder asking for Llama 3's scaled rotation",
-        &[
-            "generate",
-            "--checkpoint",
-            "$TMP/hf-llama3",
-            "--prompt",
-            "A",
-        ],
+        "Hugging Face Llama folder asking for YaRN's stretched rotation",
+        &["generate", "--checkpoint", "$TMP/hf-yarn", "--prompt", "A"],
         &[
             "config.json",
             "rope_parameters",
-            "llama3",
-            "default rotation",
+            "\"yarn\"",
+            "\"linear\" and \"llama3\"",
         ],
     ),
     case(
@@ -1233,14 +1248,14 @@ fn fixtures(dir: &Path) {
         std::fs::write(&config, text.replace(from, to)).unwrap();
     }
 
-    // A Llama whose config asks for Llama 3's scaled rotation.
+    // A Llama whose config asks for YaRN's stretched rotation.
     let llama = repo().join("crates/ember-train/tests/fixtures/tiny-llama");
-    copy_dir(&llama, &dir.join("hf-llama3"));
-    let config = dir.join("hf-llama3").join("config.json");
+    copy_dir(&llama, &dir.join("hf-yarn"));
+    let config = dir.join("hf-yarn").join("config.json");
     let text = std::fs::read_to_string(&config).unwrap();
     let from = "\"rope_type\": \"default\"";
     assert!(text.contains(from));
-    std::fs::write(&config, text.replace(from, "\"rope_type\": \"llama3\"")).unwrap();
+    std::fs::write(&config, text.replace(from, "\"rope_type\": \"yarn\"")).unwrap();
 
     // A Hugging Face model saved in PyTorch's pickle format.
     let bin = dir.join("hf-bin");

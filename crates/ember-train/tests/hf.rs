@@ -35,6 +35,12 @@ fn qwen2() -> PathBuf {
     fixture_named("tiny-qwen2")
 }
 
+/// A Llama as Llama 3.2's are, made by transformers: a tied head, one key/value head for 4
+/// query heads, base 500000 and the `llama3` stretch of the rotary frequencies.
+fn llama3() -> PathBuf {
+    fixture_named("tiny-llama3")
+}
+
 fn fixture_named(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
@@ -163,6 +169,47 @@ fn transformers_llama_logits_and_greedy_tokens_are_reproduced() {
 }
 
 #[test]
+fn transformers_llama3_logits_and_greedy_tokens_are_reproduced() {
+    use ember_model::RopeScaling;
+    reproduces_transformers(&llama3());
+    let lm = load_lm(&llama3(), &Device::flex()).unwrap();
+    let model = &lm.config.model;
+    let stretch = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_positions: 256,
+    };
+    assert_eq!(model.rotary_scaling, Some(stretch));
+    assert_eq!((model.rotary_base, model.max_positions()), (500000.0, 2048));
+    assert_eq!(model.n_kv_heads, Some(1));
+    let want = expected_of(&llama3());
+    // The hub's Llama 3 configs say it in transformers 4's keys: the same model.
+    let older = with_config_of(&llama3(), "llama3-older", |c| {
+        let mut scaling = c["rope_parameters"].clone();
+        scaling.as_object_mut().unwrap().remove("rope_theta");
+        c["rope_scaling"] = scaling;
+        c["rope_theta"] = 500000.0.into();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+    });
+    let lm = load_lm(&older, &Device::flex()).unwrap();
+    assert_eq!(lm.config.model.rotary_scaling, Some(stretch));
+    assert!(max_diff(&logits(&lm, &want.input_ids), &want.logits) < 1e-4);
+    let _ = std::fs::remove_dir_all(older);
+    // Without the stretch the logits are another model's: the fixture tells them apart.
+    let plain = with_config_of(&llama3(), "llama3-plain", |c| {
+        c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
+    });
+    let lm = load_lm(&plain, &Device::flex()).unwrap();
+    let diff = max_diff(&logits(&lm, &want.input_ids), &want.logits);
+    assert!(
+        diff > 1e-2,
+        "unstretched logits within {diff} of the stretched"
+    );
+    let _ = std::fs::remove_dir_all(plain);
+}
+
+#[test]
 fn transformers_qwen2_logits_and_greedy_tokens_are_reproduced() {
     reproduces_transformers(&qwen2());
     let lm = load_lm(&qwen2(), &Device::flex()).unwrap();
@@ -211,6 +258,7 @@ fn export_then_import_gives_identical_logits() {
     round_trip(&neox(), "GPTNeoXForCausalLM", true);
     round_trip(&pythia(), "GPTNeoXForCausalLM", true);
     round_trip(&llama(), "LlamaForCausalLM", true);
+    round_trip(&llama3(), "LlamaForCausalLM", true);
     round_trip(&qwen2(), "LlamaForCausalLM", false);
 }
 
@@ -429,11 +477,31 @@ fn gpt_neox_variants_ember_lacks_are_named() {
 
 #[test]
 fn llama_variants_ember_lacks_are_named() {
-    let cases: [Case; 5] = [
+    let cases: [Case; 7] = [
         (
-            "scaled",
+            "yarn",
+            |c| c["rope_parameters"]["rope_type"] = "yarn".into(),
+            &["`rope_parameters`", "\"yarn\"", "\"llama3\""],
+        ),
+        (
+            "llama3-unsaid",
             |c| c["rope_parameters"]["rope_type"] = "llama3".into(),
-            &["rope_parameters", "llama3"],
+            &["`rope_parameters`", "llama3", "without `factor`"],
+        ),
+        (
+            "older-stretch-backwards",
+            |c| {
+                c.as_object_mut().unwrap().remove("rope_parameters");
+                c["rope_scaling"] = serde_json::json!({
+                    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                    "high_freq_factor": 1.0, "original_max_position_embeddings": 64
+                });
+            },
+            &[
+                "`rope_scaling`",
+                "`high_freq_factor` (1)",
+                "`low_freq_factor` (4)",
+            ],
         ),
         (
             "head-dim",
@@ -587,7 +655,7 @@ fn in_half_precision(fixture: &Path, dtype: burn::tensor::DType) -> PathBuf {
 /// folder): the logits are the `f32` model's but for the stored values' rounding.
 #[test]
 fn half_precision_weights_load_as_f32() {
-    for fixture in [fixture(), neox(), pythia()] {
+    for fixture in [fixture(), neox(), pythia(), llama()] {
         let want = expected_of(&fixture);
         for dtype in [burn::tensor::DType::F16, burn::tensor::DType::BF16] {
             let dir = in_half_precision(&fixture, dtype);
@@ -609,4 +677,70 @@ fn half_precision_weights_load_as_f32() {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
+}
+
+/// A copy of `fixture` with its weights split as transformers splits a large model: the
+/// tensors of layer 0 and the embedding in one shard, the rest in another, and
+/// `model.safetensors.index.json` naming each tensor's shard.
+fn in_shards(fixture: &Path, name: &str) -> PathBuf {
+    let dir = temp(name);
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+    }
+    let bytes = std::fs::read(fixture.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let shard_of = |tensor: &str| match tensor.contains("layers.0.") || tensor.contains("embed") {
+        true => "model-00001-of-00002.safetensors",
+        false => "model-00002-of-00002.safetensors",
+    };
+    let mut map = serde_json::Map::new();
+    for shard in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        let views: Vec<_> = file
+            .tensors()
+            .into_iter()
+            .filter(|(tensor, _)| shard_of(tensor) == shard)
+            .collect();
+        for (tensor, _) in &views {
+            map.insert(tensor.clone(), shard.into());
+        }
+        safetensors::serialize_to_file(views, None, &dir.join(shard)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    dir
+}
+
+/// Weights in shards load as from one file; a shard the index names but the folder lacks is
+/// named.
+#[test]
+fn weights_in_shards_load() {
+    for fixture in [llama(), neox()] {
+        let of = fixture.file_name().unwrap().to_string_lossy().to_string();
+        let dir = in_shards(&fixture, &format!("{of}-shards"));
+        let want = expected_of(&fixture);
+        let lm = load_lm(&dir, &Device::flex()).unwrap();
+        let diff = max_diff(&logits(&lm, &want.input_ids), &want.logits);
+        assert!(diff < 1e-4, "{of} in shards: logits differ by {diff}");
+        std::fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
+        let err = load_error(&dir);
+        for needle in [
+            "model.safetensors.index.json",
+            "`model-00002-of-00002.safetensors`",
+            "missing",
+        ] {
+            assert!(err.contains(needle), "{needle:?} missing from {err}");
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    // GPT-2's are read from one file, and said so.
+    let dir = in_shards(&fixture(), "gpt2-shards");
+    let err = load_error(&dir);
+    assert!(
+        err.contains("in shards") && err.contains("model.safetensors"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

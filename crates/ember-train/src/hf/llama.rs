@@ -13,11 +13,11 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ember_model::{DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind};
-use safetensors::SafeTensors;
+use ember_model::{DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind, Rope};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::shards::WeightFiles;
 use super::tensors::{Array, read_array, serialize};
 use crate::error::{Result, TrainError, write_err};
 
@@ -76,7 +76,7 @@ pub struct LlamaConfig {
     /// Newer transformers' rotary settings: `rope_type`, `rope_theta`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<Value>,
-    /// Older transformers' scaled rotations (Llama 3.1's `llama3`; ember has none).
+    /// Older transformers' scaled rotations (`linear`, Llama 3.1's `llama3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<Value>,
     /// Dropout on the attention weights (training only).
@@ -162,7 +162,7 @@ impl LlamaConfig {
             message: format!("`{key}` {message}"),
         };
         let activation = super::activation(&self.hidden_act, "hidden_act", path)?;
-        let base = super::default_rotation(
+        let rope = super::rotation(
             self.rope_parameters.as_ref(),
             self.rope_theta,
             self.rope_scaling.as_ref(),
@@ -198,7 +198,8 @@ impl LlamaConfig {
             context_len: positions,
             max_positions: Some(positions),
             positional: PositionalKind::Rotary,
-            rotary_base: base,
+            rotary_base: rope.base,
+            rotary_scaling: rope.scaling,
             norm_first: true,
             norm: NormKind::RmsNorm,
             activation,
@@ -230,7 +231,11 @@ impl LlamaConfig {
         if let Some(refusal) = refusal {
             return Err(refusal.into());
         }
-        let base = config.rotary_base;
+        let rope = Rope {
+            base: config.rotary_base,
+            scaling: config.rotary_scaling,
+        };
+        let (rope_parameters, rope_scaling) = super::rotation_keys(rope, &[]);
         Ok(Self {
             model_type: MODEL_TYPE.into(),
             vocab_size: config.vocab_size,
@@ -247,9 +252,9 @@ impl LlamaConfig {
             attention_bias: config.bias,
             mlp_bias: config.bias,
             // Both generations of transformers' keys, so that either reads the rotation.
-            rope_theta: Some(base),
-            rope_parameters: Some(serde_json::json!({"rope_type": "default", "rope_theta": base})),
-            rope_scaling: None,
+            rope_theta: Some(rope.base),
+            rope_parameters: Some(rope_parameters),
+            rope_scaling,
             attention_dropout: config.dropout,
             sliding_window: None,
             use_sliding_window: None,
@@ -350,19 +355,6 @@ fn entries(config: &DecoderOnlyConfig) -> Vec<Entry> {
     all
 }
 
-/// ember's tensor from its parts (stacked along the first axis, then transposed for a weight).
-fn join(entry: &Entry, parts: Vec<Array>) -> Array {
-    let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
-    let mut shape = parts[0].shape.clone();
-    shape[0] = rows;
-    let values = parts.into_iter().flat_map(|p| p.values).collect();
-    let stacked = Array { shape, values };
-    match entry.transposed {
-        true => stacked.transposed(),
-        false => stacked,
-    }
-}
-
 /// The parts of ember's tensor `array`, in Llama's layout: the inverse of [`join`].
 fn split(entry: &Entry, array: &Array) -> Vec<Array> {
     let stacked = match entry.transposed {
@@ -411,17 +403,37 @@ pub(super) fn load_weights(
     model: DecoderOnly,
     config: &DecoderOnlyConfig,
     llama: &LlamaConfig,
-    path: &Path,
+    files: &WeightFiles,
 ) -> Result<DecoderOnly> {
+    let path = files.path();
     let biases = llama.stored_biases();
     let bad = |message: String| TrainError::Checkpoint {
         path: path.to_path_buf(),
         message,
     };
-    let mapped = super::tensors::map(path).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let file = SafeTensors::deserialize(&mapped).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let mut ours = BTreeMap::new();
-    for entry in entries(config) {
+    let file = files.read()?;
+    let misshaped = |name: &str, found: &[usize], shape: &[usize]| {
+        bad(format!(
+            "tensor `{name}` has shape {found:?}, but config.json asks for {shape:?}"
+        ))
+    };
+    let read = |entry: Entry| -> Result<(String, Array)> {
+        if entry.transposed {
+            // A weight: read from the file straight into ember's layout.
+            let mut views = Vec::with_capacity(entry.parts.len());
+            for (name, shape) in &entry.parts {
+                let view = file
+                    .tensor(name)
+                    .map_err(|_| bad(format!("tensor `{name}` is missing")))?;
+                if view.shape() != shape.as_slice() {
+                    return Err(misshaped(name, view.shape(), shape));
+                }
+                views.push(view);
+            }
+            let array = super::tensors::read_transposed(&views)
+                .map_err(|e| bad(format!("tensor `{}` {e}", entry.parts[0].0)))?;
+            return Ok((entry.ember, array));
+        }
         let mut parts = Vec::with_capacity(entry.parts.len());
         for (name, shape) in &entry.parts {
             let array = match file.tensor(name) {
@@ -433,16 +445,13 @@ pub(super) fn load_weights(
                 Err(_) => return Err(bad(format!("tensor `{name}` is missing"))),
             };
             if &array.shape != shape {
-                return Err(bad(format!(
-                    "tensor `{name}` has shape {:?}, but config.json asks for {shape:?}",
-                    array.shape
-                )));
+                return Err(misshaped(name, &array.shape, shape));
             }
             parts.push(array);
         }
-        ours.insert(entry.ember.clone(), join(&entry, parts));
-    }
-    super::weights::load_arrays(model, ours, path)
+        Ok((entry.ember, Array::stacked(parts)))
+    };
+    super::weights::load_each(model, entries(config).into_iter().map(read), path)
 }
 
 #[cfg(test)]
@@ -480,7 +489,7 @@ mod tests {
                 values: (0..shape[0] * 4).map(|v| (100 * i + v) as f32).collect(),
             })
             .collect();
-        let ours = join(c_attn, parts.clone());
+        let ours = Array::stacked(parts.clone()).transposed();
         assert_eq!(ours.shape, [4, 8]);
         // Column 5 is the key head's second output: row 1 of k_proj, whose input 2 weight is
         // k_proj[1, 2] = 100 + 1 * 4 + 2.

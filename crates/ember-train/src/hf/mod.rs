@@ -8,6 +8,7 @@ pub mod gpt2;
 pub mod llama;
 pub mod neox;
 mod neox_layout;
+mod shards;
 mod tensors;
 mod weights;
 
@@ -17,11 +18,14 @@ use burn::module::Param;
 use burn::tensor::Tensor;
 use ember_data::Tokenizer;
 use ember_data::hf_tokenizer::char_tokenizer_json;
-use ember_model::{Activation, DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind};
+use ember_model::{
+    Activation, DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind, Rope, RopeScaling,
+};
 
 pub use gpt2::Gpt2Config;
 pub use llama::LlamaConfig;
 pub use neox::NeoxConfig;
+pub use shards::HF_WEIGHTS_INDEX;
 
 use crate::error::{Result, TrainError, write_err};
 
@@ -35,24 +39,22 @@ pub const HF_TOKENIZER: &str = "tokenizer.json";
 pub const HF_TOKENIZER_CONFIG: &str = "tokenizer_config.json";
 
 /// Does `dir` look like a Hugging Face model folder (rather than an ember run or checkpoint)?
+/// Its weights are one `model.safetensors` or shards listed by `model.safetensors.index.json`.
 pub fn is_hf_folder(dir: &Path) -> bool {
-    dir.join(HF_CONFIG).is_file() && dir.join(HF_WEIGHTS).is_file()
+    dir.join(HF_CONFIG).is_file()
+        && (dir.join(HF_WEIGHTS).is_file() || dir.join(HF_WEIGHTS_INDEX).is_file())
 }
 
-/// A Hugging Face folder whose weights are not in the one `model.safetensors` ember reads
-/// (PyTorch's pickle, `pytorch_model.bin`, or safetensors split in shards) is refused naming
-/// what it holds; any other folder passes.
+/// A Hugging Face folder whose weights are not in safetensors (PyTorch's pickle,
+/// `pytorch_model.bin`, whole or in shards) is refused naming what it holds; any other folder
+/// passes.
 pub fn check_weights_format(dir: &Path) -> Result<()> {
-    if !dir.join(HF_CONFIG).is_file() || dir.join(HF_WEIGHTS).is_file() {
+    if !dir.join(HF_CONFIG).is_file() || is_hf_folder(dir) {
         return Ok(());
     }
-    let holds = [
-        "model.safetensors.index.json",
-        "pytorch_model.bin",
-        "pytorch_model.bin.index.json",
-    ]
-    .into_iter()
-    .find(|name| dir.join(name).exists());
+    let holds = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+        .into_iter()
+        .find(|name| dir.join(name).exists());
     let Some(file) = holds else {
         return Ok(());
     };
@@ -135,37 +137,110 @@ fn classic_block(config: &DecoderOnlyConfig, layout: &str) -> std::result::Resul
     }
 }
 
-/// The rotation's base from either generation of transformers' keys (`rope_parameters`'
-/// `rope_theta`, else the older key's `older_base`, else 10000); a scaled rotation (a
-/// `rope_type` other than `default`, or an older `rope_scaling`) is refused naming the config
-/// file `path`: ember has the default rotation only.
-fn default_rotation(
+/// The rotation from either generation of transformers' keys: newer ones hold everything in
+/// `rope_parameters` (`rope_type`, `rope_theta`, the scaling's settings), older ones the base in
+/// `older_base` and a scaling in `older_scaling` (`rope_type` or `type`, its settings); the base
+/// is 10000 where neither has one. Of the scalings, `linear` and Llama 3.1's `llama3` are read;
+/// any other is refused naming the config file `path`.
+fn rotation(
     parameters: Option<&serde_json::Value>,
     older_base: Option<f64>,
     older_scaling: Option<&serde_json::Value>,
     path: &Path,
-) -> Result<f64> {
+) -> Result<Rope> {
     use serde_json::Value;
-    let newer = |key: &str| parameters.and_then(|p| p.get(key));
-    let base = newer("rope_theta")
+    let older = older_scaling.filter(|v| !v.is_null());
+    let key = if parameters.is_some_and(|p| p.get("rope_type").is_some()) {
+        "rope_parameters"
+    } else {
+        "rope_scaling"
+    };
+    let setting = |name: &str| {
+        parameters
+            .and_then(|p| p.get(name))
+            .or_else(|| older.and_then(|v| v.get(name)))
+    };
+    let bad = |message: String| TrainError::ConfigFile {
+        path: path.to_path_buf(),
+        message: format!("`{key}` {message}"),
+    };
+    let base = parameters
+        .and_then(|p| p.get("rope_theta"))
         .and_then(Value::as_f64)
         .or(older_base)
         .unwrap_or(10000.0);
-    let older = older_scaling.filter(|v| !v.is_null());
-    let kind = newer("rope_type")
-        .or_else(|| older.and_then(|v| v.get("rope_type").or_else(|| v.get("type"))))
+    let kind = setting("rope_type")
+        .or_else(|| setting("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
-    if kind != "default" || older.is_some() {
-        return Err(TrainError::ConfigFile {
-            path: path.to_path_buf(),
-            message: format!(
-                "`rope_parameters` asks for {kind:?} rotary scaling; ember has the default \
-                 rotation only"
-            ),
-        });
+    let number = |name: &str| {
+        setting(name)
+            .and_then(Value::as_f64)
+            .ok_or_else(|| bad(format!("asks for {kind:?} rotary scaling without `{name}`")))
+    };
+    let scaling = match kind {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear {
+            factor: number("factor")?,
+        }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_positions: number("original_max_position_embeddings")? as usize,
+        }),
+        other => {
+            return Err(bad(format!(
+                "asks for {other:?} rotary scaling; ember reads \"default\", \"linear\" and \
+                 \"llama3\""
+            )));
+        }
+    };
+    if let Some(message) = scaling.and_then(RopeScaling::invalid) {
+        return Err(bad(message));
     }
-    Ok(base)
+    Ok(Rope { base, scaling })
+}
+
+/// A rotation in both generations of transformers' keys, so that either reads it: newer ones'
+/// `rope_parameters` (with `extra`'s entries, GPT-NeoX's `partial_rotary_factor`), and older
+/// ones' `rope_scaling` (`None` for RoPE's own; the base is the caller's older key).
+fn rotation_keys(
+    rope: Rope,
+    extra: &[(&str, serde_json::Value)],
+) -> (serde_json::Value, Option<serde_json::Value>) {
+    use serde_json::{Map, Value, json};
+    let mut scaling = Map::new();
+    let kind = match rope.scaling {
+        None => "default",
+        Some(RopeScaling::Linear { factor }) => {
+            scaling.insert("factor".into(), json!(factor));
+            "linear"
+        }
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_positions,
+        }) => {
+            scaling.insert("factor".into(), json!(factor));
+            scaling.insert("low_freq_factor".into(), json!(low_freq_factor));
+            scaling.insert("high_freq_factor".into(), json!(high_freq_factor));
+            scaling.insert(
+                "original_max_position_embeddings".into(),
+                json!(original_max_positions),
+            );
+            "llama3"
+        }
+    };
+    scaling.insert("rope_type".into(), json!(kind));
+    let mut parameters = scaling.clone();
+    parameters.insert("rope_theta".into(), json!(rope.base));
+    for (name, value) in extra {
+        parameters.insert((*name).into(), value.clone());
+    }
+    let older = rope.scaling.map(|_| Value::Object(scaling));
+    (Value::Object(parameters), older)
 }
 
 /// `config`, read from the config file `path`, if it describes a valid model.
@@ -257,11 +332,25 @@ pub(crate) fn load_weights(
     hf_config: &HfConfig,
     dir: &Path,
 ) -> Result<DecoderOnly> {
-    let path = dir.join(HF_WEIGHTS);
+    if let HfConfig::Gpt2(_) = hf_config {
+        let path = dir.join(HF_WEIGHTS);
+        if !path.is_file() {
+            return Err(TrainError::Checkpoint {
+                path: dir.join(HF_WEIGHTS_INDEX),
+                message: format!(
+                    "holds GPT-2's weights in shards; ember reads GPT-2's from one {HF_WEIGHTS} \
+                     (in Python: `AutoModelForCausalLM.from_pretrained(DIR)\
+                     .save_pretrained(DIR, max_shard_size=\"100GB\")` writes it)"
+                ),
+            });
+        }
+        return gpt2::load_weights(model, &path);
+    }
+    let files = shards::WeightFiles::open(dir)?;
     match hf_config {
-        HfConfig::Gpt2(_) => gpt2::load_weights(model, &path),
-        HfConfig::Neox(neox) => neox::load_weights(model, config, neox, &path),
-        HfConfig::Llama(llama) => llama::load_weights(model, config, llama, &path),
+        HfConfig::Gpt2(_) => unreachable!("read above"),
+        HfConfig::Neox(neox) => neox::load_weights(model, config, neox, &files),
+        HfConfig::Llama(llama) => llama::load_weights(model, config, llama, &files),
     }
 }
 

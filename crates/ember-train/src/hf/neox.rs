@@ -14,12 +14,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind};
-use safetensors::SafeTensors;
+use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind, Rope};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::neox_layout::{entries, from_neox, to_neox};
+use super::neox_layout::{Entry, entries, from_neox, to_neox};
+use super::shards::WeightFiles;
 use super::tensors::{Array, read_array, serialize};
 use crate::error::{Result, TrainError, write_err};
 
@@ -71,7 +71,7 @@ pub struct NeoxConfig {
     /// Newer transformers' rotary settings: `rope_type`, `rope_theta`, `partial_rotary_factor`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<Value>,
-    /// Older transformers' scaled rotations (ember has none).
+    /// Older transformers' scaled rotations (`linear`, Llama 3.1's `llama3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<Value>,
     /// Dropout after attention, after the MLP and on the embedding (training only).
@@ -122,7 +122,7 @@ impl NeoxConfig {
                 ),
             ));
         }
-        let base = super::default_rotation(
+        let rope = super::rotation(
             self.rope_parameters.as_ref(),
             self.rotary_emb_base,
             self.rope_scaling.as_ref(),
@@ -137,7 +137,8 @@ impl NeoxConfig {
             context_len: self.max_position_embeddings,
             max_positions: Some(self.max_position_embeddings),
             positional: PositionalKind::Rotary,
-            rotary_base: base,
+            rotary_base: rope.base,
+            rotary_scaling: rope.scaling,
             rotary_dims: (turned < head).then_some(turned),
             norm_first: true,
             parallel_blocks: self.use_parallel_residual,
@@ -160,9 +161,14 @@ impl NeoxConfig {
         }
         super::classic_block(config, "GPT-NeoX")?;
         let hidden_act = super::activation_name(config.activation);
-        let base = config.rotary_base;
         let head = config.d_model / config.n_heads;
         let share = rotary_share(config.rotary_dims.unwrap_or(head), head);
+        let rope = Rope {
+            base: config.rotary_base,
+            scaling: config.rotary_scaling,
+        };
+        let (rope_parameters, rope_scaling) =
+            super::rotation_keys(rope, &[("partial_rotary_factor", share.into())]);
         Ok(Self {
             model_type: MODEL_TYPE.into(),
             vocab_size: config.vocab_size,
@@ -178,13 +184,9 @@ impl NeoxConfig {
             attention_bias: true,
             // Both generations of transformers' keys, so that either reads the rotation.
             rotary_pct: Some(share),
-            rotary_emb_base: Some(base),
-            rope_parameters: Some(serde_json::json!({
-                "rope_type": "default",
-                "rope_theta": base,
-                "partial_rotary_factor": share,
-            })),
-            rope_scaling: None,
+            rotary_emb_base: Some(rope.base),
+            rope_parameters: Some(rope_parameters),
+            rope_scaling,
             hidden_dropout: config.dropout,
             attention_dropout: config.dropout,
         })
@@ -225,16 +227,15 @@ pub(super) fn load_weights(
     model: DecoderOnly,
     config: &DecoderOnlyConfig,
     neox: &NeoxConfig,
-    path: &Path,
+    files: &WeightFiles,
 ) -> Result<DecoderOnly> {
+    let path = files.path();
     let bad = |message: String| TrainError::Checkpoint {
         path: path.to_path_buf(),
         message,
     };
-    let mapped = super::tensors::map(path).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let file = SafeTensors::deserialize(&mapped).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let mut ours = BTreeMap::new();
-    for entry in entries(config) {
+    let file = files.read()?;
+    let read = |entry: Entry| -> Result<(String, Array)> {
         // transformers 5 names the head `lm_head`; earlier ones `embed_out`.
         let stored = match file.tensor(&entry.neox) {
             Err(_) if entry.neox == "embed_out.weight" => file.tensor("lm_head.weight"),
@@ -264,7 +265,7 @@ pub(super) fn load_weights(
                 entry.neox, array.shape, entry.shape
             )));
         }
-        ours.insert(entry.ember, from_neox(&array, entry.how, config));
-    }
-    super::weights::load_arrays(model, ours, path)
+        Ok((entry.ember, from_neox(&array, entry.how, config)))
+    };
+    super::weights::load_each(model, entries(config).into_iter().map(read), path)
 }

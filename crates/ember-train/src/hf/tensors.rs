@@ -19,15 +19,26 @@ impl Array {
     pub fn transposed(&self) -> Array {
         let (r, c) = (self.shape[0], self.shape[1]);
         let mut values = vec![0.0; r * c];
-        for i in 0..r {
-            for j in 0..c {
-                values[j * r + i] = self.values[i * c + j];
-            }
-        }
+        transpose_into(|k| self.values[k], r, c, &mut values, 0);
         Array {
             shape: vec![c, r],
             values,
         }
+    }
+
+    /// Arrays `[r_i, c]` stacked along their first axis, `[sum r_i, c]` (one array is itself).
+    pub fn stacked(mut parts: Vec<Array>) -> Array {
+        if parts.len() == 1 {
+            return parts.pop().expect("one part");
+        }
+        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let mut shape = parts[0].shape.clone();
+        shape[0] = rows;
+        let mut values = Vec::with_capacity(shape.iter().product());
+        for part in &parts {
+            values.extend_from_slice(&part.values);
+        }
+        Array { shape, values }
     }
 
     /// Rows (entries of a vector) reordered: row `i` of the result is row `from(i)`.
@@ -46,24 +57,78 @@ impl Array {
     }
 }
 
-/// The `f32` values of a stored tensor (stored as `f32`, `f16` or `bf16`).
+/// `src` `[r, c]` transposed into columns `at..at + r` of `dst` `[c, width]` (`width` its row
+/// length), in square tiles, so that both sides are read and written a cache line at a time;
+/// `src`'s entry `k` is `value(k)`.
+fn transpose_into(value: impl Fn(usize) -> f32, r: usize, c: usize, dst: &mut [f32], at: usize) {
+    const TILE: usize = 32;
+    let width = dst.len() / c.max(1);
+    for i0 in (0..r).step_by(TILE) {
+        for j0 in (0..c).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(r) {
+                for j in j0..(j0 + TILE).min(c) {
+                    dst[j * width + at + i] = value(i * c + j);
+                }
+            }
+        }
+    }
+}
+
+/// Stored matrices `[r_i, c]` stacked along their first axis and transposed, `[c, sum r_i]`,
+/// as `f32`, read straight from the file into the result (a model's weights are most of its
+/// bytes: no copy of them is made on the way).
+pub(super) fn read_transposed(views: &[TensorView<'_>]) -> std::result::Result<Array, String> {
+    let rows: usize = views.iter().map(|v| v.shape()[0]).sum();
+    let c = views[0].shape()[1];
+    let mut values = vec![0.0; rows * c];
+    let mut at = 0;
+    for view in views {
+        let (r, bytes) = (view.shape()[0], view.data());
+        match view.dtype() {
+            Dtype::F32 => transpose_into(|k| f32_at(bytes, k), r, c, &mut values, at),
+            Dtype::BF16 => transpose_into(|k| bf16_at(bytes, k), r, c, &mut values, at),
+            _ => {
+                let part = read_array(view)?;
+                transpose_into(|k| part.values[k], r, c, &mut values, at);
+            }
+        }
+        at += r;
+    }
+    Ok(Array {
+        shape: vec![c, rows],
+        values,
+    })
+}
+
+/// Entry `k` of little-endian `f32` bytes.
+fn f32_at(bytes: &[u8], k: usize) -> f32 {
+    let b = &bytes[4 * k..4 * k + 4];
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Entry `k` of little-endian bfloat16 bytes, which are the top half of an `f32`.
+fn bf16_at(bytes: &[u8], k: usize) -> f32 {
+    f32::from_bits(u32::from(u16::from_le_bytes([bytes[2 * k], bytes[2 * k + 1]])) << 16)
+}
+
+/// The `f32` values of a stored tensor (stored as `f32`, `f16` or `bf16`; the file's bytes
+/// need not be aligned).
 pub(super) fn read_array(view: &TensorView<'_>) -> std::result::Result<Array, String> {
-    let dtype = match view.dtype() {
-        Dtype::F32 => DType::F32,
-        Dtype::F16 => DType::F16,
-        Dtype::BF16 => DType::BF16,
+    let shape = view.shape().to_vec();
+    let bytes = view.data();
+    let values = match view.dtype() {
+        Dtype::F32 => (0..bytes.len() / 4).map(|k| f32_at(bytes, k)).collect(),
+        Dtype::BF16 => (0..bytes.len() / 2).map(|k| bf16_at(bytes, k)).collect(),
+        Dtype::F16 => TensorData::from_bytes_vec(bytes.to_vec(), shape.clone(), DType::F16)
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| format!("cannot be read as f32: {e:?}"))?,
         other => {
             return Err(format!(
                 "is stored as {other:?}; ember reads F32, F16 and BF16"
             ));
         }
     };
-    let shape = view.shape().to_vec();
-    let data = TensorData::from_bytes_vec(view.data().to_vec(), shape.clone(), dtype);
-    let values = data
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| format!("cannot be read as f32: {e:?}"))?;
     Ok(Array { shape, values })
 }
 
@@ -117,4 +182,37 @@ pub(super) fn in_f32(bytes: &[u8]) -> std::result::Result<Option<Vec<u8>>, Strin
         arrays.insert(name, array);
     }
     serialize(&arrays).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two stored matrices whose sizes are not multiples of the transposition's tiles, read
+    /// stacked and transposed from the file, equal the same stacked in memory and transposed
+    /// one entry at a time.
+    #[test]
+    fn read_transposed_is_the_stack_transposed() {
+        let array = |r: usize, c: usize, from: usize| Array {
+            shape: vec![r, c],
+            values: (0..r * c).map(|v| (from + v) as f32).collect(),
+        };
+        let (a, b) = (array(37, 45, 0), array(5, 45, 10_000));
+        let arrays = BTreeMap::from([("a".to_string(), a.clone()), ("b".to_string(), b.clone())]);
+        let bytes = serialize(&arrays).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let views = [file.tensor("a").unwrap(), file.tensor("b").unwrap()];
+        let got = read_transposed(&views).unwrap();
+        let stacked = Array::stacked(vec![a, b]);
+        assert_eq!(got.shape, [45, 42]);
+        for i in 0..42 {
+            for j in 0..45 {
+                assert_eq!(
+                    got.values[j * 42 + i],
+                    stacked.values[i * 45 + j],
+                    "({i}, {j})"
+                );
+            }
+        }
+    }
 }
