@@ -705,6 +705,16 @@ const CASES: &[Case] = &[
     ),
     case(
         "checkpoint",
+        "Hugging Face folder in shards, one of them missing",
+        &["generate", "--checkpoint", "$TMP/hf-shards", "--prompt", "A"],
+        &[
+            "model.safetensors.index.json",
+            "`model-00001-of-00002.safetensors`",
+            "missing",
+        ],
+    ),
+    case(
+        "checkpoint",
         "Hugging Face folder missing a tensor (config.json says 3 layers, weights have 2)",
         &[
             "generate",
@@ -1264,6 +1274,18 @@ fn fixtures(dir: &Path) {
         std::fs::copy(gpt2.join(file), bin.join(file)).unwrap();
     }
     write(&bin, "pytorch_model.bin", "not read");
+
+    // A Llama in shards, its index naming a shard the folder lacks.
+    let shards = dir.join("hf-shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(llama.join(file), shards.join(file)).unwrap();
+    }
+    write(
+        &shards,
+        "model.safetensors.index.json",
+        r#"{"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}"#,
+    );
 
     // A run folder that a Hugging Face model was copied into.
     copy_dir(&run, &dir.join("hf-and-run"));

@@ -61,9 +61,9 @@ pub fn check_weights_format(dir: &Path) -> Result<()> {
     Err(TrainError::Checkpoint {
         path: dir.to_path_buf(),
         message: format!(
-            "holds a Hugging Face model whose weights are in `{file}`; ember reads one \
-             {HF_WEIGHTS} (in Python: `AutoModelForCausalLM.from_pretrained(DIR)\
-             .save_pretrained(DIR, max_shard_size=\"100GB\")` writes it)"
+            "holds a Hugging Face model whose weights are in `{file}`; ember reads \
+             safetensors, {HF_WEIGHTS} or shards listed by {HF_WEIGHTS_INDEX} (in Python: \
+             `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR)` writes them)"
         ),
     })
 }
