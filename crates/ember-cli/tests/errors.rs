@@ -706,7 +706,13 @@ const CASES: &[Case] = &[
     case(
         "checkpoint",
         "Hugging Face folder in shards, one of them missing",
-        &["generate", "--checkpoint", "$TMP/hf-shards", "--prompt", "A"],
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/hf-shards",
+            "--prompt",
+            "A",
+        ],
         &[
             "model.safetensors.index.json",
             "`model-00001-of-00002.safetensors`",

@@ -225,6 +225,19 @@ pub fn cached_causal_attention_reference(
     weights.matmul(v)
 }
 
+/// Grouped keys or values `[B, G, S, K]` repeated for the `heads` query heads that read them,
+/// `[B, heads, S, K]` (head `h` reads head `h / (heads / G)`, as transformers' `repeat_kv`); `x`
+/// itself where `G = heads`.
+pub fn repeat_kv(x: Tensor<4>, heads: usize) -> Tensor<4> {
+    let [b, g, s, k] = x.dims();
+    if g == heads {
+        return x;
+    }
+    x.reshape([b, g, 1, s, k])
+        .expand([b, g, heads / g, s, k])
+        .reshape([b, heads, s, k])
+}
+
 /// `softmax(q K^T / sqrt(K) + mask) V` for one query position, with `dropout` on the weights:
 /// a decoding step, over the keys cached so far or over a source (`mask`: its padding).
 ///
@@ -233,9 +246,13 @@ pub fn cached_causal_attention_reference(
 /// `[B, 1, 1, S]` that hides the last keys of each row (right-padded sources, as ember pads
 /// them); others take the reference.
 ///
+/// Keys and values may be grouped (grouped-query attention): `G` heads, head `h` of the query
+/// reading head `h / (H / G)`; the kernel reads them in place, the reference repeats them
+/// ([`repeat_kv`]).
+///
 /// # Shapes
 /// - q: `[B, H, 1, K]`
-/// - k, v: `[B, H, S, K]`
+/// - k, v: `[B, G, S, K]`, `G` dividing `H` (`G = H` without groups)
 /// - mask: broadcastable to `[B, H, 1, S]`
 /// - output: `[B, H, 1, K]`
 pub fn single_query_attention(
@@ -294,6 +311,8 @@ pub fn single_query_attention_reference(
     mask: Option<Tensor<4, Bool>>,
     dropout: Option<&Dropout>,
 ) -> Tensor<4> {
+    let heads = q.dims()[1];
+    let (k, v) = (repeat_kv(k, heads), repeat_kv(v, heads));
     let scale = 1.0 / (q.dims()[3] as f64).sqrt();
     let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, 1, S]
     let scores = match mask {
@@ -346,6 +365,43 @@ mod tests {
                 single_query_attention_reference(q.clone(), k.clone(), v.clone(), mask, None);
             let diff = (fast - reference).abs().max().into_scalar::<f32>();
             assert!(diff < 1e-5, "mask {i}: differs by {diff}");
+        }
+    }
+
+    /// Grouped keys and values (3 cached heads, each read by 2 of 6 query heads) through the
+    /// kernel, which reads them in place, equal multi-head attention over keys repeated by
+    /// `select` (head `h` reads cached head `h / 2`), and the op's reference; with a padding
+    /// mask too.
+    #[test]
+    fn grouped_keys_are_read_by_their_heads() {
+        let (q, k, v) = crate::check::cache_like_query(&Device::flex());
+        let device = q.device();
+        let q = Tensor::cat(vec![q.clone(), q * 0.5 - 1.0], 1); // [2, 6, 1, 32]
+        let heads = Tensor::<1, burn::tensor::Int>::from_ints([0, 0, 1, 1, 2, 2], &device);
+        let (k6, v6) = (
+            k.clone().select(1, heads.clone()),
+            v.clone().select(1, heads),
+        );
+        let hidden: Vec<bool> = [37, 20]
+            .iter()
+            .flat_map(|&len| (0..37).map(move |s| s >= len))
+            .collect();
+        let pad = Tensor::<4, Bool>::from_data(
+            burn::tensor::TensorData::new(hidden, [2, 1, 1, 37]),
+            &device,
+        );
+        for mask in [None, Some(pad)] {
+            assert!(crate::flex::decode_attention::single_query(&q, &k, &v, &[]).is_some());
+            let grouped =
+                single_query_attention(q.clone(), k.clone(), v.clone(), mask.clone(), None);
+            let every_head =
+                single_query_attention(q.clone(), k6.clone(), v6.clone(), mask.clone(), None);
+            let reference =
+                single_query_attention_reference(q.clone(), k.clone(), v.clone(), mask, None);
+            for other in [every_head, reference] {
+                let diff = (grouped.clone() - other).abs().max().into_scalar::<f32>();
+                assert!(diff < 1e-5, "differs by {diff}");
+            }
         }
     }
 }

@@ -102,7 +102,7 @@ pub mod nccl;
 pub use adamw::{AdamWGroups, AdamWStep, adamw_step, adamw_step_reference};
 pub use attention::{
     cached_causal_attention, cached_causal_attention_at, cached_causal_attention_reference,
-    causal_self_attention, causal_self_attention_reference, fused_causal_self_attention,
+    causal_self_attention, causal_self_attention_reference, fused_causal_self_attention, repeat_kv,
     single_query_attention, single_query_attention_reference,
 };
 pub use cache_write::{write_cache_rows, write_cache_rows_at, write_cache_rows_reference};

@@ -5,7 +5,9 @@
 use crate::kernels::vector_math::{dot, exp, lanes_max, lanes_sum, madd, multiversion};
 
 /// A `[B, H, S, K]` view into a buffer whose last axis is contiguous: element `(b, h, s, k)`
-/// is `data[offset + b * strides[0] + h * strides[1] + s * strides[2] + k]`.
+/// is `data[offset + b * strides[0] + (h / group) * strides[1] + s * strides[2] + k]` (heads of
+/// a group read the same stored head: grouped-query attention's keys and values, `H / G` query
+/// heads to each of `G`; `group` 1 for one stored head per query head).
 #[derive(Debug, Clone, Copy)]
 pub struct HeadsView<'a> {
     /// The buffer.
@@ -14,6 +16,8 @@ pub struct HeadsView<'a> {
     pub offset: usize,
     /// Strides of the batch, head and sequence axes.
     pub strides: [usize; 3],
+    /// Query heads per stored head (at least 1).
+    pub group: usize,
 }
 
 impl<'a> HeadsView<'a> {
@@ -22,7 +26,7 @@ impl<'a> HeadsView<'a> {
     fn rows(&self, b: usize, h: usize) -> Rows<'a> {
         Rows {
             data: self.data,
-            at: self.offset + b * self.strides[0] + h * self.strides[1],
+            at: self.offset + b * self.strides[0] + (h / self.group) * self.strides[1],
             step: self.strides[2],
         }
     }
@@ -280,11 +284,13 @@ mod tests {
             data: &buffer,
             offset: 0,
             strides,
+            group: 1,
         };
         let values = HeadsView {
             data: &value_buffer,
             offset: 0,
             strides,
+            group: 1,
         };
         let q: Vec<f32> = (0..batch * heads * head_size)
             .map(|i| value(i + 99_999))
@@ -325,6 +331,7 @@ mod tests {
             data,
             offset: 0,
             strides: [3, 3, 3],
+            group: 1,
         };
         let mut out = [0.0; 3];
         let dims = [1, 1, 1, 3];

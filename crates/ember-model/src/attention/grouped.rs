@@ -4,7 +4,9 @@
 //! and values: the group's are repeated for its heads (head `h` reads key/value head
 //! `h / (H / G)`, as transformers' `repeat_kv`), and from there every path is multi-head
 //! attention's. The repeats are views and copies that autodiff tracks, so a shared key's
-//! gradient is the sum of its heads'.
+//! gradient is the sum of its heads'. The cache keeps one head per group, and attention reads
+//! it as it is ([`crate::scaled_dot_product_attention`] takes grouped keys; a decoding step's
+//! kernel reads each group's rows for its heads, copying nothing).
 
 use std::borrow::Cow;
 
@@ -12,7 +14,6 @@ use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 
-use super::kv_cache::Keys;
 use super::multi_head::MultiHeadAttention;
 
 impl MultiHeadAttention {
@@ -81,28 +82,5 @@ impl MultiHeadAttention {
         x.reshape([b, g, h / g, t, k])
             .narrow(2, 0, 1)
             .reshape([b, g, t, k])
-    }
-
-    /// The cache's keys and values, one head per group, shared again by every head.
-    pub(crate) fn shared(&self, keys: Keys) -> Keys {
-        if !self.grouped() {
-            return keys;
-        }
-        let repeat = |x: Tensor<4>| {
-            let [b, g, s, k] = x.dims();
-            let h = self.n_heads;
-            x.reshape([b, g, 1, s, k])
-                .expand([b, g, h / g, s, k])
-                .reshape([b, h, s, k])
-        };
-        match keys {
-            Keys::Seen(k, v) => Keys::Seen(repeat(k), repeat(v)),
-            Keys::Buffer { k, v, start, step } => Keys::Buffer {
-                k: repeat(k),
-                v: repeat(v),
-                start,
-                step,
-            },
-        }
     }
 }

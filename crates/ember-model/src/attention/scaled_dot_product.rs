@@ -30,10 +30,14 @@ pub struct AttentionOutput {
 /// One query with no weights asked for (a decoding step with a KV cache) is
 /// [`ops::single_query_attention`].
 ///
+/// Keys and values may have fewer heads than the queries (grouped-query attention, `G`
+/// dividing `H`): query head `h` reads head `h / (H / G)` ([`ops::repeat_kv`]; a decoding step
+/// reads them in place).
+///
 /// # Shapes
 /// - q: `[B, H, T, K]`
-/// - k: `[B, H, S, K]`
-/// - v: `[B, H, S, K]`
+/// - k: `[B, G, S, K]` (`G = H` but for grouped-query attention)
+/// - v: `[B, G, S, K]`
 /// - mask: broadcastable to `[B, H, T, S]`
 /// - output: context `[B, H, T, K]`, weights `[B, H, T, S]`
 pub fn scaled_dot_product_attention(
@@ -51,7 +55,8 @@ pub fn scaled_dot_product_attention(
             weights: None,
         };
     }
-    let [_, _, _, head_size] = q.dims();
+    let [_, heads, _, head_size] = q.dims();
+    let (k, v) = (ops::repeat_kv(k, heads), ops::repeat_kv(v, heads));
     let scale = 1.0 / (head_size as f64).sqrt();
     let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale); // [B, H, T, S]
     let scores = match mask {
@@ -68,7 +73,7 @@ pub fn scaled_dot_product_attention(
 ///
 /// # Shapes
 /// - q: `[B, H, T, K]`
-/// - k, v: `[B, H, S, K]`, `S >= T`
+/// - k, v: `[B, G, S, K]`, `S >= T` (`G` as in [`scaled_dot_product_attention`])
 /// - output: context `[B, H, T, K]`, weights `[B, H, T, S]`
 pub fn causal_attention(
     q: Tensor<4>,
@@ -77,11 +82,12 @@ pub fn causal_attention(
     dropout: Option<&Dropout>,
     return_weights: bool,
 ) -> AttentionOutput {
-    let [_, _, t, head_size] = q.dims();
+    let [_, heads, t, head_size] = q.dims();
     if t == 1 {
         // One query sees every key: nothing to mask.
         return scaled_dot_product_attention(q, k, v, None, dropout, return_weights);
     }
+    let (k, v) = (ops::repeat_kv(k, heads), ops::repeat_kv(v, heads));
     let scale = 1.0 / (head_size as f64).sqrt();
     let scores = q.matmul(k.swap_dims(2, 3)); // [B, H, T, S]
     weigh_values(
@@ -98,8 +104,13 @@ pub fn causal_attention(
 /// written yet ([`ops::cached_causal_attention`] where no weights are asked for); otherwise
 /// [`scaled_dot_product_attention`] with the masks combined.
 ///
+/// The keys may be grouped (`G` heads, as a grouped-query model's cache keeps them): a cache's
+/// whole buffer is repeated for every head, the rest read in groups by
+/// [`scaled_dot_product_attention`].
+///
 /// # Shapes
 /// - q: `[B, H, T, K]`
+/// - keys: `[B, G, S, K]` each
 /// - output: context `[B, H, T, K]`, weights `[B, H, T, S]` (`S` the buffer's capacity for
 ///   [`Keys::Buffer`])
 pub fn attend_keys(
@@ -110,7 +121,17 @@ pub fn attend_keys(
     dropout: &Dropout,
     return_weights: bool,
 ) -> AttentionOutput {
-    let [_, _, t, _] = q.dims();
+    let [_, heads, t, _] = q.dims();
+    // The buffers' attention takes every head's keys; the rest reads groups as they are.
+    let keys = match keys {
+        Keys::Buffer { k, v, start, step } => Keys::Buffer {
+            k: ops::repeat_kv(k, heads),
+            v: ops::repeat_kv(v, heads),
+            start,
+            step,
+        },
+        seen => seen,
+    };
     match keys {
         Keys::Buffer { k, v, start, step } if !return_weights => AttentionOutput {
             context: match step {

@@ -57,12 +57,12 @@ impl MultiHeadAttention {
         let q = self.split_heads(qkv.clone().slice([0..b, 0..t, 0..d]));
         let k = self.split_heads(qkv.clone().slice([0..b, 0..t, d..2 * d]));
         let v = self.split_heads(qkv.slice([0..b, 0..t, 2 * d..3 * d]));
-        // Append to the cache (grouped: one head of each group, shared again once read): the
-        // queries see the past positions' keys and values too.
+        // Append to the cache (grouped: one head of each group, which attention shares among
+        // the group's query heads): the queries see the past positions' keys and values too.
         let keys = match cache {
             Some(cache) => {
                 let (k, v) = (self.one_per_group(k), self.one_per_group(v));
-                self.shared(cache.append_keys(k, v, causal && pad.is_none()))
+                cache.append_keys(k, v, causal && pad.is_none())
             }
             None => Keys::Seen(k, v),
         };
