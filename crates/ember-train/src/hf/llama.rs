@@ -10,7 +10,6 @@
 //! ember's `c_attn` (columns `[Q | K | V]`), `gate_proj` and `up_proj` its `c_fc` (`[gate |
 //! up]`). [`entries`] says which parts make each of ember's tensors.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use ember_model::{DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind, Rope};
@@ -18,8 +17,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::shards::WeightFiles;
-use super::tensors::{Array, read_array, serialize};
-use crate::error::{Result, TrainError, write_err};
+use super::tensors::{Array, read_array};
+use super::weights::{Lazy, ModelTensors};
+use crate::error::{Result, TrainError};
 
 /// `config.json`'s `model_type` of a Llama folder.
 pub const MODEL_TYPE: &str = "llama";
@@ -355,46 +355,42 @@ fn entries(config: &DecoderOnlyConfig) -> Vec<Entry> {
     all
 }
 
-/// The parts of ember's tensor `array`, in Llama's layout: the inverse of [`join`].
-fn split(entry: &Entry, array: &Array) -> Vec<Array> {
-    let stacked = match entry.transposed {
-        true => array.transposed(),
-        false => array.clone(),
+/// Part `i` of ember's tensor `array` in Llama's layout: rows `a..b` of the parts stacked
+/// (columns `a..b` of a weight, transposed), made without the rest.
+fn part(entry: &Entry, array: &Array, i: usize) -> Array {
+    let a: usize = entry.parts[..i].iter().map(|(_, shape)| shape[0]).sum();
+    let shape = entry.parts[i].1.clone();
+    let b = a + shape[0];
+    let values = match entry.transposed {
+        true => array.columns_transposed(a, b).values,
+        false => {
+            let width = array.values.len() / array.shape[0].max(1);
+            array.values[a * width..b * width].to_vec()
+        }
     };
-    let mut at = 0;
-    entry
-        .parts
-        .iter()
-        .map(|(_, shape)| {
-            let len = shape.iter().product::<usize>();
-            let part = Array {
-                shape: shape.clone(),
-                values: stacked.values[at..at + len].to_vec(),
-            };
-            at += len;
-            part
-        })
-        .collect()
+    Array { shape, values }
 }
 
-/// Writes `model` in Llama's layout to `path`.
+/// Writes `model` in Llama's layout to `path`, one tensor at a time.
 pub(super) fn write_weights(
     model: &DecoderOnly,
     config: &DecoderOnlyConfig,
     path: &Path,
 ) -> Result<()> {
+    let ours = ModelTensors::of(model);
     let all = entries(config);
-    let mut theirs = BTreeMap::new();
-    let names = all.iter().map(|e| e.ember.as_str());
-    super::weights::each_tensor(model, names, path, |i, array| {
-        let entry = &all[i];
-        for ((part, _), values) in entry.parts.iter().zip(split(entry, &array)) {
-            theirs.insert(part.clone(), values);
+    let mut theirs = Vec::new();
+    for entry in &all {
+        for (i, (name, shape)) in entry.parts.iter().enumerate() {
+            let ours = &ours;
+            theirs.push(Lazy {
+                name: name.clone(),
+                shape: shape.clone(),
+                make: Box::new(move || Ok(part(entry, &ours.array(&entry.ember)?, i))),
+            });
         }
-    })?;
-    let failed = |e: String| write_err(path, e);
-    let bytes = serialize(&theirs).map_err(failed)?;
-    std::fs::write(path, bytes).map_err(|e| write_err(path, e))
+    }
+    super::weights::write_each(path, theirs)
 }
 
 /// Reads Llama weights from `path` into `model` (built from `llama.to_ember`); every tensor must
@@ -494,7 +490,8 @@ mod tests {
         // Column 5 is the key head's second output: row 1 of k_proj, whose input 2 weight is
         // k_proj[1, 2] = 100 + 1 * 4 + 2.
         assert_eq!(ours.values[2 * 8 + 5], 106.0);
-        assert_eq!(split(c_attn, &ours), parts);
+        let split: Vec<Array> = (0..3).map(|i| part(c_attn, &ours, i)).collect();
+        assert_eq!(split, parts);
         // The gated MLP: gate then up, each [3, 4], into ember's [4, 6].
         let c_fc = all
             .iter()

@@ -11,7 +11,6 @@
 //! grouped by head (`[q_h | k_h | v_h]` for each head `h`) where ember's are `[Q | K | V]` (rows
 //! reordered; `neox_layout` says where each tensor goes).
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind, Rope};
@@ -20,8 +19,9 @@ use serde_json::Value;
 
 use super::neox_layout::{Entry, entries, from_neox, to_neox};
 use super::shards::WeightFiles;
-use super::tensors::{Array, read_array, serialize};
-use crate::error::{Result, TrainError, write_err};
+use super::tensors::{Array, read_array};
+use super::weights::{Lazy, ModelTensors};
+use crate::error::{Result, TrainError};
 
 /// `config.json`'s `model_type` of a GPT-NeoX folder.
 pub const MODEL_TYPE: &str = "gpt_neox";
@@ -209,16 +209,17 @@ pub(super) fn write_weights(
     config: &DecoderOnlyConfig,
     path: &Path,
 ) -> Result<()> {
-    let all = entries(config);
-    let mut theirs = BTreeMap::new();
-    let names = all.iter().map(|e| e.ember.as_str());
-    super::weights::each_tensor(model, names, path, |i, array| {
-        let entry = &all[i];
-        theirs.insert(entry.neox.clone(), to_neox(&array, entry.how, config));
-    })?;
-    let failed = |e: String| write_err(path, e);
-    let bytes = serialize(&theirs).map_err(failed)?;
-    std::fs::write(path, bytes).map_err(|e| write_err(path, e))
+    let ours = ModelTensors::of(model);
+    let ours = &ours;
+    let theirs = entries(config)
+        .into_iter()
+        .map(|entry| Lazy {
+            name: entry.neox,
+            shape: entry.shape,
+            make: Box::new(move || Ok(to_neox(&ours.array(&entry.ember)?, entry.how, config))),
+        })
+        .collect();
+    super::weights::write_each(path, theirs)
 }
 
 /// Reads GPT-NeoX weights from `path` into `model` (built from `neox.to_ember`); every tensor

@@ -17,11 +17,26 @@ pub(super) struct Array {
 impl Array {
     /// `[r, c]` -> `[c, r]`.
     pub fn transposed(&self) -> Array {
-        let (r, c) = (self.shape[0], self.shape[1]);
-        let mut values = vec![0.0; r * c];
-        transpose_into(|k| self.values[k], r, c, &mut values, 0);
+        self.columns_transposed(0, self.shape[1])
+    }
+
+    /// Columns `a..b` of `[r, c]`, transposed: `[b - a, r]`.
+    pub fn columns_transposed(&self, a: usize, b: usize) -> Array {
+        let (r, c, w) = (self.shape[0], self.shape[1], b - a);
+        let mut values = vec![0.0; w * r];
+        const TILE: usize = 32;
+        for i0 in (0..r).step_by(TILE) {
+            for j0 in (0..w).step_by(TILE) {
+                for i in i0..(i0 + TILE).min(r) {
+                    let row = &self.values[i * c + a..i * c + b];
+                    for j in j0..(j0 + TILE).min(w) {
+                        values[j * r + i] = row[j];
+                    }
+                }
+            }
+        }
         Array {
-            shape: vec![c, r],
+            shape: vec![w, r],
             values,
         }
     }
