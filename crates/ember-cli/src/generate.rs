@@ -56,10 +56,18 @@ pub struct GenerateArgs {
     /// Stop a sample when this text appears (it is not printed); repeatable.
     #[arg(long, value_name = "STR")]
     stop: Vec<String>,
-    /// Go on past the tokenizer's end-of-text token (e.g. GPT-2's `<|endoftext|>`) instead of
-    /// stopping there.
+    /// Go on past the tokenizer's end-of-text token (e.g. GPT-2's `<|endoftext|>`, and those a
+    /// Hugging Face folder's `eos_token_id` lists) instead of stopping there.
     #[arg(long)]
     ignore_eot: bool,
+    /// The prompt is a user's message to an instruction-tuned model: laid out by the
+    /// checkpoint's chat template (`chat_template.jinja` or `tokenizer_config.json`'s, as
+    /// transformers' `apply_chat_template` lays it out), the reply alone printed.
+    #[arg(long)]
+    chat: bool,
+    /// With `--chat`: a system message before the user's.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    system: Option<String>,
     /// Print only the continuation, not the prompt before it.
     #[arg(long)]
     no_echo: bool,
@@ -158,7 +166,33 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let device = ember_train::device::parse(&args.device)?;
     let lm = ember_train::load_lm(&checkpoint, &device)?;
     let context = lm.config.model.context_len;
-    let end_of_text = lm.tokenizer.end_of_text_id().filter(|_| !args.ignore_eot);
+    let template = match args.chat {
+        true => Some(
+            ember_data::chat::ChatTemplate::of_folder(&lm.dir)?.with_context(|| {
+                format!(
+                    "{} has no chat template ({} or {}'s chat_template): --chat needs an \
+                 instruction-tuned model's",
+                    lm.dir.display(),
+                    ember_data::chat::CHAT_TEMPLATE_FILE,
+                    ember_data::chat::TOKENIZER_CONFIG
+                )
+            })?,
+        ),
+        false => None,
+    };
+    // Where a sample ends: the tokenizer's end-of-text token, the folder's `eos_token_id`s,
+    // the chat template's end-of-turn token.
+    let mut end_of_text: Vec<u32> = lm.tokenizer.end_of_text_id().into_iter().collect();
+    end_of_text.extend(ember_train::hf::end_ids(&lm.dir)?);
+    if let Some(eos) = template
+        .as_ref()
+        .and_then(|t| lm.tokenizer.id_of(t.eos_token()))
+    {
+        end_of_text.push(eos);
+    }
+    if args.ignore_eot {
+        end_of_text.clear();
+    }
     let options = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: Sampling {
@@ -177,7 +211,22 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     // samples of one prompt are not all held at once).
     let encoded = prompts
         .iter()
-        .map(|prompt| Ok((prompt.as_str(), encode(&lm.tokenizer, prompt, context)?)))
+        .map(|prompt| {
+            let ids = match &template {
+                Some(template) => {
+                    let mut messages = Vec::new();
+                    if let Some(system) = &args.system {
+                        messages.push(ember_data::chat::Message::new("system", system));
+                    }
+                    messages.push(ember_data::chat::Message::new("user", prompt));
+                    // The template writes the special tokens itself (its `bos_token`).
+                    let text = template.render(&messages, true)?;
+                    encode(&lm.tokenizer, &text, context, false)?
+                }
+                None => encode(&lm.tokenizer, prompt, context, true)?,
+            };
+            Ok((prompt.as_str(), ids))
+        })
         .collect::<Result<Vec<_>>>()?;
     let mut rows = encoded.iter().flat_map(|(prompt, ids)| {
         (0..args.num_samples).map(move |sample| Row {
@@ -199,12 +248,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             println!("\n---------------");
         }
         total_tokens += if chunk.len() == 1 {
-            let (tokens, how) = stream_one(&lm, &chunk[0], &args, &options, end_of_text);
+            let (tokens, how) = stream_one(&lm, &chunk[0], &args, &options, &end_of_text);
             decoding = Some(how);
             tokens
         } else {
             decoding = None;
-            print_batch(&lm, &chunk, &args, &options, end_of_text)
+            print_batch(&lm, &chunk, &args, &options, &end_of_text)
         };
     }
     let secs = start.elapsed().as_secs_f64();
@@ -228,10 +277,18 @@ struct Row<'a> {
     seed: u64,
 }
 
-/// The prompt's ids, with a note on stderr for unknown characters or a prompt longer than the
-/// context.
-fn encode(tokenizer: &ember_data::Tokenizer, prompt: &str, context: usize) -> Result<Vec<u32>> {
-    let encoded = tokenizer.encode_prompt(prompt)?;
+/// The prompt's ids (with what the tokenizer puts before a prompt where `special`), with a note
+/// on stderr for unknown characters or a prompt longer than the context.
+fn encode(
+    tokenizer: &ember_data::Tokenizer,
+    prompt: &str,
+    context: usize,
+    special: bool,
+) -> Result<Vec<u32>> {
+    let encoded = match special {
+        true => tokenizer.encode_prompt(prompt)?,
+        false => tokenizer.encode(prompt)?,
+    };
     if encoded.ids.is_empty() {
         bail!("the prompt {prompt:?} encodes to no tokens");
     }
@@ -257,9 +314,9 @@ fn stream_one(
     row: &Row,
     args: &GenerateArgs,
     options: &GenerateOptions,
-    end_of_text: Option<u32>,
+    end_of_text: &[u32],
 ) -> (usize, Decoding) {
-    if !args.no_echo {
+    if !args.no_echo && !args.chat {
         print!("{}", row.prompt);
     }
     let mut stream = Stream::new(&lm.tokenizer, &args.stop).after(&row.ids);
@@ -268,7 +325,7 @@ fn stream_one(
         ..*options
     };
     let (ids, decoding) = generate_reporting(&lm.model, &row.ids, &opts, |id| {
-        Some(id) != end_of_text && stream.push(id)
+        !end_of_text.contains(&id) && stream.push(id)
     });
     stream.finish();
     println!();
@@ -282,7 +339,7 @@ fn print_batch(
     rows: &[Row],
     args: &GenerateArgs,
     options: &GenerateOptions,
-    end_of_text: Option<u32>,
+    end_of_text: &[u32],
 ) -> usize {
     let mut streams: Vec<Stream> = rows
         .iter()
@@ -291,14 +348,14 @@ fn print_batch(
     let prompts: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
     let seeds: Vec<u64> = rows.iter().map(|r| r.seed).collect();
     let ids = generate_batch(&lm.model, &prompts, &seeds, options, |i, id| {
-        Some(id) != end_of_text && streams[i].push(id)
+        !end_of_text.contains(&id) && streams[i].push(id)
     });
     for (i, (row, stream)) in rows.iter().zip(&mut streams).enumerate() {
         stream.finish();
         if i > 0 {
             println!("\n---------------");
         }
-        if !args.no_echo {
+        if !args.no_echo && !args.chat {
             print!("{}", row.prompt);
         }
         print!("{}", stream.text);

@@ -234,3 +234,77 @@ fn batched_prompts_print_what_one_at_a_time_prints() {
     assert_clear_error(&out, &["--batch-size", "at least 1"]);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--chat` lays the prompt out with the folder's chat template (a system message first with
+/// `--system`) and prints the reply alone: the same text as the laid-out prompt continued
+/// without echo. The reply ends at the ids `generation_config.json` lists; a folder without
+/// a template is refused, naming it.
+#[test]
+fn chat_prompts_are_laid_out_by_the_template() {
+    let dir = temp("chat");
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n\
+                    {% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}";
+    let config = serde_json::json!({
+        "bos_token": EOT,
+        "eos_token": {"content": EOT, "special": true},
+        "chat_template": template,
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let laid_out = dir.join("prompt.txt");
+    std::fs::write(
+        &laid_out,
+        format!("{EOT}[system] Be brief\n[user] Hi\n[assistant]"),
+    )
+    .unwrap();
+    let checkpoint = dir.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let mut all = vec!["generate", "--checkpoint", checkpoint, "--greedy"];
+        all.extend_from_slice(args);
+        String::from_utf8(ember_ok(&all).stdout).unwrap()
+    };
+    let chat = run(&[
+        "--chat",
+        "--system",
+        "Be brief",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "30",
+    ]);
+    let file = format!("FILE:{}", laid_out.display());
+    let plain = run(&["--prompt", &file, "--no-echo", "--max-tokens", "30"]);
+    assert_eq!(chat, plain);
+    assert!(
+        !chat.contains("[user]"),
+        "the prompt is not echoed: {chat:?}"
+    );
+    // Every id listed as an end in generation_config.json: the reply ends before its first
+    // token.
+    let every: Vec<u32> = (0..300).collect();
+    let generation = serde_json::json!({"eos_token_id": every});
+    std::fs::write(dir.join("generation_config.json"), generation.to_string()).unwrap();
+    let ended = run(&[
+        "--chat",
+        "--system",
+        "Be brief",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "30",
+    ]);
+    assert_eq!(ended.trim_end_matches('\n'), "");
+    let out = ember(&[
+        "generate",
+        "--checkpoint",
+        &fixture(),
+        "--prompt",
+        "Hi",
+        "--chat",
+    ]);
+    assert_clear_error(&out, &["tiny-gpt2", "no chat template", "--chat"]);
+    let _ = std::fs::remove_dir_all(dir);
+}

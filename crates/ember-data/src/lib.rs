@@ -8,6 +8,7 @@ pub mod batches;
 pub mod bleu;
 pub mod bpe;
 pub mod char_tokenizer;
+pub mod chat;
 pub mod corpus;
 pub mod error;
 pub mod hf_tokenizer;

@@ -92,6 +92,15 @@ impl Tokenizer {
         }
     }
 
+    /// The id of the token spelled `token` (a special token such as `<|im_end|>`), if the
+    /// tokenizer has it; character tokenizers have none.
+    pub fn id_of(&self, token: &str) -> Option<u32> {
+        match self {
+            Tokenizer::Char(_) => None,
+            Tokenizer::Bpe(t) => t.token_to_id(token),
+        }
+    }
+
     /// How many of `ids` are the unknown id.
     pub fn unknown_count(&self, ids: &[u32]) -> usize {
         self.unknown_id()

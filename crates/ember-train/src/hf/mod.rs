@@ -308,6 +308,36 @@ impl HfConfig {
     }
 }
 
+/// The ids a Hugging Face folder `dir` ends its texts with: `eos_token_id` of its
+/// `generation_config.json` and `config.json`, a number or a list (an instruction-tuned Llama
+/// 3 ends a reply with `<|eot_id|>`, its text with `<|end_of_text|>`); none where the files
+/// say none, or are not there (an ember checkpoint).
+pub fn end_ids(dir: &Path) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for file in ["generation_config.json", HF_CONFIG] {
+        let path = dir.join(file);
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| TrainError::ConfigFile {
+                path: path.clone(),
+                message: format!("not JSON: {e}"),
+            })?;
+        let listed = match &json["eos_token_id"] {
+            serde_json::Value::Array(all) => all.clone(),
+            one => vec![one.clone()],
+        };
+        let found = listed.iter().filter_map(|v| v.as_u64()).map(|id| id as u32);
+        for id in found {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    Ok(ids)
+}
+
 /// The config, architecture and tokenizer of a GPT-2, GPT-NeoX or Llama folder.
 pub fn open_hf(dir: &Path) -> Result<(HfConfig, DecoderOnlyConfig, Tokenizer)> {
     let hf_config = read_config(dir)?;
