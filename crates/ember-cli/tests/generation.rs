@@ -308,3 +308,91 @@ fn chat_prompts_are_laid_out_by_the_template() {
     assert_clear_error(&out, &["tiny-gpt2", "no chat template", "--chat"]);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A run started from a folder with a chat template keeps it, and its end ids, in every
+/// checkpoint and in a Hugging Face export of one, which reply to `--chat` prompts alike.
+#[test]
+fn fine_tuned_and_exported_models_keep_the_chat_template() {
+    let dir = temp("chat-kept");
+    let source = dir.join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, source.join(path.file_name().unwrap())).unwrap();
+    }
+    let template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}\
+                    {% if add_generation_prompt %}<assistant>{% endif %}";
+    std::fs::write(source.join("chat_template.jinja"), template).unwrap();
+    let tokens = serde_json::json!({"bos_token": EOT, "eos_token": EOT});
+    std::fs::write(source.join("tokenizer_config.json"), tokens.to_string()).unwrap();
+    std::fs::write(
+        source.join("generation_config.json"),
+        r#"{"eos_token_id": [0, 7]}"#,
+    )
+    .unwrap();
+    let config = dir.join("tune.toml");
+    let corpus = repo().join("data/tinyshakespeare.txt");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\ncontext_len = 32\n[data]\npath = {:?}\n\
+             [training]\nmax_steps = 1\neval_interval = 10\neval_batches = 1\n",
+            corpus.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let run = dir.join("run");
+    let (config, run_dir, source_dir) = (
+        config.to_str().unwrap(),
+        run.to_str().unwrap(),
+        source.to_str().unwrap(),
+    );
+    ember_ok(&[
+        "train",
+        "--config",
+        config,
+        "--init-from",
+        source_dir,
+        "--out",
+        run_dir,
+    ]);
+    let hf = dir.join("hf");
+    let hf_dir = hf.to_str().unwrap();
+    ember_ok(&[
+        "export",
+        "--checkpoint",
+        run_dir,
+        "--out",
+        hf_dir,
+        "--format",
+        "hf",
+    ]);
+    let reply = |checkpoint: &str| {
+        let args = [
+            "generate",
+            "--checkpoint",
+            checkpoint,
+            "--chat",
+            "--prompt",
+            "Hi",
+        ];
+        let tail = ["--greedy", "--max-tokens", "6"];
+        String::from_utf8(ember_ok(&[&args[..], &tail[..]].concat()).stdout).unwrap()
+    };
+    assert_eq!(reply(hf_dir), reply(run_dir));
+    let latest = std::fs::read_to_string(run.join("latest")).unwrap();
+    let checkpoint = run.join(latest.trim());
+    let kept = std::fs::read_to_string(checkpoint.join("chat_template.jinja")).unwrap();
+    assert_eq!(kept, template);
+    for folder in [&checkpoint, &hf] {
+        let json = |name: &str| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(folder.join(name)).unwrap()).unwrap()
+        };
+        let ids = json("generation_config.json")["eos_token_id"].clone();
+        assert_eq!(ids, serde_json::json!([0, 7]), "{}", folder.display());
+        assert_eq!(json("tokenizer_config.json")["eos_token"], EOT);
+    }
+    let settings = std::fs::read_to_string(hf.join("tokenizer_config.json")).unwrap();
+    assert!(settings.contains("PreTrainedTokenizerFast"), "{settings}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -10,6 +10,7 @@ pub mod adamw;
 pub mod average;
 pub mod checkpoint;
 pub mod config;
+pub mod conversation;
 pub mod device;
 pub mod distributed;
 pub mod error;

@@ -12,6 +12,7 @@ use ember_model::DecoderOnly;
 
 use crate::checkpoint::CONFIG_FILE;
 use crate::config::{RunConfig, TokenizerKind};
+use crate::conversation::Conversation;
 use crate::error::{Result, TrainError, write_err};
 use crate::lm_source::{LmSource, open_lm};
 use crate::memory;
@@ -158,6 +159,9 @@ fn build_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer> {
 pub struct LmTask {
     /// Data and tokenizer.
     pub data: LmData,
+    /// What the model it started from says of conversation, kept in every checkpoint: its
+    /// chat template, and the ids that end its texts (`eos_token_id`s).
+    pub conversation: Conversation,
     /// The resolved config (saved in checkpoints).
     pub config: RunConfig,
     /// The compute device without autodiff.
@@ -227,6 +231,7 @@ impl Task for LmTask {
 
     fn write_files(&self, dir: &Path) -> Result<()> {
         self.data.tokenizer.save(dir)?;
+        self.conversation.save(dir)?;
         let path = dir.join(CONFIG_FILE);
         std::fs::write(&path, self.config.to_toml()).map_err(|e| write_err(&path, e))
     }
@@ -238,18 +243,20 @@ impl Task for LmTask {
 
 /// The tokenizer and model a run starts from, other than a fresh one: on resume the
 /// checkpoint's (so ids mean the same thing, and `config.model` becomes the saved one); with
-/// `--init-from` another model's architecture, weights and tokenizer.
+/// `--init-from` another model's architecture, weights and tokenizer. With them, what the folder
+/// they come from says of conversation.
 fn model_source(
     config: &mut RunConfig,
     launch: &Launch,
-) -> Result<(Option<Tokenizer>, Option<LmSource>)> {
+) -> Result<(Option<Tokenizer>, Option<LmSource>, Conversation)> {
     if launch.resume {
         let saved = open_lm(&launch.out_dir)?;
         let mut ours = config.model.clone();
         ours.vocab_size = saved.config.model.vocab_size;
         crate::config::note_kept_model(&saved.dir, &saved.config.model, &ours);
         config.model = saved.config.model;
-        Ok((Some(saved.tokenizer), None))
+        let conversation = Conversation::of_folder(&saved.dir)?;
+        Ok((Some(saved.tokenizer), None, conversation))
     } else if let Some(init) = &launch.init_from {
         let opened = open_lm(&init.dir)?;
         config.model = init.model_config(&opened.config.model)?;
@@ -257,9 +264,10 @@ fn model_source(
             "starting from {} (its architecture and tokenizer)",
             opened.dir.display()
         );
-        Ok((Some(opened.tokenizer.clone()), Some(opened)))
+        let conversation = Conversation::of_folder(&opened.dir)?;
+        Ok((Some(opened.tokenizer.clone()), Some(opened), conversation))
     } else {
-        Ok((None, None))
+        Ok((None, None, Conversation::default()))
     }
 }
 
@@ -271,7 +279,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     let main = claimed.is_main();
     let device = claimed.devices[0].clone();
     let out_dir = launch.out_dir.clone();
-    let (tokenizer, source) = model_source(&mut config, launch)?;
+    let (tokenizer, source, conversation) = model_source(&mut config, launch)?;
     let data = prepare(&config, tokenizer)?;
     if data.unknown > 0 && main {
         eprintln!(
@@ -355,6 +363,7 @@ pub fn train_lm(mut config: RunConfig, launch: &Launch) -> Result<RunSummary> {
     let (options, folder) = claimed.run_options(launch, config.training.clone(), title);
     let task = LmTask {
         data,
+        conversation,
         config,
         device,
     };

@@ -489,6 +489,8 @@ pub fn export_hf(
     }
     std::fs::write(&tokenizer_config, settings.to_string())
         .map_err(|e| write_err(&tokenizer_config, e))?;
+    // An instruction-tuned model's chat template and end ids, where the source has them.
+    crate::conversation::Conversation::of_folder(source)?.save_with(out, settings)?;
     Ok(out.to_path_buf())
 }
 
