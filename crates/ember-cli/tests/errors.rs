@@ -705,6 +705,19 @@ const CASES: &[Case] = &[
     ),
     case(
         "checkpoint",
+        "`--chat` with a model that has no chat template",
+        &[
+            "generate",
+            "--checkpoint",
+            "$TMP/run",
+            "--prompt",
+            "Hi",
+            "--chat",
+        ],
+        &["no chat template", "chat_template.jinja", "--chat"],
+    ),
+    case(
+        "checkpoint",
         "Hugging Face folder in shards, one of them missing",
         &[
             "generate",
