@@ -24,17 +24,7 @@ impl Array {
     pub fn columns_transposed(&self, a: usize, b: usize) -> Array {
         let (r, c, w) = (self.shape[0], self.shape[1], b - a);
         let mut values = vec![0.0; w * r];
-        const TILE: usize = 32;
-        for i0 in (0..r).step_by(TILE) {
-            for j0 in (0..w).step_by(TILE) {
-                for i in i0..(i0 + TILE).min(r) {
-                    let row = &self.values[i * c + a..i * c + b];
-                    for j in j0..(j0 + TILE).min(w) {
-                        values[j * r + i] = row[j];
-                    }
-                }
-            }
-        }
+        transpose_into(|i, j| self.values[i * c + a + j], r, w, &mut values, 0);
         Array {
             shape: vec![w, r],
             values,
@@ -74,15 +64,21 @@ impl Array {
 
 /// `src` `[r, c]` transposed into columns `at..at + r` of `dst` `[c, width]` (`width` its row
 /// length), in square tiles, so that both sides are read and written a cache line at a time;
-/// `src`'s entry `k` is `value(k)`.
-fn transpose_into(value: impl Fn(usize) -> f32, r: usize, c: usize, dst: &mut [f32], at: usize) {
+/// `src`'s entry `(i, j)` is `value(i, j)`.
+fn transpose_into(
+    value: impl Fn(usize, usize) -> f32,
+    r: usize,
+    c: usize,
+    dst: &mut [f32],
+    at: usize,
+) {
     const TILE: usize = 32;
     let width = dst.len() / c.max(1);
     for i0 in (0..r).step_by(TILE) {
         for j0 in (0..c).step_by(TILE) {
             for i in i0..(i0 + TILE).min(r) {
                 for j in j0..(j0 + TILE).min(c) {
-                    dst[j * width + at + i] = value(i * c + j);
+                    dst[j * width + at + i] = value(i, j);
                 }
             }
         }
@@ -100,11 +96,11 @@ pub(super) fn read_transposed(views: &[TensorView<'_>]) -> std::result::Result<A
     for view in views {
         let (r, bytes) = (view.shape()[0], view.data());
         match view.dtype() {
-            Dtype::F32 => transpose_into(|k| f32_at(bytes, k), r, c, &mut values, at),
-            Dtype::BF16 => transpose_into(|k| bf16_at(bytes, k), r, c, &mut values, at),
+            Dtype::F32 => transpose_into(|i, j| f32_at(bytes, i * c + j), r, c, &mut values, at),
+            Dtype::BF16 => transpose_into(|i, j| bf16_at(bytes, i * c + j), r, c, &mut values, at),
             _ => {
                 let part = read_array(view)?;
-                transpose_into(|k| part.values[k], r, c, &mut values, at);
+                transpose_into(|i, j| part.values[i * c + j], r, c, &mut values, at);
             }
         }
         at += r;

@@ -2,11 +2,10 @@
 //! under ember's names, writing a file whose tensors are made from them one at a time, and
 //! loading arrays, rearranged into ember's names, into the model one at a time.
 
-use std::path::Path;
-
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
 use std::sync::Mutex;
 
 use burn::store::burn_pack::{Bytes, DType, Tensor as PackTensor};
