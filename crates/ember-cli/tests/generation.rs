@@ -266,7 +266,7 @@ fn chat_prompts_are_laid_out_by_the_template() {
         all.extend_from_slice(args);
         String::from_utf8(ember_ok(&all).stdout).unwrap()
     };
-    let chat = run(&[
+    let chat_args = [
         "--chat",
         "--system",
         "Be brief",
@@ -274,7 +274,8 @@ fn chat_prompts_are_laid_out_by_the_template() {
         "Hi",
         "--max-tokens",
         "30",
-    ]);
+    ];
+    let chat = run(&chat_args);
     let file = format!("FILE:{}", laid_out.display());
     let plain = run(&["--prompt", &file, "--no-echo", "--max-tokens", "30"]);
     assert_eq!(chat, plain);
@@ -287,15 +288,7 @@ fn chat_prompts_are_laid_out_by_the_template() {
     let every: Vec<u32> = (0..300).collect();
     let generation = serde_json::json!({"eos_token_id": every});
     std::fs::write(dir.join("generation_config.json"), generation.to_string()).unwrap();
-    let ended = run(&[
-        "--chat",
-        "--system",
-        "Be brief",
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "30",
-    ]);
+    let ended = run(&chat_args);
     assert_eq!(ended.trim_end_matches('\n'), "");
     let out = ember(&[
         "generate",
