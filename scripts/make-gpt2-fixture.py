@@ -14,7 +14,9 @@ untied head. With `--qwen2`, a Qwen2: Llama's layout with biases on Q, K and V a
 head, and a sliding window it does not use (`use_sliding_window = false`). With `--llama3`, a
 Llama as Llama 3.2's are: a tied head, 4 query heads sharing one key/value head, base 500000 and
 the `llama3` stretch of the rotary frequencies (its original context 256, so that within the
-prompt one of each head's four frequencies is kept, one blended and two stretched).
+prompt one of each head's four frequencies is kept, one blended and two stretched). With
+`--phi3`, a Phi-3: Q, K and V in one matrix and gate and up in another, 4 query heads sharing 2
+key/value heads, half of each head rotated (`partial_rotary_factor = 0.5`), an untied head.
 
     python3 -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers tokenizers safetensors
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py crates/ember-train/tests/fixtures/tiny-gpt2
@@ -23,6 +25,7 @@ prompt one of each head's four frequencies is kept, one blended and two stretche
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --llama crates/ember-train/tests/fixtures/tiny-llama
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --qwen2 crates/ember-train/tests/fixtures/tiny-qwen2
     /tmp/hf/bin/python scripts/make-gpt2-fixture.py --llama3 crates/ember-train/tests/fixtures/tiny-llama3
+    /tmp/hf/bin/python scripts/make-gpt2-fixture.py --phi3 crates/ember-train/tests/fixtures/tiny-phi3
 
 The output is committed, so the tests need no Python.
 """
@@ -42,6 +45,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -108,6 +113,28 @@ def main(out: Path, kind: str) -> None:
             eos_token_id=0,
         )
         model = LlamaForCausalLM(config)
+    elif kind == "phi3":
+        config = Phi3Config(
+            vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            hidden_act="silu",
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.5,
+            },
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        model = Phi3ForCausalLM(config)
     elif kind == "qwen2":
         config = Qwen2Config(
             vocab_size=tok.get_vocab_size(),
@@ -195,7 +222,7 @@ def main(out: Path, kind: str) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    kinds = ("--neox", "--pythia", "--llama", "--llama3", "--qwen2")
+    kinds = ("--neox", "--pythia", "--llama", "--llama3", "--phi3", "--qwen2")
     kind = next((a[2:] for a in sys.argv[1:] if a in kinds), "gpt2")
     default = f"crates/ember-train/tests/fixtures/tiny-{kind}"
     main(Path(args[0] if args else default), kind)

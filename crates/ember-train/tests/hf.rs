@@ -41,6 +41,12 @@ fn llama3() -> PathBuf {
     fixture_named("tiny-llama3")
 }
 
+/// A Phi-3 made by transformers: Q, K and V in one matrix, gate and up in another, 4 query
+/// heads sharing 2 key/value heads, half of each head rotated, an untied head.
+fn phi3() -> PathBuf {
+    fixture_named("tiny-phi3")
+}
+
 fn fixture_named(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
@@ -207,6 +213,43 @@ fn transformers_llama3_logits_and_greedy_tokens_are_reproduced() {
         "unstretched logits within {diff} of the stretched"
     );
     let _ = std::fs::remove_dir_all(plain);
+}
+
+#[test]
+fn transformers_phi3_logits_and_greedy_tokens_are_reproduced() {
+    reproduces_transformers(&phi3());
+    let lm = load_lm(&phi3(), &Device::flex()).unwrap();
+    let model = &lm.config.model;
+    // Heads of 8, half of each turned; the fused matrices read as ember's own.
+    assert_eq!((model.rotary_dims, model.n_kv_heads), (Some(4), Some(2)));
+    assert!(model.gated_mlp && !model.tie_weights && !model.bias);
+    // The older key of the share (transformers 4) says the same.
+    let older = with_config_of(&phi3(), "phi3-older", |c| {
+        let share = c["rope_parameters"]["partial_rotary_factor"].clone();
+        c["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("partial_rotary_factor");
+        c["partial_rotary_factor"] = share;
+    });
+    let want = expected_of(&phi3());
+    let lm = load_lm(&older, &Device::flex()).unwrap();
+    assert!(max_diff(&logits(&lm, &want.input_ids), &want.logits) < 1e-4);
+    let _ = std::fs::remove_dir_all(older);
+    // Llama's layout rotates whole heads: the export says so.
+    let out = temp("phi3-export");
+    let err = lm.export_hf(&out).unwrap_err().to_string();
+    assert!(err.contains("rotary_dims"), "{err}");
+    let _ = std::fs::remove_dir_all(out);
+    let odd = with_config_of(&phi3(), "phi3-odd", |c| {
+        c["rope_parameters"]["partial_rotary_factor"] = 0.375.into();
+    });
+    let err = load_error(&odd);
+    assert!(
+        err.contains("partial_rotary_factor") && err.contains("3 of each"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(odd);
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Hugging Face Llama folders (`LlamaForCausalLM`: Meta's Llama, SmolLM, TinyLlama and the
 //! many models in its layout; Mistral's up to its sliding window; Qwen2's, whose biases on Q, K
-//! and V alone ember holds with zeros for the other layers'): ember's decoder-only model with rotary positions over whole heads,
+//! and V alone ember holds with zeros for the other layers'; Microsoft's Phi-3, whose Q, K and V
+//! and gate and up matrices are fused as ember's are, its rotation perhaps over a share of each
+//! head): ember's decoder-only model with rotary positions,
 //! RMSNorm (`[model] norm = "rms_norm"`), a gated MLP (`gated_mlp`, SiLU: SwiGLU) and perhaps
 //! fewer key/value heads than query heads (`n_kv_heads`, grouped-query attention).
 //!
@@ -29,6 +31,10 @@ pub const MISTRAL: &str = "mistral";
 /// `config.json`'s `model_type` of a Qwen2 folder (Qwen2 and Qwen2.5): Llama's layout with
 /// biases on the query, key and value projections alone.
 pub const QWEN2: &str = "qwen2";
+/// `config.json`'s `model_type` of a Phi-3 folder (Phi-3, Phi-3.5, Phi-4-mini): Llama's layout
+/// with `qkv_proj` (`[Q; K; V]`) and `gate_up_proj` (`[gate; up]`) one matrix each, perhaps a
+/// partial rotation (`partial_rotary_factor`) and a sliding window.
+pub const PHI3: &str = "phi3";
 
 /// The fields of a Llama `config.json` that ember reads and writes; others are ignored.
 /// Defaults are transformers' `LlamaConfig`'s.
@@ -88,6 +94,10 @@ pub struct LlamaConfig {
     /// Qwen2's: whether `sliding_window` applies (Qwen2 configs carry a window they do not use).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_sliding_window: Option<bool>,
+    /// Phi's: the share of each head the rotation turns (older transformers' key; newer ones
+    /// keep it in `rope_parameters`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
 }
 
 /// Which of a Llama-layout model's projections have biases in its file; ember gives all of them
@@ -178,6 +188,23 @@ impl LlamaConfig {
                 ),
             ));
         }
+        let share = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            .or(self.partial_rotary_factor)
+            .unwrap_or(1.0);
+        let turned = (head as f64 * share) as usize;
+        if !(share > 0.0 && share <= 1.0) || turned == 0 || !turned.is_multiple_of(2) {
+            return Err(bad(
+                "partial_rotary_factor",
+                format!(
+                    "is {share}: {turned} of each head's {head} dimensions, where ember turns an \
+                     even number of them, at least 2"
+                ),
+            ));
+        }
         let biases = self.stored_biases();
         // Within its window, sliding-window attention is the causal attention ember computes:
         // the model takes no more positions than the window.
@@ -200,6 +227,7 @@ impl LlamaConfig {
             positional: PositionalKind::Rotary,
             rotary_base: rope.base,
             rotary_scaling: rope.scaling,
+            rotary_dims: (turned < head).then_some(turned),
             norm_first: true,
             norm: NormKind::RmsNorm,
             activation,
@@ -258,6 +286,7 @@ impl LlamaConfig {
             attention_dropout: config.dropout,
             sliding_window: None,
             use_sliding_window: None,
+            partial_rotary_factor: None,
         })
     }
 }
@@ -276,7 +305,8 @@ struct Entry {
 type Stacked<'a> = (&'a str, &'a [(&'a str, usize)], usize);
 
 /// Every tensor of the model `config` describes.
-fn entries(config: &DecoderOnlyConfig) -> Vec<Entry> {
+/// With `fused`, Phi-3's names: `qkv_proj` and `gate_up_proj` each one matrix, as ember's are.
+fn entries(config: &DecoderOnlyConfig, fused: bool) -> Vec<Entry> {
     let (d, f, v) = (config.d_model, config.d_ff(), config.vocab_size);
     let kv = d / config.n_heads * config.n_kv_heads();
     let one = |ember: String, llama: String, shape: &[usize], transposed| Entry {
@@ -317,6 +347,14 @@ fn entries(config: &DecoderOnlyConfig) -> Vec<Entry> {
             ("mlp.c_fc", &[("mlp.gate_proj", f), ("mlp.up_proj", f)], d),
             ("mlp.c_proj", &[("mlp.down_proj", d)], f),
         ];
+        let (qkv, gate_up) = (
+            [("self_attn.qkv_proj", d + 2 * kv)],
+            [("mlp.gate_up_proj", 2 * f)],
+        );
+        let mut linears = linears;
+        if fused {
+            (linears[0].1, linears[2].1) = (&qkv, &gate_up);
+        }
         for (ours, theirs, inputs) in linears {
             let part = |suffix: &str, shape: &dyn Fn(usize) -> Vec<usize>| {
                 theirs
@@ -378,7 +416,7 @@ pub(super) fn write_weights(
     path: &Path,
 ) -> Result<()> {
     let ours = ModelTensors::of(model);
-    let all = entries(config);
+    let all = entries(config, false);
     let mut theirs = Vec::new();
     for entry in &all {
         for (i, (name, shape)) in entry.parts.iter().enumerate() {
@@ -447,7 +485,8 @@ pub(super) fn load_weights(
         }
         Ok((entry.ember, Array::stacked(parts)))
     };
-    super::weights::load_each(model, entries(config).into_iter().map(read), path)
+    let fused = llama.model_type == PHI3;
+    super::weights::load_each(model, entries(config, fused).into_iter().map(read), path)
 }
 
 #[cfg(test)]
@@ -470,7 +509,7 @@ mod tests {
             bias: false,
             ..Default::default()
         };
-        let all = entries(&config);
+        let all = entries(&config, false);
         let c_attn = all
             .iter()
             .find(|e| e.ember == "blocks.0.attn.c_attn.weight")

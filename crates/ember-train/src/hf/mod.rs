@@ -259,7 +259,7 @@ pub enum HfConfig {
     Gpt2(Gpt2Config),
     /// `"gpt_neox"`.
     Neox(NeoxConfig),
-    /// `"llama"`, `"mistral"` or `"qwen2"`.
+    /// `"llama"`, `"mistral"`, `"qwen2"` or `"phi3"`.
     Llama(LlamaConfig),
 }
 
@@ -278,9 +278,11 @@ fn read_config(dir: &Path) -> Result<HfConfig> {
         Some(neox::MODEL_TYPE) => serde_json::from_value(json)
             .map(HfConfig::Neox)
             .map_err(|e| bad("GPT-NeoX", e)),
-        Some(llama::MODEL_TYPE | llama::MISTRAL | llama::QWEN2) => serde_json::from_value(json)
-            .map(HfConfig::Llama)
-            .map_err(|e| bad("Llama", e)),
+        Some(llama::MODEL_TYPE | llama::MISTRAL | llama::QWEN2 | llama::PHI3) => {
+            serde_json::from_value(json)
+                .map(HfConfig::Llama)
+                .map_err(|e| bad("Llama", e))
+        }
         Some("gpt2") | None => serde_json::from_value(json)
             .map(HfConfig::Gpt2)
             .map_err(|e| bad("GPT-2", e)),
@@ -288,11 +290,13 @@ fn read_config(dir: &Path) -> Result<HfConfig> {
             path: path.clone(),
             message: format!(
                 "`model_type` is {other:?}; ember reads GPT-2 (\"gpt2\"), GPT-NeoX \
-                 (\"{}\"), Llama (\"{}\"), Mistral (\"{}\") and Qwen2 (\"{}\") models",
+                 (\"{}\"), Llama (\"{}\"), Mistral (\"{}\"), Qwen2 (\"{}\") and Phi-3 \
+                 (\"{}\") models",
                 neox::MODEL_TYPE,
                 llama::MODEL_TYPE,
                 llama::MISTRAL,
-                llama::QWEN2
+                llama::QWEN2,
+                llama::PHI3
             ),
         }),
     }
