@@ -195,16 +195,7 @@ impl LlamaConfig {
             .and_then(Value::as_f64)
             .or(self.partial_rotary_factor)
             .unwrap_or(1.0);
-        let turned = (head as f64 * share) as usize;
-        if !(share > 0.0 && share <= 1.0) || turned == 0 || !turned.is_multiple_of(2) {
-            return Err(bad(
-                "partial_rotary_factor",
-                format!(
-                    "is {share}: {turned} of each head's {head} dimensions, where ember turns an \
-                     even number of them, at least 2"
-                ),
-            ));
-        }
+        let turned = super::turned_dims(share, head, "partial_rotary_factor", path)?;
         let biases = self.stored_biases();
         // Within its window, sliding-window attention is the causal attention ember computes:
         // the model takes no more positions than the window.

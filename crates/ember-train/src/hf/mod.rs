@@ -202,6 +202,23 @@ fn rotation(
     Ok(Rope { base, scaling })
 }
 
+/// The dimensions of each `head`-wide head a rotation over the share `share` turns, as
+/// transformers sizes them (`int(head_size * share)`); refused, naming the config's `key` in the
+/// config file `path`, unless even and at least 2 (what ember's partial rotation turns).
+fn turned_dims(share: f64, head: usize, key: &str, path: &Path) -> Result<usize> {
+    let turned = (head as f64 * share) as usize;
+    if !(share > 0.0 && share <= 1.0) || turned == 0 || !turned.is_multiple_of(2) {
+        return Err(TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: format!(
+                "`{key}` is {share}: {turned} of each head's {head} dimensions, where ember turns \
+                 an even number of them, at least 2"
+            ),
+        });
+    }
+    Ok(turned)
+}
+
 /// A rotation in both generations of transformers' keys, so that either reads it: newer ones'
 /// `rope_parameters` (with `extra`'s entries, GPT-NeoX's `partial_rotary_factor`), and older
 /// ones' `rope_scaling` (`None` for RoPE's own; the base is the caller's older key).

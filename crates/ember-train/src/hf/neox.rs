@@ -104,24 +104,9 @@ impl NeoxConfig {
     /// The matching ember model: rotary positions (over the share of each head the config
     /// says), pre-norm, biases, blocks in sequence or side by side.
     pub fn to_ember(&self, path: &Path) -> Result<DecoderOnlyConfig> {
-        let bad = |key: &str, message: String| TrainError::ConfigFile {
-            path: path.to_path_buf(),
-            message: format!("`{key}` {message}"),
-        };
         let activation = super::activation(&self.hidden_act, "hidden_act", path)?;
-        let share = self.turned_share();
-        // As transformers sizes it: `int(head_size * partial_rotary_factor)`.
         let head = self.hidden_size / self.num_attention_heads.max(1);
-        let turned = (head as f64 * share) as usize;
-        if !(share > 0.0 && share <= 1.0) || turned == 0 || !turned.is_multiple_of(2) {
-            return Err(bad(
-                "rotary_pct",
-                format!(
-                    "is {share}: {turned} of each head's {head} dimensions, where ember turns an \
-                     even number of them, at least 2"
-                ),
-            ));
-        }
+        let turned = super::turned_dims(self.turned_share(), head, "rotary_pct", path)?;
         let rope = super::rotation(
             self.rope_parameters.as_ref(),
             self.rotary_emb_base,
