@@ -180,18 +180,17 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ),
         false => None,
     };
-    // Where a sample ends: the tokenizer's end-of-text token, the folder's `eos_token_id`s,
-    // the chat template's end-of-turn token.
-    let mut end_of_text: Vec<u32> = lm.tokenizer.end_of_text_id().into_iter().collect();
-    end_of_text.extend(ember_train::hf::end_ids(&lm.dir)?);
-    if let Some(eos) = template
-        .as_ref()
-        .and_then(|t| lm.tokenizer.id_of(t.eos_token()))
-    {
-        end_of_text.push(eos);
-    }
-    if args.ignore_eot {
-        end_of_text.clear();
+    // Where a sample ends (unless `--ignore-eot`): the tokenizer's end-of-text token, the
+    // folder's `eos_token_id`s, the chat template's end-of-turn token.
+    let mut end_of_text = Vec::new();
+    if !args.ignore_eot {
+        end_of_text.extend(lm.tokenizer.end_of_text_id());
+        end_of_text.extend(ember_train::hf::end_ids(&lm.dir)?);
+        end_of_text.extend(
+            template
+                .as_ref()
+                .and_then(|t| lm.tokenizer.id_of(t.eos_token())),
+        );
     }
     let options = GenerateOptions {
         max_new_tokens: args.max_tokens,
@@ -213,14 +212,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         .iter()
         .map(|prompt| {
             let ids = match &template {
+                // The template writes the special tokens itself (its `bos_token`).
                 Some(template) => {
-                    let mut messages = Vec::new();
-                    if let Some(system) = &args.system {
-                        messages.push(ember_data::chat::Message::new("system", system));
-                    }
-                    messages.push(ember_data::chat::Message::new("user", prompt));
-                    // The template writes the special tokens itself (its `bos_token`).
-                    let text = template.render(&messages, true)?;
+                    let text = chat_prompt(template, args.system.as_deref(), prompt)?;
                     encode(&lm.tokenizer, &text, context, false)?
                 }
                 None => encode(&lm.tokenizer, prompt, context, true)?,
@@ -275,6 +269,22 @@ struct Row<'a> {
     prompt: &'a str,
     ids: Vec<u32>,
     seed: u64,
+}
+
+/// `prompt` as a user's message (after `system`'s, if any) laid out by `template`, opening the
+/// assistant's reply.
+fn chat_prompt(
+    template: &ember_data::chat::ChatTemplate,
+    system: Option<&str>,
+    prompt: &str,
+) -> Result<String> {
+    use ember_data::chat::Message;
+    let system = system.map(|text| Message::new("system", text));
+    let messages: Vec<Message> = system
+        .into_iter()
+        .chain([Message::new("user", prompt)])
+        .collect();
+    Ok(template.render(&messages, true)?)
 }
 
 /// The prompt's ids (with what the tokenizer puts before a prompt where `special`), with a note

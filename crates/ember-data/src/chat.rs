@@ -116,19 +116,15 @@ impl ChatTemplate {
         }
     }
 
-    /// Writes the template as `chat_template.jinja` in `dir`, and its special tokens as
-    /// `tokenizer_config.json`'s `bos_token` and `eos_token` (merged into `settings`, the other
-    /// keys that file is to hold), so that [`Self::of_folder`] reads it back, and transformers
-    /// too.
-    pub fn save(&self, dir: &Path, mut settings: Json) -> Result<()> {
-        let write = |name: &str, text: &str| {
-            let path = dir.join(name);
-            std::fs::write(&path, text).map_err(|source| DataError::Write { path, source })
-        };
-        write(CHAT_TEMPLATE_FILE, &self.source)?;
+    /// Writes the template as `chat_template.jinja` in `dir` and puts its special tokens in
+    /// `settings` (`bos_token`, `eos_token`), which the caller writes as `tokenizer_config.json`:
+    /// then [`Self::of_folder`] reads it back, and transformers too.
+    pub fn save(&self, dir: &Path, settings: &mut Json) -> Result<()> {
+        let path = dir.join(CHAT_TEMPLATE_FILE);
+        std::fs::write(&path, &self.source).map_err(|source| DataError::Write { path, source })?;
         settings["bos_token"] = self.bos.clone().into();
         settings["eos_token"] = self.eos.clone().into();
-        write(TOKENIZER_CONFIG, &settings.to_string())
+        Ok(())
     }
 
     /// The token a turn ends with (`eos_token`), as the template is given it.

@@ -186,9 +186,7 @@ pub fn angles(start: i64, t: usize, freqs: &[f32], device: &Device) -> Tensor<2>
 
 /// `base^(-2i / width)` for `i < half`, in `f32`: the angle per position of each pair.
 pub fn frequencies(half: usize, base: f64, width: f64) -> Vec<f32> {
-    (0..half)
-        .map(|i| (1.0 / base.powf(2.0 * i as f64 / width)) as f32)
-        .collect()
+    Rope::from(base).frequencies(half, width)
 }
 
 #[cfg(test)]

@@ -27,12 +27,16 @@ impl Conversation {
         })
     }
 
-    /// Writes it into the checkpoint (or Hugging Face) folder `dir`: `chat_template.jinja`
-    /// and `tokenizer_config.json`'s special tokens (merged into `settings`), and
-    /// `generation_config.json`'s `eos_token_id`.
-    pub fn save_with(&self, dir: &Path, settings: serde_json::Value) -> Result<()> {
+    /// Writes it into the checkpoint (or Hugging Face) folder `dir`: `chat_template.jinja`,
+    /// `tokenizer_config.json` (`settings` with the template's special tokens; not written when
+    /// both are empty) and `generation_config.json`'s `eos_token_id`.
+    pub fn save_with(&self, dir: &Path, mut settings: serde_json::Value) -> Result<()> {
         if let Some(template) = &self.template {
-            template.save(dir, settings)?;
+            template.save(dir, &mut settings)?;
+        }
+        if settings.as_object().is_some_and(|s| !s.is_empty()) {
+            let path = dir.join(crate::hf::HF_TOKENIZER_CONFIG);
+            std::fs::write(&path, settings.to_string()).map_err(|e| write_err(&path, e))?;
         }
         if !self.end_ids.is_empty() {
             let path = dir.join("generation_config.json");

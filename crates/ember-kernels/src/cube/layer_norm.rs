@@ -54,6 +54,34 @@ pub(crate) fn layer_norm<const N: usize>(
     beta: Option<Tensor<1>>,
     eps: f64,
 ) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>, Option<Tensor<1>>)> {
+    normalized(x, gamma, beta, eps, true)
+}
+
+/// RMSNorm, `x * rstd * gamma` with `rstd = 1 / sqrt(mean(x^2) + eps)` over the last axis, where
+/// `x` and `gamma` are `f32` tensors on a CubeCL device, both tracked by autodiff or neither;
+/// otherwise both back.
+///
+/// # Shapes
+/// - x: `[..., D]`
+/// - gamma: `[D]`
+/// - output: `[..., D]`
+pub(crate) fn rms_norm<const N: usize>(
+    x: Tensor<N>,
+    gamma: Tensor<1>,
+    eps: f64,
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
+    normalized(x, gamma, None, eps, false).map_err(|(x, gamma, _)| (x, gamma))
+}
+
+/// [`layer_norm`], or with `centred` off [`rms_norm`] (the mean taken as 0).
+#[allow(clippy::type_complexity)]
+fn normalized<const N: usize>(
+    x: Tensor<N>,
+    gamma: Tensor<1>,
+    beta: Option<Tensor<1>>,
+    eps: f64,
+    centred: bool,
+) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>, Option<Tensor<1>>)> {
     let dims = x.dims();
     let d = dims[N - 1];
     let tracked = x.device().is_autodiff();
@@ -78,41 +106,7 @@ pub(crate) fn layer_norm<const N: usize>(
         beta.into_dispatch(),
         eps as f32,
         bias,
-        true,
-    );
-    Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
-}
-
-/// RMSNorm, `x * rstd * gamma` with `rstd = 1 / sqrt(mean(x^2) + eps)` over the last axis, where
-/// `x` and `gamma` are `f32` tensors on a CubeCL device, both tracked by autodiff or neither;
-/// otherwise both back.
-///
-/// # Shapes
-/// - x: `[..., D]`
-/// - gamma: `[D]`
-/// - output: `[..., D]`
-pub(crate) fn rms_norm<const N: usize>(
-    x: Tensor<N>,
-    gamma: Tensor<1>,
-    eps: f64,
-) -> Result<Tensor<N>, (Tensor<N>, Tensor<1>)> {
-    let dims = x.dims();
-    let d = dims[N - 1];
-    let take = super::gpu_kernel_takes(GpuKernel::LayerNorm, &x)
-        && super::gpu_kernel_takes(GpuKernel::LayerNorm, &gamma)
-        && gamma.device().is_autodiff() == x.device().is_autodiff()
-        && gamma.dims()[0] == d;
-    if !take || d == 0 || x.shape().num_elements() == 0 {
-        return Err((x, gamma));
-    }
-    let rows = x.shape().num_elements() / d;
-    let y = <Dispatch as LayerNormKernels>::layer_norm(
-        x.reshape([rows, d]).into_dispatch(),
-        gamma.clone().into_dispatch(),
-        gamma.into_dispatch(),
-        eps as f32,
-        false,
-        false,
+        centred,
     );
     Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
 }

@@ -113,6 +113,14 @@ impl DecoderOnlyConfig {
         self.n_kv_heads.unwrap_or(self.n_heads)
     }
 
+    /// The rotation of rotary positions: `rotary_base`, stretched by `rotary_scaling`.
+    pub fn rope(&self) -> Rope {
+        Rope {
+            base: self.rotary_base,
+            scaling: self.rotary_scaling,
+        }
+    }
+
     /// Positional table size: `max_positions`, or `context_len`.
     pub fn max_positions(&self) -> usize {
         self.max_positions.unwrap_or(self.context_len)
@@ -214,10 +222,7 @@ impl DecoderOnlyConfig {
             norm_first: self.norm_first,
             bias: self.bias,
             layer_norm_eps: self.layer_norm_eps,
-            rotary: (self.positional == PositionalKind::Rotary).then_some(Rope {
-                base: self.rotary_base,
-                scaling: self.rotary_scaling,
-            }),
+            rotary: (self.positional == PositionalKind::Rotary).then(|| self.rope()),
             rotary_dims: self.rotary_dims,
             parallel: self.parallel_blocks,
             proj_std: 0.02 / (2.0 * self.n_layers as f64).sqrt(),

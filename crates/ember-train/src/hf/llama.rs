@@ -14,7 +14,7 @@
 
 use std::path::Path;
 
-use ember_model::{DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind, Rope};
+use ember_model::{DecoderOnly, DecoderOnlyConfig, NormKind, PositionalKind};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -250,10 +250,7 @@ impl LlamaConfig {
         if let Some(refusal) = refusal {
             return Err(refusal.into());
         }
-        let rope = Rope {
-            base: config.rotary_base,
-            scaling: config.rotary_scaling,
-        };
+        let rope = config.rope();
         let (rope_parameters, rope_scaling) = super::rotation_keys(rope, &[]);
         Ok(Self {
             model_type: MODEL_TYPE.into(),
@@ -293,7 +290,10 @@ struct Entry {
 }
 
 /// An ember linear layer, the Llama layers stacked into it (name and outputs), its inputs.
-type Stacked<'a> = (&'a str, &'a [(&'a str, usize)], usize);
+type Stacked<'a> = (&'a str, Parts<'a>, usize);
+
+/// Llama layers stacked into one of ember's, each with its outputs.
+type Parts<'a> = &'a [(&'a str, usize)];
 
 /// Every tensor of the model `config` describes.
 /// With `fused`, Phi-3's names: `qkv_proj` and `gate_up_proj` each one matrix, as ember's are.
@@ -323,29 +323,28 @@ fn entries(config: &DecoderOnlyConfig, fused: bool) -> Vec<Entry> {
             );
             all.push(one(ember, llama, &[d], false));
         }
-        // ember's layer, the Llama layers stacked into it with their outputs, and its inputs.
-        let linears: [Stacked; 4] = [
-            (
-                "attn.c_attn",
+        // ember's layer, the Llama layers stacked into it with their outputs, and its inputs
+        // (Phi-3's files hold the fused ones whole).
+        let (qkv, gate_up): (Parts, Parts) = match fused {
+            true => (
+                &[("self_attn.qkv_proj", d + 2 * kv)],
+                &[("mlp.gate_up_proj", 2 * f)],
+            ),
+            false => (
                 &[
                     ("self_attn.q_proj", d),
                     ("self_attn.k_proj", kv),
                     ("self_attn.v_proj", kv),
                 ],
-                d,
+                &[("mlp.gate_proj", f), ("mlp.up_proj", f)],
             ),
+        };
+        let linears: [Stacked; 4] = [
+            ("attn.c_attn", qkv, d),
             ("attn.c_proj", &[("self_attn.o_proj", d)], d),
-            ("mlp.c_fc", &[("mlp.gate_proj", f), ("mlp.up_proj", f)], d),
+            ("mlp.c_fc", gate_up, d),
             ("mlp.c_proj", &[("mlp.down_proj", d)], f),
         ];
-        let (qkv, gate_up) = (
-            [("self_attn.qkv_proj", d + 2 * kv)],
-            [("mlp.gate_up_proj", 2 * f)],
-        );
-        let mut linears = linears;
-        if fused {
-            (linears[0].1, linears[2].1) = (&qkv, &gate_up);
-        }
         for (ours, theirs, inputs) in linears {
             let part = |suffix: &str, shape: &dyn Fn(usize) -> Vec<usize>| {
                 theirs

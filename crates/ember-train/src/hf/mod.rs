@@ -383,25 +383,27 @@ pub(crate) fn load_weights(
     hf_config: &HfConfig,
     dir: &Path,
 ) -> Result<DecoderOnly> {
-    if let HfConfig::Gpt2(_) = hf_config {
-        let path = dir.join(HF_WEIGHTS);
-        if !path.is_file() {
-            return Err(TrainError::Checkpoint {
-                path: dir.join(HF_WEIGHTS_INDEX),
-                message: format!(
-                    "holds GPT-2's weights in shards; ember reads GPT-2's from one {HF_WEIGHTS} \
-                     (in Python: `AutoModelForCausalLM.from_pretrained(DIR)\
-                     .save_pretrained(DIR, max_shard_size=\"100GB\")` writes it)"
-                ),
-            });
-        }
-        return gpt2::load_weights(model, &path);
-    }
-    let files = shards::WeightFiles::open(dir)?;
     match hf_config {
-        HfConfig::Gpt2(_) => unreachable!("read above"),
-        HfConfig::Neox(neox) => neox::load_weights(model, config, neox, &files),
-        HfConfig::Llama(llama) => llama::load_weights(model, config, llama, &files),
+        HfConfig::Gpt2(_) => {
+            let path = dir.join(HF_WEIGHTS);
+            if !path.is_file() {
+                return Err(TrainError::Checkpoint {
+                    path: dir.join(HF_WEIGHTS_INDEX),
+                    message: format!(
+                        "holds GPT-2's weights in shards; ember reads GPT-2's from one \
+                         {HF_WEIGHTS} (in Python: `AutoModelForCausalLM.from_pretrained(DIR)\
+                         .save_pretrained(DIR, max_shard_size=\"100GB\")` writes it)"
+                    ),
+                });
+            }
+            gpt2::load_weights(model, &path)
+        }
+        HfConfig::Neox(neox) => {
+            neox::load_weights(model, config, neox, &shards::WeightFiles::open(dir)?)
+        }
+        HfConfig::Llama(llama) => {
+            llama::load_weights(model, config, llama, &shards::WeightFiles::open(dir)?)
+        }
     }
 }
 
@@ -503,14 +505,11 @@ pub fn export_hf(
     }
     // Without this, transformers rebuilds a GPT-2 byte-level tokenizer from the model type
     // instead of using tokenizer.json as it is.
-    let tokenizer_config = out.join(HF_TOKENIZER_CONFIG);
     let mut settings = serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast"});
     if let Tokenizer::Char(_) = tokenizer {
         settings["unk_token"] = ember_data::hf_tokenizer::UNK_TOKEN.into();
     }
-    std::fs::write(&tokenizer_config, settings.to_string())
-        .map_err(|e| write_err(&tokenizer_config, e))?;
-    // An instruction-tuned model's chat template and end ids, where the source has them.
+    // With an instruction-tuned model's chat template and end ids, where the source has them.
     crate::conversation::Conversation::of_folder(source)?.save_with(out, settings)?;
     Ok(out.to_path_buf())
 }

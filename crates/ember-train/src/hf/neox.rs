@@ -13,7 +13,7 @@
 
 use std::path::Path;
 
-use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind, Rope};
+use ember_model::{DecoderOnly, DecoderOnlyConfig, PositionalKind};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -148,10 +148,7 @@ impl NeoxConfig {
         let hidden_act = super::activation_name(config.activation);
         let head = config.d_model / config.n_heads;
         let share = rotary_share(config.rotary_dims.unwrap_or(head), head);
-        let rope = Rope {
-            base: config.rotary_base,
-            scaling: config.rotary_scaling,
-        };
+        let rope = config.rope();
         let (rope_parameters, rope_scaling) =
             super::rotation_keys(rope, &[("partial_rotary_factor", share.into())]);
         Ok(Self {
